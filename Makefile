@@ -1,0 +1,38 @@
+# One entry point for setting up and running ampkit.
+#   make run    - create .venv if needed, install, train the embedded default (digits CNN)
+#   make test   - create .venv if needed, install with dev deps, run the test suite
+# TORCH_SPEC selects the torch build; the default is the CPU wheel that lies on this
+# machine's disk. CUDA users: make test TORCH_SPEC='torch>=2.4'
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ampkit-installed
+
+.PHONY: run test install bench bench-quick dist-run clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/ampkit train
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/ampkit bench --quick
+
+bench: $(STAMP)
+	$(VENV)/bin/ampkit bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

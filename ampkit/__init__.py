@@ -1,0 +1,43 @@
+"""ampkit: mixed-precision training for PyTorch that is fast, correct and honest about its numerics.
+
+Core objects are imported eagerly; the heavier parts (trainer, diagnostics, bench, compat)
+load on first use so ``import ampkit`` stays cheap.
+"""
+from .precision import (
+    LossScaler,
+    MasterWeightOptimizer,
+    NonFiniteGradientsError,
+    Precision,
+    convert_model,
+    global_policy,
+    set_global_policy,
+)
+
+__version__ = "0.1.0"
+
+# name -> module that defines it (imported lazily)
+_LAZY = {
+    "Trainer": "ampkit.train.trainer",
+    "TrainConfig": "ampkit.train.config",
+    "check": "ampkit.diagnose.check",
+    "optim": "ampkit.optim",
+    "compat": "ampkit.compat",
+    "models": "ampkit.models",
+    "data": "ampkit.data",
+}
+
+__all__ = [
+    "LossScaler", "MasterWeightOptimizer", "NonFiniteGradientsError", "Precision",
+    "convert_model", "global_policy", "set_global_policy", "__version__", *_LAZY,
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name])
+        value = module if module.__name__.endswith("." + name) else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ampkit' has no attribute {name!r}")

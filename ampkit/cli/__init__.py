@@ -1,0 +1,64 @@
+"""`ampkit` command line: one module per verb (ampkit.cli.<verb>), each with add_parser() and run().
+
+Errors that are the user's (bad flags, missing files, mismatched checkpoints) are raised as
+`UsageError` and printed as one line on stderr with a non-zero exit; everything else is a bug
+and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+__all__ = ["main", "UsageError", "VERBS"]
+
+# verb -> (module, one-line help)
+VERBS = {
+    "train": ("ampkit.cli.train", "train a model (default: a small CNN on scikit-learn's digits)"),
+    "bench": ("ampkit.cli.bench", "fp32 vs mixed precision side by side: time, memory, accuracy"),
+    "check": ("ampkit.cli.check", "is mixed precision safe for this model? which layer overflows?"),
+    "plot": ("ampkit.cli.plot", "plot loss/accuracy/loss-scale curves of one or more runs"),
+}
+
+
+class UsageError(Exception):
+    """A problem with the user's input: printed as one line, exit code 2."""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="ampkit",
+        description="Mixed-precision training for PyTorch: train, benchmark and diagnose.",
+    )
+    parser.add_argument("--version", action="version", version=f"ampkit {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="{" + ",".join(VERBS) + "}")
+    for verb, (module_name, help_text) in VERBS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # verb not built yet
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        module.add_parser(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as e:
+        print(f"ampkit {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ampkit {args.verb}: interrupted", file=sys.stderr)
+        return 130

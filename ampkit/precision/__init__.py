@@ -1,0 +1,16 @@
+"""Precision core: mode table, loss scaler, fp32 master weights, model conversion, policies."""
+from .convert import cast_floating, convert_model, is_norm
+from .device import auto_mode, device_info, resolve_device
+from .islands import apply_fp32_islands
+from .master import MasterWeightOptimizer
+from .modes import ALIASES, MODES, Mode, resolve, valid_names
+from .policy import Precision, global_policy, set_global_policy
+from .scaler import LossScaler, NonFiniteGradientsError, parse_loss_scale
+
+__all__ = [
+    "ALIASES", "MODES", "Mode", "resolve", "valid_names",
+    "LossScaler", "NonFiniteGradientsError", "parse_loss_scale",
+    "MasterWeightOptimizer", "convert_model", "cast_floating", "is_norm", "apply_fp32_islands",
+    "Precision", "set_global_policy", "global_policy",
+    "auto_mode", "device_info", "resolve_device",
+]

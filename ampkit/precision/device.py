@@ -1,0 +1,102 @@
+"""What the device can do in 16 bits, and the choice `auto` makes from it."""
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Union
+
+import torch
+
+__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode"]
+
+
+def resolve_device(device: Union[str, torch.device, None] = None) -> torch.device:
+    """`None` -> cuda if available else cpu; strings are parsed; a bad name is a ValueError."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"Unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'.") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"Device {device!r} was asked for but CUDA is not available here: use --device cpu.")
+    return dev
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@dataclass
+class DeviceInfo:
+    type: str
+    name: str
+    bf16_supported: bool
+    bf16_fast: bool
+    fp16_fast: bool
+    matrix_units: str
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(dev_type: str, index: Optional[int]) -> DeviceInfo:
+    if dev_type == "cuda":
+        idx = index or 0
+        major, minor = torch.cuda.get_device_capability(idx)
+        name = torch.cuda.get_device_name(idx)
+        bf16 = torch.cuda.is_bf16_supported()
+        units = "tensor cores" if major >= 7 else "none"
+        notes = [f"compute capability {major}.{minor}"]
+        return DeviceInfo("cuda", name, bf16, bf16 and major >= 8, major >= 7, units, notes)
+    flags = _cpu_flags()
+    amx = "amx_bf16" in flags
+    avx512_bf16 = "avx512_bf16" in flags
+    mkldnn_bf16 = False
+    try:
+        mkldnn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        pass
+    units = "AMX-BF16" if amx else ("AVX512-BF16" if avx512_bf16 else "none")
+    notes = [f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"]
+    if "avx512_fp16" in flags or "amx_fp16" in flags:
+        notes.append("fp16 instructions present, but torch's CPU fp16 kernels are far slower than fp32")
+    return DeviceInfo(
+        "cpu", platform.processor() or platform.machine(), True,
+        amx or avx512_bf16 or mkldnn_bf16, False, units, notes,
+    )
+
+
+def device_info(device: Union[str, torch.device, None] = None) -> DeviceInfo:
+    dev = resolve_device(device)
+    return _device_info(dev.type, dev.index)
+
+
+def auto_mode(device: Union[str, torch.device, None] = None) -> tuple:
+    """(canonical mode name, one-line reason) chosen for this device.
+
+    CUDA: bf16 where the GPU has it (no loss scaling to tune), else fp16 with dynamic scaling.
+    CPU: a bf16 mode where the CPU has bf16 units (AMX / AVX512-BF16); never fp16 (torch's CPU
+    fp16 kernels run far slower than fp32), else fp32.
+    """
+    info = device_info(device)
+    if info.type == "cuda":
+        if info.bf16_fast:
+            return "bf16-mixed", f"{info.name} has bf16 tensor cores: bf16 autocast, no loss scaling needed"
+        if info.fp16_fast:
+            return "fp16-mixed", f"{info.name} has fp16 tensor cores but no fast bf16: fp16 autocast with dynamic loss scaling"
+        return "fp32", f"{info.name} has no 16-bit matrix units: mixed precision would not be faster"
+    if info.bf16_fast:
+        return "bf16-mixed", f"CPU has {info.matrix_units}: bf16 matmuls/convs run ~2x faster than fp32"
+    return "fp32", "CPU has no bf16 units (AMX/AVX512-BF16) and torch's CPU fp16 is slow: fp32 is fastest"

@@ -1,0 +1,102 @@
+"""The precision-mode table: canonical names, the aliases users already know, and what each mode does.
+
+One row per mode. Everything else in ampkit (the `Precision` policy, the CLI, the apex and
+Keras compatibility layers) resolves names through :func:`resolve`, so an alias accepted in
+one place is accepted everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["Mode", "MODES", "ALIASES", "resolve", "valid_names"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    #: dtype the model's parameters are stored in (norm layers stay fp32 in the cast modes)
+    param_dtype: torch.dtype
+    #: dtype that autocast runs eligible ops in; None = autocast off
+    autocast_dtype: Optional[torch.dtype]
+    #: whether the loss is scaled (dynamic unless a static scale is given)
+    scaled: bool
+    #: fp32 master copies of the weights own the update
+    master_weights: bool = False
+    #: pure low-precision update with a compensation buffer (Kahan) instead of masters
+    compensated: bool = False
+    summary: str = ""
+
+    @property
+    def low_dtype(self) -> Optional[torch.dtype]:
+        """The 16-bit dtype this mode computes in, or None for fp32."""
+        if self.autocast_dtype is not None:
+            return self.autocast_dtype
+        return self.param_dtype if self.param_dtype != torch.float32 else None
+
+
+_f32, _f16, _bf16 = torch.float32, torch.float16, torch.bfloat16
+
+MODES = {
+    m.name: m
+    for m in [
+        Mode("fp32", _f32, None, False, summary="fp32 params and compute, no loss scaling"),
+        Mode("fp16-mixed", _f32, _f16, True,
+             summary="fp32 params, autocast fp16 compute, dynamic loss scaling"),
+        Mode("bf16-mixed", _f32, _bf16, False,
+             summary="fp32 params, autocast bf16 compute, no loss scaling"),
+        Mode("fp16-master", _f16, _f16, True, master_weights=True,
+             summary="fp16 params (norms fp32), fp16 compute, dynamic loss scaling, fp32 master weights"),
+        Mode("bf16-master", _bf16, _bf16, False, master_weights=True,
+             summary="bf16 params (norms fp32), bf16 compute, fp32 master weights, no loss scaling"),
+        Mode("bf16-pure", _bf16, _bf16, False, compensated=True,
+             summary="bf16 params and optimizer state, Kahan-compensated updates, no master copy"),
+        Mode("fp16-pure", _f16, _f16, True,
+             summary="fp16 params (norms fp32), fp16 compute, loss scaling, no master copy"),
+    ]
+}
+
+# alias -> canonical name (lower-case keys; lookups are case-insensitive)
+ALIASES = {
+    # fp32
+    "32": "fp32", "32-true": "fp32", "float32": "fp32", "o0": "fp32", "no": "fp32",
+    "none": "fp32", "off": "fp32",
+    # fp16 autocast (Lightning, Keras, apex O1, accelerate, torch)
+    "16-mixed": "fp16-mixed", "16": "fp16-mixed", "mixed_float16": "fp16-mixed", "o1": "fp16-mixed",
+    "fp16": "fp16-mixed", "amp": "fp16-mixed", "float16-mixed": "fp16-mixed",
+    # bf16 autocast
+    "bf16-mixed": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "bf16": "bf16-mixed",
+    "bfloat16-mixed": "bf16-mixed",
+    # master weights (apex O2)
+    "o2": "fp16-master",
+    # pure
+    "bf16-true": "bf16-pure", "o3": "fp16-pure", "16-true": "fp16-pure",
+}
+
+AUTO = "auto"
+
+
+def valid_names() -> str:
+    """A one-line listing of every accepted name, for error messages."""
+    aliases = ", ".join(f"{a}={c}" for a, c in sorted(ALIASES.items()) if a != c)
+    return f"canonical: {', '.join(list(MODES) + [AUTO])}; aliases: {aliases}"
+
+
+def resolve(name: str) -> str:
+    """Map a precision name or alias to its canonical name ('auto' stays 'auto').
+
+    Raises ValueError naming every valid choice when the name is unknown.
+    """
+    if isinstance(name, Mode):
+        return name.name
+    if not isinstance(name, (str, int)):
+        raise ValueError(f"precision must be a string, got {type(name).__name__}. Valid: {valid_names()}")
+    key = str(name).strip().lower()
+    for k in (key, key.replace("_", "-")):
+        if k in MODES or k == AUTO:
+            return k
+        if k in ALIASES:
+            return ALIASES[k]
+    raise ValueError(f"Unknown precision {name!r}. Valid names ({valid_names()})")

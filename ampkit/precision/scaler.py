@@ -1,0 +1,568 @@
+"""`LossScaler`: a drop-in for `torch.amp.GradScaler`, with the extras long training runs need.
+
+With default arguments it follows torch's class step for step: the same lazily created scale and
+growth-tracker tensors, the same fused kernels (`torch._amp_foreach_non_finite_check_and_unscale_`,
+`torch._amp_update_scale_`), the same per-optimizer state machine and misuse errors, the same
+fused-optimizer protocol (`_step_supports_amp_scaling`), and so the same scale sequence and
+bitwise-equal parameters. ``tests/test_scaler_equivalence.py`` holds it to that.
+
+Extras (all off by default):
+
+* static scaling: ``dynamic=False``, or apex's ``loss_scale`` convention (``0``/``"dynamic"`` =
+  dynamic, a positive number = that static scale). Overflowing steps are still skipped.
+* ``min_scale`` / ``max_scale``: floor and cap of a dynamic scale (apex caps at 2**24).
+* ``hysteresis=N``: back off only after N consecutive overflowing steps (DeepSpeed).
+* ``max_consecutive_skips=N``: raise :class:`NonFiniteGradientsError`, naming the parameters
+  whose gradients are non-finite, instead of skipping forever.
+* telemetry: ``skipped_steps``, ``optimizer_steps``, ``last_skip_step``, ``consecutive_skips``;
+  ``step()`` returns whether the optimizer stepped (when the optimizer itself returns None).
+* under an initialised ``torch.distributed`` process group, found-inf is all-reduced so all ranks
+  skip the same steps and keep identical scales.
+
+Host syncs: one per optimizer step (deciding whether to step), as in torch.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import abc, defaultdict
+from enum import Enum
+from typing import Any, Dict, Iterable, Optional, Union
+
+import torch
+
+__all__ = ["LossScaler", "NonFiniteGradientsError", "parse_loss_scale"]
+
+
+class NonFiniteGradientsError(FloatingPointError):
+    """Raised when gradients stayed non-finite for more consecutive steps than allowed."""
+
+
+class _OptState(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_state() -> Dict[str, Any]:
+    return {"stage": _OptState.READY, "found_inf_per_device": {}, "optimizer": None, "stepped": None}
+
+
+def parse_loss_scale(value: Union[str, float, int, None]) -> Optional[float]:
+    """apex's convention: None/'dynamic'/0 -> None (dynamic); a positive number -> static scale.
+
+    Raises ValueError with the accepted forms for anything else.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("dynamic", "0", "0.0", ""):
+            return None
+        try:
+            value = float(v)
+        except ValueError:
+            raise ValueError(
+                f"loss scale {value!r} is not valid: use 'dynamic' or 0 for dynamic scaling, "
+                "or a positive number (e.g. 1024) for a static scale."
+            ) from None
+    value = float(value)
+    if value == 0:
+        return None
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(
+            f"loss scale {value!r} is not valid: use 'dynamic' or 0 for dynamic scaling, "
+            "or a positive finite number (e.g. 1024) for a static scale."
+        )
+    return value
+
+
+class _PerDevice:
+    """Lazily copies one tensor to each device asked for (grads may live on several)."""
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self.copies: Dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        t = self.copies.get(device)
+        if t is None:
+            t = self.copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
+        return t
+
+
+class LossScaler:
+    """Gradient scaler; ``LossScaler(...)`` accepts everything ``torch.amp.GradScaler(...)`` does."""
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        dynamic: bool = True,
+        loss_scale: Union[str, float, None] = None,
+        min_scale: Optional[float] = None,
+        max_scale: Optional[float] = None,
+        hysteresis: int = 1,
+        max_consecutive_skips: Optional[int] = None,
+        distributed: Optional[bool] = None,
+        allow_fp16_grads: bool = False,
+    ) -> None:
+        self._device = str(torch.device(device).type) if not isinstance(device, str) else device
+        self._enabled = enabled
+        if self._device == "cuda" and enabled and not torch.cuda.is_available():
+            warnings.warn(
+                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                stacklevel=2,
+            )
+            self._enabled = False
+        static = parse_loss_scale(loss_scale)
+        if static is not None:
+            init_scale, dynamic = static, False
+        self._dynamic = bool(dynamic)
+        if hysteresis < 1:
+            raise ValueError(f"hysteresis must be >= 1 (1 = back off on every overflow), got {hysteresis}.")
+        if max_consecutive_skips is not None and max_consecutive_skips < 1:
+            raise ValueError(f"max_consecutive_skips must be a positive integer or None, got {max_consecutive_skips}.")
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._hysteresis = int(hysteresis)
+        self._max_consecutive_skips = max_consecutive_skips
+        self._distributed = distributed
+        self._allow_fp16_grads = allow_fp16_grads
+        self._param_names: Dict[int, str] = {}
+        # telemetry (host-side; updated from the one sync step() already makes)
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.last_skip_step: Optional[int] = None
+        self._iterations = 0
+        if self._enabled:
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+            self._init_scale = init_scale
+            self._scale: Optional[torch.Tensor] = None
+            self._growth_factor = growth_factor
+            self._backoff_factor = backoff_factor
+            self._growth_interval = growth_interval
+            self._init_growth_tracker = 0
+            self._growth_tracker: Optional[torch.Tensor] = None
+            self._hyst_left: Optional[torch.Tensor] = None
+            self._per_optimizer_states: Dict[int, Dict[str, Any]] = defaultdict(_fresh_state)
+
+    # ------------------------------------------------------------------ helpers
+    def register_names(self, model: torch.nn.Module) -> "LossScaler":
+        """Remember parameter names so errors can say which gradients went non-finite."""
+        self._param_names.update({id(p): n for n, p in model.named_parameters()})
+        return self
+
+    def _check_scale_growth_tracker(self, funcname: str):
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+
+    def _use_distributed(self) -> bool:
+        if self._distributed is False:
+            return False
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    # ------------------------------------------------------------------ scale
+    def scale(self, outputs):
+        """Multiply a tensor (or nested list/tuple of tensors) by the current scale."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+        stash = []
+
+        def apply(val):
+            if isinstance(val, torch.Tensor):
+                if not stash:
+                    if self._scale is None:
+                        self._lazy_init_scale_growth_tracker(val.device)
+                    stash.append(_PerDevice(self._scale))
+                return val * stash[0].get(val.device)
+            if isinstance(val, abc.Iterable):
+                it = map(apply, val)
+                return type(val)(it) if isinstance(val, (list, tuple)) else it
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
+
+    # ------------------------------------------------------------------ unscale
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device_inv = _PerDevice(inv_scale)
+        per_device_found = _PerDevice(found_inf)
+        buckets: Dict[torch.device, Dict[torch.dtype, list]] = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if not allow_fp16 and param.grad.dtype == torch.float16:
+                        raise ValueError(
+                            "Attempting to unscale FP16 gradients. fp16 parameters need fp32 master "
+                            "weights: use ampkit.Precision('fp16-master') (or 'fp16-mixed' with fp32 "
+                            "params) instead of calling model.half()."
+                        )
+                    if param.grad.is_sparse:
+                        if param.grad.dtype is torch.float16:
+                            param.grad = param.grad.coalesce()
+                        g = param.grad._values()
+                    else:
+                        g = param.grad
+                    buckets[g.device][g.dtype].append(g)
+            for device, per_dtype in buckets.items():
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        grads, per_device_found.get(device), per_device_inv.get(device)
+                    )
+        found = per_device_found.copies
+        if self._use_distributed():
+            import torch.distributed as dist
+
+            if not found:  # this rank has no grads: still take part in the collective
+                found = {found_inf.device: found_inf}
+            for t in found.values():
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return found
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, recording whether any is inf/NaN."""
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is _OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        elif state["stage"] is _OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inv_scale = (
+            self._scale.double().reciprocal().float()
+            if self._scale.device != torch.device("mps:0")
+            else self._scale.reciprocal()
+        )
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, self._allow_fp16_grads)
+        state["optimizer"] = optimizer
+        state["stage"] = _OptState.UNSCALED
+
+    def _check_inf_per_device(self, optimizer):
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        dummy = torch.full((), 1.0, dtype=torch.float32, device=scale.device)
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, dummy, found_inf, True)
+        state["optimizer"] = optimizer
+        return state["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer):
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    # ------------------------------------------------------------------ step
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        """Unscale (unless already done), then step the optimizer unless a gradient is inf/NaN.
+
+        Returns ``optimizer.step()``'s return value; when that is None (the usual case), returns
+        True if the optimizer stepped and False if the step was skipped.
+        """
+        if not self._enabled:
+            retval = optimizer.step(*args, **kwargs)
+            self.optimizer_steps += 1
+            return True if retval is None else retval
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is _OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        state["optimizer"] = optimizer
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # Fused optimizers unscale and skip inside their kernel (torch's protocol).
+            kwargs_ = kwargs
+            has_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+            if has_kwarg:
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                kwargs_.update({"grad_scaler": self})
+            else:
+                if state["stage"] is _OptState.READY:
+                    self._check_inf_per_device(optimizer)
+                scale = self._scale
+                found_inf = sum(t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values())
+                optimizer.grad_scale = (
+                    getattr(optimizer, "grad_scale", None)
+                    if state["stage"] == _OptState.UNSCALED
+                    else scale * getattr(optimizer, "grad_scale", 1)
+                )
+                optimizer.found_inf = found_inf
+            retval = optimizer.step(*args, **kwargs_)
+            state["stage"] = _OptState.STEPPED
+            if not has_kwarg:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+            # the one host sync of this step: did the fused kernel skip?
+            stepped = not bool(self._found_inf_total(state))
+            state["stepped"] = stepped
+            return stepped if retval is None else retval
+
+        if state["stage"] is _OptState.READY:
+            self.unscale_(optimizer)
+        if len(state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = None
+        stepped = not bool(self._found_inf_total(state))  # the one host sync of this step
+        if stepped:
+            retval = optimizer.step(*args, **kwargs)
+        state["stage"] = _OptState.STEPPED
+        state["stepped"] = stepped
+        return stepped if retval is None else retval
+
+    @staticmethod
+    def _found_inf_total(state) -> float:
+        vals = list(state["found_inf_per_device"].values())
+        if len(vals) == 1:
+            return vals[0].item()
+        return sum(v.item() for v in vals)
+
+    # ------------------------------------------------------------------ update
+    def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
+        """Update the scale (back off on overflow, grow after ``growth_interval`` clean steps)."""
+        if not self._enabled:
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            if isinstance(new_scale, float):
+                scale.fill_(new_scale)
+            else:
+                reason = (
+                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                    "torch.FloatTensor with requires_grad=False."
+                )
+                if new_scale.device.type != self._device:
+                    raise AssertionError(reason)
+                if new_scale.numel() != 1:
+                    raise AssertionError(reason)
+                if new_scale.requires_grad is True:
+                    raise AssertionError(reason)
+                scale.copy_(new_scale)
+        else:
+            found_infs = [
+                f.to(device=scale.device, non_blocking=True)
+                for st in self._per_optimizer_states.values()
+                for f in st["found_inf_per_device"].values()
+            ]
+            if len(found_infs) == 0:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            found = found_infs[0]
+            for f in found_infs[1:]:
+                found += f
+            if self._dynamic:
+                if self._hysteresis == 1:
+                    torch._amp_update_scale_(
+                        scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
+                    )
+                else:
+                    self._update_with_hysteresis(scale, tracker, found)
+                if self._min_scale is not None or self._max_scale is not None:
+                    scale.clamp_(min=self._min_scale, max=self._max_scale)
+            error = self._record_iteration()
+            self._per_optimizer_states = defaultdict(_fresh_state)
+            if error is not None:
+                raise NonFiniteGradientsError(error)
+            return
+        self._per_optimizer_states = defaultdict(_fresh_state)
+
+    def _update_with_hysteresis(self, scale, tracker, found):
+        """torch's update rule, except the scale backs off only after `hysteresis` overflows in a row."""
+        if self._hyst_left is None:
+            start = getattr(self, "_hyst_init", self._hysteresis)
+            self._hyst_left = torch.full((), start, dtype=torch.int32, device=scale.device)
+        overflow = found > 0
+        left = torch.where(overflow, self._hyst_left - 1, torch.full_like(self._hyst_left, self._hysteresis))
+        backoff = overflow & (left <= 0)
+        successful = tracker + 1
+        grown = scale * self._growth_factor
+        grow = (~overflow) & (successful >= self._growth_interval) & torch.isfinite(grown)
+        scale.copy_(torch.where(backoff, scale * self._backoff_factor, torch.where(grow, grown, scale)))
+        tracker.copy_(torch.where(overflow | (successful >= self._growth_interval), 0, successful))
+        self._hyst_left.copy_(torch.where(backoff, self._hysteresis, left))
+
+    def _record_iteration(self) -> Optional[str]:
+        """Host-side telemetry from the step() results of this iteration (no extra sync).
+
+        Returns the error message when ``max_consecutive_skips`` is reached, else None.
+        """
+        results = [st["stepped"] for st in self._per_optimizer_states.values() if st["stepped"] is not None]
+        if not results:
+            return None
+        self._iterations += 1
+        if all(results):
+            self.optimizer_steps += 1
+            self.consecutive_skips = 0
+            return None
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.last_skip_step = self._iterations - 1
+        if self._max_consecutive_skips is not None and self.consecutive_skips >= self._max_consecutive_skips:
+            return self._describe_nonfinite()
+        return None
+
+    def _describe_nonfinite(self) -> str:
+        bad = []
+        for st in self._per_optimizer_states.values():
+            opt = st["optimizer"]
+            if opt is None:
+                continue
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    g = p.grad
+                    if g is not None and not torch.isfinite(g._values() if g.is_sparse else g).all():
+                        bad.append(self._param_names.get(id(p), f"param_groups[{gi}][{pi}] {tuple(p.shape)}"))
+        names = ", ".join(bad[:10]) + (f" (+{len(bad) - 10} more)" if len(bad) > 10 else "")
+        return (
+            f"Gradients were non-finite for {self.consecutive_skips} consecutive steps "
+            f"(scale now {self.get_scale():g}); non-finite gradients in: {names or 'unknown parameters'}. "
+            "Lower the learning rate, keep the named modules in fp32 (fp32_modules=...), switch to bf16, "
+            "or run `ampkit check` to find the first layer that overflows."
+        )
+
+    # ------------------------------------------------------------------ getters / setters
+    def _get_scale_async(self) -> Optional[torch.Tensor]:
+        return self._scale
+
+    def get_scale(self) -> float:
+        if self._enabled:
+            return self._init_scale if self._scale is None else float(self._scale.item())
+        return 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self) -> int:
+        if self._enabled:
+            return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+        return 0
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self._enabled and self._dynamic
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's five keys (loadable by torch.amp.GradScaler) plus ampkit's extras."""
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+            "dynamic": self._dynamic,
+            "hysteresis_left": (self._hysteresis if self._hyst_left is None else int(self._hyst_left.item())),
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "last_skip_step": self.last_skip_step,
+            "iterations": self._iterations,
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from this class or from torch.amp.GradScaler."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        self._init_scale = state_dict["scale"]
+        if self._scale is not None:
+            self._scale.fill_(state_dict["scale"])
+        self._growth_factor = state_dict["growth_factor"]
+        self._backoff_factor = state_dict["backoff_factor"]
+        self._growth_interval = state_dict["growth_interval"]
+        self._init_growth_tracker = state_dict["_growth_tracker"]
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(state_dict["_growth_tracker"])
+        if "dynamic" in state_dict:
+            self._dynamic = bool(state_dict["dynamic"])
+        if "hysteresis_left" in state_dict:
+            self._hyst_init = int(state_dict["hysteresis_left"])
+            if self._hyst_left is not None:
+                self._hyst_left.fill_(self._hyst_init)
+        self.optimizer_steps = int(state_dict.get("optimizer_steps", self.optimizer_steps))
+        self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
+        self.consecutive_skips = int(state_dict.get("consecutive_skips", self.consecutive_skips))
+        self.last_skip_step = state_dict.get("last_skip_step", self.last_skip_step)
+        self._iterations = int(state_dict.get("iterations", self._iterations))
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_scale"] = None
+            state["_growth_tracker"] = None
+            state["_hyst_left"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        if not self._enabled:
+            return "LossScaler(enabled=False)"
+        kind = "dynamic" if self._dynamic else "static"
+        return f"LossScaler({kind}, scale={self.get_scale():g}, skipped={self.skipped_steps})"

@@ -1,0 +1,240 @@
+"""Precision policies: every mode trains; master weights round-trip; errors are clear."""
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit import MasterWeightOptimizer, Precision
+from ampkit.precision import convert_model, modes, resolve
+
+TRAINABLE = ["fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "fp16-pure", "auto"]
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+
+def _train(name, steps=25, opt_factory=None, **kw):
+    model = _net()
+    opt = (opt_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-4)))(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Precision(name, "cpu", **kw)
+    model, opt = p.setup(model, opt)
+    x, y = _data()
+    losses = []
+    for _ in range(steps):
+        with p.autocast():
+            loss = nn.functional.cross_entropy(model(x), y)
+        p.backward(loss)
+        p.step(opt, max_norm=1.0)
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return p, model, opt, losses
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_every_mode_trains_to_finite_decreasing_loss(name):
+    p, model, _, losses = _train(name)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.6 * losses[0]
+    assert all(torch.isfinite(t).all() for t in model.parameters())
+
+
+@pytest.mark.parametrize("name,dtype", [("fp16-master", torch.float16), ("bf16-master", torch.bfloat16),
+                                        ("fp16-pure", torch.float16)])
+def test_param_dtypes_and_norms_fp32(name, dtype):
+    p, model, opt, _ = _train(name, steps=1)
+    assert model[0].weight.dtype == dtype and model[3].weight.dtype == dtype
+    assert model[1].weight.dtype == torch.float32  # LayerNorm kept fp32
+    if "master" in name:
+        assert isinstance(opt, MasterWeightOptimizer)
+        assert all(m.dtype == torch.float32 for g in opt.param_groups for m in g["params"])
+    out = model(torch.randn(2, 16))
+    assert out.dtype == torch.float32  # outputs cast back for an fp32 loss
+
+
+def test_mixed_modes_keep_fp32_params():
+    for name in ("fp16-mixed", "bf16-mixed"):
+        p, model, opt, _ = _train(name, steps=1)
+        assert all(t.dtype == torch.float32 for t in model.parameters())
+        assert not isinstance(opt, MasterWeightOptimizer)
+
+
+@pytest.mark.parametrize("name", ["fp16-master", "bf16-master"])
+def test_master_checkpoint_roundtrip_exact(name):
+    p, model, opt, _ = _train(name, steps=5)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "prec": p.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+
+    # continue the original for 3 steps
+    x, y = _data()
+
+    def cont(p, model, opt):
+        for _ in range(3):
+            with p.autocast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            p.backward(loss)
+            p.step(opt, max_norm=1.0)
+            opt.zero_grad()
+        return [t.detach().clone() for t in model.parameters()], [m.detach().clone() for m in opt.master_params]
+
+    ref_params, ref_masters = cont(p, model, opt)
+
+    model2 = _net()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, eps=1e-4)
+    p2 = Precision(name, "cpu")
+    model2, opt2 = p2.setup(model2, opt2)
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    p2.load_state_dict(ck["prec"])
+    assert p2.loss_scale == ck["prec"]["scaler"]["scale"]
+    new_params, new_masters = cont(p2, model2, opt2)
+    for a, b in zip(ref_params + ref_masters, new_params + new_masters):
+        assert torch.equal(a, b)
+
+
+def test_master_wrapper_behaves_like_optimizer():
+    model = _net().to(torch.bfloat16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = MasterWeightOptimizer(inner)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = _data()
+    loss = nn.functional.cross_entropy(model(x.bfloat16()).float(), y)
+    loss.backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.25
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    # fp32 masters moved; model weights equal their rounding
+    for p, m in zip(opt.model_params, opt.master_params):
+        assert torch.equal(p, m.to(p.dtype))
+    with pytest.raises(ValueError, match="already wrapped"):
+        MasterWeightOptimizer(opt)
+    with pytest.raises(ValueError, match="no fp32 master weights"):
+        opt.load_state_dict(inner.state_dict())
+
+
+def test_master_grads_not_kept_twice():
+    model = _net()
+    p = Precision("bf16-master", "cpu")
+    model, opt = p.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, y = _data()
+    with p.autocast():
+        loss = nn.functional.cross_entropy(model(x), y)
+    p.backward(loss)
+    opt.sync_grads()
+    assert all(t.grad is None for t in model.parameters())
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in opt.master_params)
+
+
+def test_nonfinite_step_skipped_in_every_mode():
+    for name in ("fp32", "bf16-mixed", "bf16-master", "fp16-mixed"):
+        model = _net()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = Precision(name, "cpu")
+        model, opt = p.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        before = [t.detach().clone() for t in model.parameters()]
+        with p.autocast():
+            loss = model(torch.randn(4, 16)).sum() * float("nan")
+        p.backward(loss)
+        assert p.step(opt) is False
+        assert p.skipped_steps == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_auto_on_cpu_never_fp16():
+    p = Precision("auto", "cpu")
+    assert p.name in ("bf16-mixed", "bf16-master", "fp32")
+    assert "auto" in p.describe()
+
+
+def test_aliases_resolve():
+    assert resolve("O1") == "fp16-mixed" and resolve("O2") == "fp16-master" and resolve("O0") == "fp32"
+    assert resolve("mixed_float16") == "fp16-mixed" and resolve("mixed_bfloat16") == "bf16-mixed"
+    assert resolve("16-mixed") == "fp16-mixed" and resolve("bf16-true") == "bf16-pure"
+    assert resolve("32-true") == "fp32" and resolve("BF16_Mixed") == "bf16-mixed"
+
+
+def test_unknown_mode_lists_names():
+    with pytest.raises(ValueError, match=r"Unknown precision 'fp8'.*bf16-mixed.*O2|o2"):
+        Precision("fp8", "cpu")
+
+
+def test_scaler_with_bf16_is_an_error():
+    with pytest.raises(ValueError, match="does not use loss scaling.*bf16"):
+        Precision("bf16-mixed", "cpu", loss_scale=1024)
+    with pytest.raises(ValueError, match="does not use loss scaling"):
+        Precision("fp32", "cpu", scaler=ampkit.LossScaler("cpu"))
+
+
+def test_fp16_on_cpu_warns():
+    with pytest.warns(UserWarning, match="far slower"):
+        Precision("fp16-mixed", "cpu")
+
+
+def test_static_loss_scale_apex_convention():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Precision("O1", "cpu", loss_scale=128)
+        assert p.loss_scale == 128 and not p.scaler.is_dynamic
+        assert Precision("O1", "cpu", loss_scale=0).scaler.is_dynamic
+        assert "static loss scale 128" in p.describe()
+
+
+def test_global_policy():
+    try:
+        ampkit.set_global_policy("mixed_bfloat16")
+        assert ampkit.global_policy() == "bf16-mixed"
+        assert Precision(device="cpu").name == "bf16-mixed"
+    finally:
+        ampkit.set_global_policy(None)
+    assert ampkit.global_policy() == "auto"
+
+
+def test_convert_model_keeps_batchnorm_and_forward_works():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 3), nn.GroupNorm(1, 2))
+    convert_model(model, torch.bfloat16)
+    assert model[0].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32 and model[1].running_var.dtype == torch.float32
+    assert model[4].weight.dtype == torch.float32
+    out = model(torch.randn(2, 1, 8, 8, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_fp32_islands():
+    model = _net()
+    p = Precision("bf16-master", "cpu", fp32_modules=["3"])
+    model, opt = p.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model[3].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    seen = {}
+    model[3].register_forward_hook(lambda m, a, o: seen.setdefault("dtype", o.dtype))
+    with p.autocast():
+        model(torch.randn(2, 16))
+    assert seen["dtype"] == torch.float32
+    with pytest.raises(ValueError, match="not found in the model"):
+        Precision("bf16-mixed", "cpu", fp32_modules=["nope"]).setup(_net())
+
+
+def test_describe_and_state_mismatch():
+    p = Precision("bf16-mixed", "cpu")
+    assert "bf16" in p.describe()
+    with pytest.raises(ValueError, match="precision='fp32'|precision=.fp32."):
+        p.load_state_dict({"name": "fp32", "scaler": {}})
+
+
+def test_mode_table_complete():
+    assert set(modes.MODES) == {"fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure"}

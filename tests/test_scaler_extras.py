@@ -1,0 +1,97 @@
+"""LossScaler extras: static scaling, floor/cap, hysteresis, skip limit, telemetry."""
+import pytest
+import torch
+from torch import nn
+
+from ampkit import LossScaler, NonFiniteGradientsError
+from ampkit.precision.scaler import parse_loss_scale
+
+
+def _iterate(scaler, poisons, n):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    scaler.register_names(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scales, stepped = [], []
+    for i in range(n):
+        scaler.scale(model(torch.randn(3, 4)).pow(2).mean()).backward()
+        if i in poisons:
+            model.weight.grad[0, 0] = float("inf")
+        stepped.append(scaler.step(opt))
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    return scales, stepped, model
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("dynamic", None), (0, None), ("0", None),
+                                            (128, 128.0), ("1024", 1024.0), (0.5, 0.5)])
+def test_parse_loss_scale(value, expected):
+    assert parse_loss_scale(value) == expected
+
+
+@pytest.mark.parametrize("bad", ["big", -1, float("inf"), "-3"])
+def test_parse_loss_scale_rejects(bad):
+    with pytest.raises(ValueError, match="dynamic"):
+        parse_loss_scale(bad)
+
+
+def test_static_scale_never_changes_but_skips():
+    s = LossScaler("cpu", loss_scale=128, growth_interval=1)
+    scales, stepped, _ = _iterate(s, {2}, 5)
+    assert scales == [128.0] * 5
+    assert stepped == [True, True, False, True, True]
+    assert s.skipped_steps == 1 and s.last_skip_step == 2 and s.optimizer_steps == 4
+    s2 = LossScaler("cpu", dynamic=False, init_scale=8.0)
+    assert _iterate(s2, {0}, 2)[0] == [8.0, 8.0]
+
+
+def test_min_and_max_scale():
+    s = LossScaler("cpu", init_scale=4.0, min_scale=1.0)
+    assert _iterate(s, set(range(6)), 6)[0] == [2.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    s = LossScaler("cpu", init_scale=2.0**23, growth_interval=1, max_scale=2.0**24)
+    assert _iterate(s, set(), 3)[0] == [2.0**24] * 3
+    with pytest.raises(ValueError, match="must not exceed"):
+        LossScaler("cpu", min_scale=4, max_scale=2)
+
+
+def test_hysteresis_backs_off_after_n_consecutive():
+    s = LossScaler("cpu", init_scale=64.0, hysteresis=2, growth_interval=100)
+    scales, stepped, _ = _iterate(s, {1, 3, 4, 5}, 7)
+    # 1: first overflow tolerated; 3: tolerated again (a clean step reset the count); 4: back off; 5: tolerated
+    assert scales == [64.0, 64.0, 64.0, 64.0, 32.0, 32.0, 32.0]
+    assert stepped == [True, False, True, False, False, False, True]
+    with pytest.raises(ValueError, match="hysteresis"):
+        LossScaler("cpu", hysteresis=0)
+
+
+def test_hysteresis_still_grows():
+    s = LossScaler("cpu", init_scale=4.0, hysteresis=3, growth_interval=2)
+    assert _iterate(s, set(), 4)[0] == [4.0, 8.0, 8.0, 16.0]
+
+
+def test_max_consecutive_skips_names_parameter():
+    s = LossScaler("cpu", max_consecutive_skips=3)
+    with pytest.raises(NonFiniteGradientsError, match=r"3 consecutive steps.*weight"):
+        _iterate(s, set(range(10)), 10)
+    # the error left the scaler usable
+    assert s.consecutive_skips == 3
+
+
+def test_step_returns_whether_stepped_and_telemetry_roundtrip():
+    s = LossScaler("cpu", growth_interval=2)
+    _, stepped, _ = _iterate(s, {1}, 4)
+    assert stepped == [True, False, True, True]
+    sd = s.state_dict()
+    assert sd["skipped_steps"] == 1 and sd["optimizer_steps"] == 3 and sd["last_skip_step"] == 1
+    s2 = LossScaler("cpu")
+    s2.load_state_dict(sd)
+    assert (s2.skipped_steps, s2.optimizer_steps, s2.get_scale()) == (1, 3, s.get_scale())
+
+
+def test_cuda_default_disables_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        s = LossScaler()
+    assert not s.is_enabled()
