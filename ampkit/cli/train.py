@@ -1,0 +1,131 @@
+"""`ampkit train`: train a reference or user model on shipped, generated or user data."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from . import UsageError
+
+_BOOL_FLAGS = {"progress", "compile", "tensorboard"}
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    # every default is None: values come from TrainConfig, then --config FILE, then the flags given
+    g = p.add_argument_group("what to train")
+    g.add_argument("--model", help="cnn | resnet | gpt | mlp | pkg.module:factory (default: the data's model)")
+    g.add_argument("--data", help="digits | images | sequences | FILE.npz (x, y arrays) | pkg.module:factory")
+    g.add_argument("--config", help="TOML/YAML/JSON file of train options (flags given here override it)")
+    g = p.add_argument_group("precision")
+    g.add_argument("--precision", help="auto (default) | fp32 | fp16-mixed | bf16-mixed | fp16-master | "
+                   "bf16-master | bf16-pure | fp16-pure, or an alias (O0-O3, 16-mixed, mixed_bfloat16, ...)")
+    g.add_argument("--no-amp", "--unamp", dest="no_amp", action="store_true", default=None,
+                   help="train in fp32 (AMP is on by default)")
+    g.add_argument("--fp16", action="store_true", default=None,
+                   help="apex convention: fp16 model with fp32 master weights (= --precision fp16-master)")
+    g.add_argument("--loss-scale", "--loss_scale", dest="loss_scale",
+                   help="apex convention: 'dynamic' or 0 = dynamic scaling, a positive number = static scale")
+    g.add_argument("--init-scale", type=float, help="initial dynamic loss scale (default 65536)")
+    g.add_argument("--fp32-modules", type=lambda s: [x for x in s.split(",") if x],
+                   help="comma-separated module names kept in fp32 (e.g. head,blocks.3.attn)")
+    g.add_argument("--max-consecutive-skips", type=int,
+                   help="stop with a report after this many non-finite steps in a row (default 50)")
+    g.add_argument("--eval-precision", choices=["train", "fp32"], help="evaluate in the training precision or with autocast off")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    g.add_argument("--max-norm", type=float, help="clip the gradient norm to this value")
+    g.add_argument("--lr", type=float)
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--optimizer", choices=["adamw", "adam", "sgd"])
+    g.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"])
+    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--seed", type=int)
+    g = p.add_argument_group("run")
+    g.add_argument("--out", help="run directory (default: runs/<data>-<precision>-<time>)")
+    g.add_argument("--resume", help="auto (latest checkpoint in --out) or a checkpoint path")
+    g.add_argument("--save-every", type=int, help="checkpoint every N optimizer steps (default: each epoch)")
+    g.add_argument("--keep-last", type=int, help="checkpoints kept (default 3)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                   help="no progress bar (periodic log lines instead)")
+    g.add_argument("--log-every", type=int, help="optimizer steps between metric flushes / log lines")
+    g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    g.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
+    g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
+    g.add_argument("--num-threads", type=int, help="torch CPU threads")
+
+
+def _config_from_args(args):
+    from ..train.config import TrainConfig, load_config_file
+
+    values = {}
+    if args.config:
+        values.update(load_config_file(args.config))
+    for name in TrainConfig.field_names():
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    if args.no_amp and args.fp16:
+        raise ValueError("--no-amp and --fp16 contradict each other: pass one.")
+    if args.no_amp:
+        values["precision"] = "fp32"
+    elif args.fp16:
+        values["precision"] = "fp16-master"
+    if args.no_amp or args.fp16:
+        if args.precision:
+            raise ValueError("--precision and --no-amp/--fp16 contradict each other: pass one.")
+    for k in ("epochs", "batch_size", "grad_accum", "keep_last", "log_every"):
+        if k in values and int(values[k]) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {values[k]}.")
+    for k in ("save_every", "max_steps", "num_threads"):
+        if values.get(k) is not None and int(values[k]) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {values[k]}.")
+    if values.get("lr") is not None and not float(values["lr"]) > 0:
+        raise ValueError(f"--lr must be > 0, got {values['lr']}.")
+    return TrainConfig(**values)
+
+
+def _default_out(cfg) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = os.path.join("runs", f"{os.path.basename(str(cfg.data)).replace(':', '_')}-{cfg.precision}-{stamp}")
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+def run(args) -> int:
+    import torch
+
+    from ..data import load_data
+    from ..models import build_model
+    from ..precision import NonFiniteGradientsError
+    from ..train import CheckpointError, RunDirError, Trainer, TrainingInterrupted
+
+    try:
+        cfg = _config_from_args(args)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        if cfg.out is None:
+            if cfg.resume == "auto":
+                raise ValueError("--resume auto needs --out DIR (the run directory to continue).")
+            cfg = cfg.updated(out=_default_out(cfg))
+        data = load_data(cfg.data, seed=cfg.seed)
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model or data.default_model, **data.model_kwargs)
+        trainer = Trainer(model, data.train, data.test, config=cfg, task=data.task, class_names=data.class_names)
+        summary = trainer.fit()
+    except TrainingInterrupted as e:
+        print(f"ampkit train: {e}", file=sys.stderr)
+        return 128 + int(e.signum)
+    except NonFiniteGradientsError as e:
+        print(f"ampkit train: error: training stopped: {e}", file=sys.stderr)
+        return 3
+    except (ValueError, CheckpointError, RunDirError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    print(f"ampkit train: run directory {trainer.run_dir}", file=sys.stderr)
+    return 0

@@ -1,0 +1,186 @@
+"""Datasets that need no download: scikit-learn's digits, generated images and sequences,
+a user's ``.npz`` file (``x``/``y`` arrays), or a user factory ``pkg.module:factory``.
+
+``load_data(spec)`` returns a :class:`DataSplits` with train/test ``TensorDataset``s and what
+the trainer needs to pick a model and a loss (task, input shape, number of classes).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+__all__ = ["DataSplits", "load_data", "digits", "synthetic_images", "sequences", "DATASETS"]
+
+
+@dataclass
+class DataSplits:
+    train: Dataset
+    test: Optional[Dataset]
+    task: str  # "classification" | "lm" | "regression"
+    num_classes: Optional[int] = None
+    input_shape: Tuple[int, ...] = ()
+    name: str = ""
+    class_names: Optional[list] = None
+    default_model: str = "mlp"
+    model_kwargs: dict = field(default_factory=dict)
+
+
+def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int, stratify: bool = True):
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(len(x))
+    strat = y.numpy() if (stratify and y.dim() == 1 and not y.is_floating_point()) else None
+    tr, te = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=strat)
+    tr, te = torch.as_tensor(tr), torch.as_tensor(te)
+    return TensorDataset(x[tr], y[tr]), TensorDataset(x[te], y[te])
+
+
+def digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
+    """scikit-learn's 8x8 handwritten digits (1797 images, shipped with scikit-learn)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = (x - 0.3) / 0.4
+    y = torch.tensor(d.target, dtype=torch.long)
+    train, test = _split(x, y, test_fraction, seed)
+    return DataSplits(train, test, "classification", 10, (1, 8, 8), "digits",
+                      [str(i) for i in range(10)], "cnn", {"in_channels": 1, "num_classes": 10})
+
+
+def synthetic_images(n: int = 2048, size: int = 32, channels: int = 3, num_classes: int = 10,
+                     test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
+    """Generated images: each class is a fixed random low-frequency pattern plus noise (learnable)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(num_classes, channels, 4, 4, generator=g)
+    protos = torch.nn.functional.interpolate(base, size=(size, size), mode="bilinear", align_corners=False)
+    y = torch.randint(0, num_classes, (n,), generator=g)
+    x = protos[y] + 0.8 * torch.randn(n, channels, size, size, generator=g)
+    train, test = _split(x, y, test_fraction, seed)
+    return DataSplits(train, test, "classification", num_classes, (channels, size, size), "images",
+                      [str(i) for i in range(num_classes)], "resnet",
+                      {"in_channels": channels, "num_classes": num_classes})
+
+
+def sequences(n: int = 512, seq_len: int = 256, vocab: int = 256, test_fraction: float = 0.1,
+              seed: int = 0) -> DataSplits:
+    """Generated token sequences from a fixed sparse Markov chain (next-token prediction).
+
+    Each token has 4 likely successors, so a model can learn a loss well below log(vocab).
+    """
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randint(0, vocab, (vocab, 4), generator=g)
+    probs = torch.tensor([0.55, 0.25, 0.15, 0.05])
+    toks = torch.empty(n, seq_len + 1, dtype=torch.long)
+    toks[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    choice = torch.multinomial(probs, n * seq_len, replacement=True, generator=g).view(n, seq_len)
+    for t in range(seq_len):
+        toks[:, t + 1] = succ[toks[:, t], choice[:, t]]
+    x, y = toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+    train, test = _split(x, y, test_fraction, seed, stratify=False)
+    return DataSplits(train, test, "lm", vocab, (seq_len,), "sequences", None, "gpt",
+                      {"vocab_size": vocab, "block_size": seq_len})
+
+
+DATASETS = {"digits": digits, "images": synthetic_images, "sequences": sequences}
+
+
+def _from_arrays(x, y, name: str, test_fraction: float, seed: int) -> DataSplits:
+    x = torch.as_tensor(np.asarray(x))
+    y = torch.as_tensor(np.asarray(y))
+    if len(x) == 0:
+        raise ValueError(f"dataset {name!r} is empty: it needs at least one sample.")
+    if len(x) != len(y):
+        raise ValueError(f"dataset {name!r}: x has {len(x)} samples but y has {len(y)}; they must match.")
+    if x.is_floating_point():
+        x = x.float()
+        if not torch.isfinite(x).all():
+            bad = int((~torch.isfinite(x)).flatten(1).any(1).nonzero()[0])
+            raise ValueError(f"dataset {name!r}: x holds NaN/inf (first at sample {bad}); clean the data.")
+    if y.is_floating_point():
+        task, num_classes, y = "regression", None, y.float()
+    else:
+        y = y.long()
+        task = "lm" if y.dim() == 2 and x.dim() == 2 and not x.is_floating_point() else "classification"
+        num_classes = int(max(y.max().item(), x.max().item() if task == "lm" else 0)) + 1
+    if len(x) < 2:
+        train, test = TensorDataset(x, y), None
+    else:
+        train, test = _split(x, y, test_fraction, seed, stratify=task == "classification" and len(x) >= 20)
+    shape = tuple(x.shape[1:])
+    if task == "lm":
+        default, kw = "gpt", {"vocab_size": num_classes, "block_size": shape[0]}
+    elif len(shape) == 3:
+        default, kw = "cnn", {"in_channels": shape[0], "num_classes": num_classes}
+    else:
+        default, kw = "mlp", {"in_features": int(np.prod(shape)) if shape else 1,
+                              "num_classes": num_classes if num_classes else (y.shape[1] if y.dim() > 1 else 1)}
+    return DataSplits(train, test, task, num_classes, shape, name, None, default, kw)
+
+
+def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
+    """``digits`` | ``images`` | ``sequences`` | ``path.npz`` (arrays ``x``, ``y``) | ``pkg.module:factory``.
+
+    A factory may return a DataSplits, a ``(train, test)`` pair of datasets, one dataset, or a
+    ``(x, y)`` pair of arrays. Raises ValueError with the fix for anything malformed.
+    """
+    if spec in DATASETS:
+        return DATASETS[spec](seed=seed)
+    if spec.endswith(".npz"):
+        if not os.path.exists(spec):
+            raise ValueError(f"data file {spec!r} does not exist.")
+        try:
+            with np.load(spec, allow_pickle=False) as f:
+                missing = {"x", "y"} - set(f.files)
+                if missing:
+                    raise ValueError(f"data file {spec!r} has arrays {sorted(f.files)}; it needs 'x' and 'y'.")
+                x, y = f["x"], f["y"]
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"data file {spec!r} is not a readable .npz ({type(e).__name__}: {e}).") from e
+        return _from_arrays(x, y, os.path.basename(spec), test_fraction, seed)
+    if ":" in spec:
+        from .models import call_with_accepted, load_factory
+
+        factory = load_factory(spec, "data")
+        try:
+            out = call_with_accepted(factory, seed=seed)
+        except Exception as e:
+            raise ValueError(f"data factory {spec!r} failed: {type(e).__name__}: {e}") from e
+        if isinstance(out, DataSplits):
+            return out
+        if isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, Dataset) for o in out):
+            return _from_dataset(out[0], out[1], spec)
+        if isinstance(out, Dataset):
+            return _from_dataset(out, None, spec)
+        if isinstance(out, tuple) and len(out) == 2:
+            return _from_arrays(out[0], out[1], spec, test_fraction, seed)
+        raise ValueError(f"data factory {spec!r} returned {type(out).__name__}: return a Dataset, "
+                         "a (train, test) pair of Datasets, or (x, y) arrays.")
+    raise ValueError(f"Unknown data {spec!r}: use {', '.join(DATASETS)}, a .npz file with x/y arrays, "
+                     "or 'pkg.module:factory'.")
+
+
+def _from_dataset(train: Dataset, test: Optional[Dataset], name: str) -> DataSplits:
+    if len(train) == 0:
+        raise ValueError(f"dataset {name!r} is empty: it needs at least one sample.")
+    x0, y0 = train[0][0], train[0][1]
+    x0, y0 = torch.as_tensor(x0), torch.as_tensor(y0)
+    if y0.is_floating_point():
+        task, nc = "regression", None
+    else:
+        task = "lm" if y0.dim() == 1 and not x0.is_floating_point() else "classification"
+        ys = [int(torch.as_tensor(train[i][1]).max()) for i in range(min(len(train), 2000))]
+        nc = max(ys) + 1
+    shape = tuple(x0.shape)
+    default = "gpt" if task == "lm" else ("cnn" if len(shape) == 3 else "mlp")
+    kw = ({"vocab_size": nc, "block_size": shape[0]} if task == "lm" else
+          {"in_channels": shape[0], "num_classes": nc} if len(shape) == 3 else
+          {"in_features": int(np.prod(shape)) if shape else 1, "num_classes": nc or 1})
+    return DataSplits(train, test, task, nc, shape, name, None, default, kw)

@@ -1,0 +1,160 @@
+"""Checkpoints: one ``.pt`` per save, written atomically, loaded with ``weights_only=True``.
+
+Format (``FORMAT``/``VERSION`` below; documented in docs/CHECKPOINTS.md)::
+
+    {"format": "ampkit-checkpoint", "version": 1,
+     "model": state_dict, "optimizer": state_dict (fp32 masters included), "precision": {...},
+     "scheduler": state_dict | None, "progress": {"epoch", "batch", "global_step", "micro_step"},
+     "rng": {"torch": ByteTensor, "numpy": {...}, "python": [...]},
+     "config": {...}, "model_signature": [[name, shape, dtype], ...], "metrics": {...}}
+
+Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the
+final name (and the directory fsync'ed), so a crash at any moment leaves either the old or the
+new file, never a torn one. A failed write removes its temporary file and leaves earlier
+checkpoints untouched.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints",
+    "latest_checkpoint", "prune_checkpoints", "rng_state", "set_rng_state", "model_signature",
+]
+
+FORMAT = "ampkit-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, corrupt, unsafe, from another model or version."""
+
+
+def rng_state() -> Dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "python": _to_lists(random.getstate()),
+    }
+
+
+def _to_lists(obj):
+    if isinstance(obj, tuple):
+        return [_to_lists(o) for o in obj]
+    return obj
+
+
+def _to_tuples(obj):
+    if isinstance(obj, list):
+        return tuple(_to_tuples(o) for o in obj)
+    return obj
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    random.setstate(_to_tuples(state["python"]))
+
+
+def model_signature(model: torch.nn.Module) -> List[list]:
+    return [[k, list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in model.state_dict().items()]
+
+
+def save_checkpoint(state: Dict[str, Any], path: str) -> str:
+    """Atomically write ``state`` (plus format/version) to ``path``; returns the path."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    payload = {"format": FORMAT, "version": VERSION, **state}
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise CheckpointError(
+                f"could not write checkpoint {path!r}: {e.strerror or e}; earlier checkpoints are intact "
+                "(free disk space or fix permissions, then resume with --resume auto)."
+            ) from e
+        raise
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    return path
+
+
+def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
+    """Load and validate a checkpoint; never unpickles code (weights_only=True)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist.")
+    try:
+        ck = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e):
+            raise CheckpointError(
+                f"checkpoint {path!r} was refused: it holds Python objects that could run code when "
+                f"loaded ({msg[:160]}). ampkit loads checkpoints with weights_only=True only."
+            ) from e
+        raise CheckpointError(f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({msg[:160]}).") from e
+    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path!r} is not an ampkit checkpoint (no '{FORMAT}' format field).")
+    if ck.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {path!r} has format version {ck.get('version')!r}; this ampkit reads version {VERSION}. "
+            "Use the ampkit release that wrote it, or start a new run."
+        )
+    return ck
+
+
+def list_checkpoints(directory: str) -> List[str]:
+    """Checkpoint paths in ``directory`` ordered oldest to newest by step."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        m = _NAME.match(name)
+        if m:
+            found.append((int(m.group(1)), os.path.join(directory, name)))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    paths = list_checkpoints(directory)
+    return paths[-1] if paths else None
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:08d}.pt")
+
+
+def prune_checkpoints(directory: str, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints (never the newest one)."""
+    paths = list_checkpoints(directory)
+    for p in paths[: max(0, len(paths) - max(1, keep_last))]:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass

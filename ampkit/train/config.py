@@ -1,0 +1,123 @@
+"""Training configuration: one dataclass, readable from TOML/YAML, written back next to the run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional
+
+__all__ = ["TrainConfig", "load_config_file", "write_config"]
+
+
+@dataclass
+class TrainConfig:
+    # what
+    model: Optional[str] = None  # None = the data set's default model
+    data: str = "digits"
+    # precision
+    precision: str = "auto"
+    loss_scale: Optional[str] = None  # apex convention: dynamic | 0 | N
+    init_scale: Optional[float] = None
+    max_consecutive_skips: Optional[int] = 50
+    fp32_modules: List[str] = field(default_factory=list)
+    eval_precision: str = "train"  # "train" or "fp32" (autocast off)
+    # optimisation
+    epochs: int = 20
+    batch_size: int = 32
+    grad_accum: int = 1
+    max_norm: Optional[float] = None
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    optimizer: str = "adamw"
+    lr_schedule: str = "cosine"  # constant | cosine | linear
+    warmup_steps: int = 0
+    max_steps: Optional[int] = None  # stop after this many optimizer steps
+    seed: int = 0
+    # run
+    out: Optional[str] = None
+    resume: Optional[str] = None  # auto | PATH
+    save_every: Optional[int] = None  # optimizer steps; None = each epoch
+    keep_last: int = 3
+    progress: bool = True
+    log_every: int = 10
+    compile: bool = False
+    tensorboard: bool = False
+    device: Optional[str] = None
+    num_threads: Optional[int] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> List[str]:
+        return [f.name for f in fields(cls)]
+
+    def updated(self, **overrides) -> "TrainConfig":
+        unknown = set(overrides) - set(self.field_names())
+        if unknown:
+            raise ValueError(f"unknown config key(s): {', '.join(sorted(unknown))}; valid: {', '.join(self.field_names())}")
+        return dataclasses.replace(self, **overrides)
+
+
+def load_config_file(path: str) -> Dict[str, Any]:
+    """Read a flat TOML (.toml) or YAML (.yaml/.yml) mapping of TrainConfig keys ('-' or '_')."""
+    if not os.path.exists(path):
+        raise ValueError(f"config file {path!r} does not exist.")
+    try:
+        if path.endswith(".toml"):
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python < 3.11
+                import tomli as tomllib
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        elif path.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ModuleNotFoundError:
+                raise ValueError("YAML config needs PyYAML: pip install pyyaml (or use a .toml config).") from None
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        elif path.endswith(".json"):
+            with open(path) as f:
+                raw = json.load(f)
+        else:
+            raise ValueError(f"config file {path!r}: use a .toml, .yaml/.yml or .json file.")
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"config file {path!r} could not be parsed: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path!r} must hold a mapping of keys to values.")
+    raw = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    unknown = set(raw) - set(TrainConfig.field_names())
+    if unknown:
+        raise ValueError(f"config file {path!r} has unknown key(s): {', '.join(sorted(unknown))}.")
+    return raw
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def write_config(config: TrainConfig, path: str, extra: Optional[Dict[str, Any]] = None) -> None:
+    """Write the config as TOML (None values are omitted: TOML has no null), loadable by --config."""
+    lines = ["# ampkit train config (reload with: ampkit train --config THIS_FILE)"]
+    for k, v in config.to_dict().items():
+        if v is not None:
+            lines.append(f"{k} = {_toml_value(v)}")
+    if extra:
+        lines.append("")
+        for k, v in extra.items():
+            lines.append(f"# {k}: {v}")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)

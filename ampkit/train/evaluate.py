@@ -1,0 +1,84 @@
+"""Evaluation: loss and accuracy each epoch; scikit-learn's classification_report and a
+confusion matrix at the end (for classification), perplexity and token accuracy for LMs."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Dict, Iterable, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["default_loss", "evaluate", "classification_text"]
+
+
+def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for integer targets (any number of leading dims, classes last), MSE otherwise."""
+    if target.is_floating_point():
+        return torch.nn.functional.mse_loss(output.float().reshape(target.shape), target.float())
+    return torch.nn.functional.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: Iterable,
+    loss_fn: Callable,
+    autocast: Callable[[], Any],
+    task: str,
+    collect: bool = False,
+) -> Dict[str, Any]:
+    """Mean loss (weighted by samples), accuracy, and (if collect) predictions and targets."""
+    was_training = model.training
+    model.eval()
+    total_loss = torch.zeros((), dtype=torch.float64)
+    correct = torch.zeros((), dtype=torch.int64)
+    count = 0
+    preds, targets = [], []
+    try:
+        for x, y in batches:
+            with autocast():
+                out = model(x)
+                loss = loss_fn(out, y)
+            n = y.numel() if task == "lm" else y.shape[0]
+            total_loss += loss.detach().double().cpu() * n
+            count += n
+            if task in ("classification", "lm"):
+                p = out.argmax(-1)
+                correct += (p == y).sum().cpu()
+                if collect and task == "classification":
+                    preds.append(p.cpu())
+                    targets.append(y.cpu())
+    finally:
+        model.train(was_training)
+    if count == 0:
+        return {"loss": float("nan"), "accuracy": None, "samples": 0}
+    loss = (total_loss / count).item()
+    result: Dict[str, Any] = {"loss": loss, "samples": count}
+    result["accuracy"] = (correct.item() / count) if task in ("classification", "lm") else None
+    if task == "lm":
+        result["perplexity"] = math.exp(min(loss, 50.0))
+    if collect and preds:
+        result["preds"] = torch.cat(preds).numpy()
+        result["targets"] = torch.cat(targets).numpy()
+    return result
+
+
+def classification_text(preds: np.ndarray, targets: np.ndarray, class_names: Optional[list] = None) -> Dict[str, Any]:
+    """scikit-learn's classification_report (text and dict) and confusion matrix."""
+    from sklearn.metrics import classification_report, confusion_matrix
+
+    labels = sorted(set(np.unique(targets)) | set(np.unique(preds)))
+    names = [class_names[i] if class_names and i < len(class_names) else str(i) for i in labels]
+    text = classification_report(targets, preds, labels=labels, target_names=names, digits=4, zero_division=0)
+    as_dict = classification_report(targets, preds, labels=labels, target_names=names, output_dict=True, zero_division=0)
+    cm = confusion_matrix(targets, preds, labels=labels)
+    width = max(4, max(len(n) for n in names) + 1, len(str(cm.max())) + 1)
+    header = " " * width + "".join(f"{n:>{width}}" for n in names)
+    rows = [f"{n:>{width}}" + "".join(f"{v:>{width}}" for v in row) for n, row in zip(names, cm)]
+    cm_text = "confusion matrix (rows: true, columns: predicted)\n" + "\n".join([header] + rows)
+    return {"text": text, "dict": as_dict, "confusion_matrix": cm.tolist(), "confusion_text": cm_text}
+
+
+def no_autocast():
+    return contextlib.nullcontext()

@@ -1,0 +1,106 @@
+"""Per-step metrics without per-step host syncs, written to metrics.jsonl (and TensorBoard).
+
+Each optimizer step records its loss and loss scale as *tensors*; every ``log_every`` steps they
+are read back in one batched transfer and written as one JSON line per step. The progress bar
+and log lines are refreshed at the same moments.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+__all__ = ["MetricsLogger", "Progress"]
+
+
+class MetricsLogger:
+    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None, append: bool = False) -> None:
+        self.path = path
+        self._pending: List[Dict[str, Any]] = []
+        self._file = open(path, "a" if append else "w") if path else None
+        self._tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except (ImportError, ModuleNotFoundError) as e:
+                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from e
+            self._tb = SummaryWriter(tensorboard_dir)
+
+    def step(self, record: Dict[str, Any]) -> None:
+        """Queue one step's record; tensor values are resolved at flush()."""
+        self._pending.append(record)
+
+    def flush(self) -> List[Dict[str, Any]]:
+        """Resolve queued tensors with one transfer, write them, return the records."""
+        if not self._pending:
+            return []
+        keys = [k for k, v in self._pending[0].items() if isinstance(v, torch.Tensor)]
+        if keys:
+            stacked = torch.stack([r[k].detach().float().reshape(()) for r in self._pending for k in keys]).tolist()
+            i = 0
+            for r in self._pending:
+                for k in keys:
+                    r[k] = stacked[i]
+                    i += 1
+        out, self._pending = self._pending, []
+        for r in out:
+            self._write(r)
+        return out
+
+    def event(self, record: Dict[str, Any]) -> None:
+        """Write a record now (epoch summaries, evaluation)."""
+        self.flush()
+        self._write(record)
+
+    def _write(self, r: Dict[str, Any]) -> None:
+        if self._file:
+            self._file.write(json.dumps(r) + "\n")
+        if self._tb is not None:
+            step = r.get("step", 0)
+            for k, v in r.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "epoch"):
+                    self._tb.add_scalar(f"{r.get('kind', 'train')}/{k}", v, step)
+
+    def close(self) -> None:
+        self.flush()
+        if self._file:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Progress:
+    """tqdm bar over micro-batches when stderr is a TTY (and enabled), else periodic log lines."""
+
+    def __init__(self, total: int, enabled: bool, desc: str, initial: int = 0) -> None:
+        self.bar = None
+        self.enabled = enabled
+        self.use_bar = enabled and sys.stderr.isatty()
+        if self.use_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="batch", dynamic_ncols=True, leave=False)
+        self.desc = desc
+        self.t0 = time.perf_counter()
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def show(self, fields: Dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+        elif self.enabled:
+            body = " ".join(f"{k}={v}" for k, v in fields.items())
+            print(f"[{self.desc}] {body}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,581 @@
+"""`Trainer`: data -> forward -> loss -> backward -> step -> eval -> checkpoint.
+
+The loop never asks which precision it runs in: it calls the `Precision` hooks (autocast,
+backward, step) and nothing else. Gradient accumulation divides each micro-batch loss by the
+size of its window (the last, partial window of an epoch by its own size), makes one
+unscale/clip/step per window, and advances the scheduler and step counters only on real
+(non-skipped) optimizer steps.
+
+Exact resume: the data order of each epoch comes from a generator seeded with (seed, epoch),
+so a resumed run regenerates the epoch's order and skips the micro-batches already consumed;
+model, optimizer (fp32 masters included), scaler, scheduler and RNG states come from the
+checkpoint. On CPU a stopped-and-resumed run ends bitwise equal to an uninterrupted one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from ..precision import NonFiniteGradientsError, Precision
+from . import checkpoint as ckpt
+from .config import TrainConfig, write_config
+from .evaluate import classification_text, default_loss, evaluate
+from .metrics import MetricsLogger, Progress
+
+__all__ = ["Trainer", "TrainingInterrupted", "RunDirError", "build_optimizer", "build_scheduler"]
+
+
+class TrainingInterrupted(Exception):
+    """Raised after a signal (Ctrl-C, SIGTERM) once the checkpoint has been written."""
+
+    def __init__(self, signum: int, path: Optional[str]) -> None:
+        self.signum = signum
+        self.path = path
+        name = signal.Signals(signum).name
+        where = f"checkpoint saved to {path}" if path else "no run directory, nothing saved"
+        super().__init__(f"{name} received: stopped at a step boundary; {where}. Resume with --resume auto.")
+
+
+class RunDirError(ValueError):
+    """The output directory cannot be used (holds another run, not writable...)."""
+
+
+def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
+    from ..precision.convert import is_norm
+
+    return param.dim() <= 1 or name.endswith(".bias") or is_norm(module)
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, device: torch.device):
+    """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it."""
+    decay, no_decay = [], []
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            (no_decay if _no_decay(p_name, p, module) else decay).append(p)
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    if not groups:
+        raise ValueError("the model has no trainable parameters.")
+    key = name.lower()
+    fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
+    if key == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, **fused)
+    if key == "adam":
+        return torch.optim.Adam(groups, lr=lr, **fused)
+    if key == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **fused)
+    raise ValueError(f"Unknown optimizer {name!r}: use adamw, adam or sgd (or pass your own to Trainer).")
+
+
+def build_scheduler(optimizer, kind: str, total_steps: int, warmup_steps: int):
+    """constant | cosine | linear, each with an optional linear warm-up; None for constant without warm-up."""
+    kind = kind.lower()
+    if kind not in ("constant", "cosine", "linear"):
+        raise ValueError(f"Unknown lr schedule {kind!r}: use constant, cosine or linear.")
+    if kind == "constant" and warmup_steps <= 0:
+        return None
+    total = max(1, total_steps)
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _dist_info():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Trainer:
+    """Train a model with one precision policy.
+
+    Args:
+        model: any nn.Module.
+        train_data: a Dataset (TensorDatasets are indexed directly, others collated).
+        eval_data: optional Dataset evaluated each epoch and at the end.
+        optimizer, scheduler: optional; built from the config when None.
+        loss_fn: ``loss_fn(output, target)``; default cross-entropy (integer targets) or MSE.
+        precision: a name/alias or a ready `Precision` (overrides ``config.precision``).
+        config: a `TrainConfig`; keyword overrides (``epochs=3``...) are applied on top.
+        task: "classification" | "lm" | "regression" (inferred from the targets when None).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Dataset,
+        eval_data: Optional[Dataset] = None,
+        *,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        scheduler: Any = None,
+        loss_fn: Optional[Callable] = None,
+        precision: Any = None,
+        config: Optional[TrainConfig] = None,
+        task: Optional[str] = None,
+        class_names: Optional[Sequence[str]] = None,
+        **overrides: Any,
+    ) -> None:
+        self.config = (config or TrainConfig()).updated(**overrides)
+        cfg = self.config
+        if cfg.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}.")
+        if cfg.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}.")
+        if cfg.epochs < 1 and not cfg.max_steps:
+            raise ValueError(f"epochs must be >= 1, got {cfg.epochs}.")
+        if len(train_data) == 0:
+            raise ValueError("the training set is empty: it needs at least one sample.")
+        self.rank, self.world_size = _dist_info()
+        if isinstance(precision, Precision):
+            self.precision = precision
+        else:
+            self.precision = Precision(
+                precision or cfg.precision, cfg.device,
+                loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
+                max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
+            )
+        self.device = self.precision.device
+        self.train_data, self.eval_data = train_data, eval_data
+        self.task = task or _infer_task(train_data)
+        self.class_names = list(class_names) if class_names else None
+        self.loss_fn = loss_fn or default_loss
+        if optimizer is None:
+            optimizer = build_optimizer(model.to(self.device), cfg.optimizer, cfg.lr, cfg.weight_decay, self.device)
+        self.model, self.optimizer = self.precision.setup(model, optimizer)
+        self.raw_model = self.model
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if cfg.compile:
+            self.model = torch.compile(self.model)
+        n_batches = self._batches_per_epoch()
+        self.steps_per_epoch = math.ceil(n_batches / cfg.grad_accum)
+        total = cfg.max_steps or self.steps_per_epoch * cfg.epochs
+        self.scheduler = scheduler if scheduler is not None else build_scheduler(
+            self.optimizer, cfg.lr_schedule, total, cfg.warmup_steps)
+        # progress counters
+        self.epoch = 0
+        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
+        self.global_step = 0  # real optimizer steps
+        self.attempted_steps = 0  # optimizer steps attempted (real + skipped)
+        self.history: List[Dict[str, Any]] = []
+        self.run_dir: Optional[str] = None
+        self._stop_signal: Optional[int] = None
+        self.last_checkpoint: Optional[str] = None
+        self._saved_state: Optional[tuple] = None
+
+    # ------------------------------------------------------------------ data
+    def _batches_per_epoch(self) -> int:
+        n = math.ceil(len(self.train_data) / self.world_size)
+        return math.ceil(n / self.config.batch_size)
+
+    def _epoch_order(self, epoch: int) -> List[torch.Tensor]:
+        g = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch)
+        perm = torch.randperm(len(self.train_data), generator=g)
+        if self.world_size > 1:  # shard like DistributedSampler (pad by wrapping around)
+            per = math.ceil(len(perm) / self.world_size)
+            perm = torch.cat([perm, perm[: per * self.world_size - len(perm)]])[self.rank::self.world_size]
+        return list(torch.split(perm, self.config.batch_size))
+
+    def _fetch(self, dataset: Dataset, idx: torch.Tensor):
+        if isinstance(dataset, TensorDataset):
+            x, y = (t[idx] for t in dataset.tensors[:2])
+        else:
+            from torch.utils.data import default_collate
+
+            x, y = default_collate([dataset[int(i)] for i in idx])[:2]
+        nb = self.device.type == "cuda"
+        return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
+
+    def _eval_batches(self, dataset: Dataset):
+        size = self.config.batch_size * 4
+        for start in range(0, len(dataset), size):
+            yield self._fetch(dataset, torch.arange(start, min(start + size, len(dataset))))
+
+    # ------------------------------------------------------------------ run directory
+    def _prepare_run_dir(self) -> Optional[str]:
+        cfg = self.config
+        if not cfg.out or self.rank != 0:
+            return cfg.out
+        out = cfg.out
+        holds_run = os.path.isdir(out) and any(
+            os.path.exists(os.path.join(out, f)) for f in ("config.toml", "summary.json", "checkpoints", "metrics.jsonl"))
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise RunDirError(f"--out {out!r} is a file, not a directory: choose another --out.")
+        if holds_run and not cfg.resume:
+            raise RunDirError(
+                f"--out {out!r} already holds a run: continue it with --resume auto, or choose another --out "
+                "(nothing was overwritten).")
+        try:
+            os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+            probe = os.path.join(out, ".write-test")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.unlink(probe)
+        except OSError as e:
+            raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): choose another --out.") from e
+        return out
+
+    def _checkpoint_dir(self) -> Optional[str]:
+        return os.path.join(self.run_dir, "checkpoints") if self.run_dir else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "precision": self.precision.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "progress": {"epoch": self.epoch, "batch": self.batch_in_epoch, "global_step": self.global_step,
+                         "attempted_steps": self.attempted_steps},
+            "rng": ckpt.rng_state(),
+            "config": {k: v for k, v in self.config.to_dict().items() if v is not None},
+            "model_signature": ckpt.model_signature(self.raw_model),
+        }
+
+    def save_checkpoint(self) -> Optional[str]:
+        directory = self._checkpoint_dir()
+        if directory is None or self.rank != 0:
+            self._barrier()
+            return None
+        path = ckpt.checkpoint_path(directory, self.attempted_steps)
+        ckpt.save_checkpoint(self.state_dict(), path)
+        self._saved_state = (self.epoch, self.batch_in_epoch, self.attempted_steps)
+        ckpt.prune_checkpoints(directory, self.config.keep_last)
+        self.last_checkpoint = path
+        self._barrier()
+        return path
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        ck = ckpt.load_checkpoint(path, map_location=self.device)
+        mine, theirs = ckpt.model_signature(self.raw_model), ck.get("model_signature")
+        if theirs is not None and [list(x) for x in theirs] != mine:
+            diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
+            detail = (f"first difference: checkpoint {diff[0][0]} {diff[0][1]} {diff[0][2]} vs model "
+                      f"{diff[1][0]} {diff[1][1]} {diff[1][2]}" if diff else
+                      f"checkpoint has {len(theirs)} tensors, model has {len(mine)}")
+            raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
+        try:
+            self.precision.load_state_dict(ck["precision"])
+            self.raw_model.load_state_dict(ck["model"])
+            self.optimizer.load_state_dict(ck["optimizer"])
+            if self.scheduler is not None and ck.get("scheduler"):
+                self.scheduler.load_state_dict(ck["scheduler"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
+        p = ck["progress"]
+        self.epoch, self.batch_in_epoch = p["epoch"], p["batch"]
+        self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
+        ckpt.set_rng_state(ck["rng"])
+        self.last_checkpoint = path
+
+    def _resolve_resume(self) -> Optional[str]:
+        spec = self.config.resume
+        if not spec:
+            return None
+        if spec == "auto":
+            directory = self._checkpoint_dir() or (os.path.join(self.config.out, "checkpoints") if self.config.out else None)
+            if directory is None:
+                raise RunDirError("--resume auto needs --out DIR (the run directory to continue).")
+            return ckpt.latest_checkpoint(directory)
+        return spec
+
+    # ------------------------------------------------------------------ signals
+    @contextlib.contextmanager
+    def _signal_guard(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {}
+
+        def handler(signum, frame):
+            if self._stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # second Ctrl-C: stop now
+            self._stop_signal = signum
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            previous[s] = signal.signal(s, handler)
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    # ------------------------------------------------------------------ training
+    def fit(self) -> Dict[str, Any]:
+        """Train for the configured epochs/steps; returns the summary dict."""
+        cfg = self.config
+        self.run_dir = self._prepare_run_dir()
+        resume_path = self._resolve_resume()
+        if resume_path:
+            self.load_checkpoint(resume_path)
+        else:
+            torch.manual_seed(cfg.seed)
+        self._check_inputs_finite()
+        is_main = self.rank == 0
+        logger = MetricsLogger(
+            os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None,
+            os.path.join(self.run_dir, "tensorboard") if (self.run_dir and is_main and cfg.tensorboard) else None,
+            append=bool(resume_path),
+        )
+        if resume_path and self.run_dir and is_main:
+            _truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.attempted_steps)
+        if self.run_dir and is_main:
+            write_config(cfg, os.path.join(self.run_dir, "config.toml"),
+                         {"precision (resolved)": self.precision.describe()})
+        if is_main:
+            print(f"ampkit: {self.precision.describe()}", file=sys.stderr)
+            if resume_path:
+                print(f"ampkit: resumed from {resume_path} (epoch {self.epoch}, step {self.global_step})", file=sys.stderr)
+        t_start = time.perf_counter()
+        samples_seen = 0
+        try:
+            with self._signal_guard():
+                samples_seen = self._train_epochs(logger, is_main)
+        except NonFiniteGradientsError as e:
+            logger.close()
+            self._write_nonfinite_report(str(e))
+            raise
+        except TrainingInterrupted:
+            logger.close()
+            raise
+        train_time = time.perf_counter() - t_start
+        summary = self._finish(logger, samples_seen, train_time, is_main)
+        logger.close()
+        return summary
+
+    def _train_epochs(self, logger: MetricsLogger, is_main: bool) -> int:
+        cfg = self.config
+        model, precision, optimizer = self.model, self.precision, self.optimizer
+        accum = cfg.grad_accum
+        samples_seen = 0
+        model.train()
+        while self.epoch < cfg.epochs:
+            order = self._epoch_order(self.epoch)
+            n = len(order)
+            progress = Progress(n, cfg.progress and is_main, f"epoch {self.epoch + 1}/{cfg.epochs}", self.batch_in_epoch)
+            t_flush, samples_flush = time.perf_counter(), 0
+            window_loss = torch.zeros((), device=self.device)
+            i = self.batch_in_epoch
+            while i < n:
+                window_start = (i // accum) * accum
+                window = min(accum, n - window_start)
+                last_in_window = (i - window_start) == window - 1
+                x, y = self._fetch(self.train_data, order[i])
+                with self._sync_context(last_in_window):
+                    with precision.autocast():
+                        out = model(x)
+                        loss = self.loss_fn(out, y) / window
+                    precision.backward(loss)
+                window_loss += loss.detach()
+                samples_flush += y.shape[0]
+                samples_seen += y.shape[0]
+                i += 1
+                self.batch_in_epoch = i
+                progress.advance()
+                if not last_in_window:
+                    continue
+                stepped = precision.step(optimizer, max_norm=cfg.max_norm)
+                optimizer.zero_grad(set_to_none=True)
+                self.attempted_steps += 1
+                if stepped:
+                    self.global_step += 1
+                    if self.scheduler is not None:
+                        self.scheduler.step()
+                logger.step({
+                    "kind": "train", "step": self.attempted_steps, "optimizer_step": self.global_step,
+                    "epoch": self.epoch, "loss": window_loss.clone(),
+                    "scale": precision.scaler._scale.clone() if precision.scaler._scale is not None else 1.0,
+                    "skipped": not stepped, "lr": optimizer.param_groups[0]["lr"],
+                })
+                window_loss = torch.zeros((), device=self.device)
+                if self.attempted_steps % cfg.log_every == 0 or i == n:
+                    now = time.perf_counter()
+                    rate = samples_flush * self.world_size / max(now - t_flush, 1e-9)
+                    records = logger.flush()
+                    for r in records:
+                        r["samples_per_s"] = rate
+                    if records:
+                        self.history.extend(records)
+                        last = records[-1]
+                        progress.show({"step": self.global_step, "loss": f"{last['loss']:.4f}",
+                                       "scale": f"{last['scale']:g}", "skipped": precision.skipped_steps,
+                                       "lr": f"{last['lr']:.2e}", "samples/s": f"{rate:.0f}"})
+                    t_flush, samples_flush = now, 0
+                if cfg.save_every and self.attempted_steps % cfg.save_every == 0:
+                    self.save_checkpoint()
+                if self._stop_signal is not None:
+                    progress.close()
+                    path = self.save_checkpoint()
+                    raise TrainingInterrupted(self._stop_signal, path)
+                if cfg.max_steps and self.global_step >= cfg.max_steps:
+                    break
+            progress.close()
+            logger.flush()
+            finished_epoch = self.batch_in_epoch >= n
+            if finished_epoch:
+                self.epoch += 1
+                self.batch_in_epoch = 0
+            ev = self._evaluate(collect=False) if self.eval_data is not None else None
+            if ev is not None and is_main:
+                rec = {"kind": "eval", "step": self.attempted_steps, "epoch": self.epoch,
+                       "loss": ev["loss"], "accuracy": ev["accuracy"]}
+                logger.event(rec)
+                self.history.append(rec)
+                acc = f", accuracy {ev['accuracy']:.4f}" if ev["accuracy"] is not None else ""
+                print(f"epoch {self.epoch}/{cfg.epochs}: eval loss {ev['loss']:.4f}{acc}, "
+                      f"steps {self.global_step}, skipped {precision.skipped_steps}", file=sys.stderr)
+            if not cfg.save_every:
+                self.save_checkpoint()
+            if cfg.max_steps and self.global_step >= cfg.max_steps:
+                break
+        if self._saved_state != (self.epoch, self.batch_in_epoch, self.attempted_steps):
+            self.save_checkpoint()  # the final state, whatever --save-every said
+        return samples_seen
+
+    def _sync_context(self, last_in_window: bool):
+        """DDP: all-reduce gradients only on the last micro-batch of a window."""
+        if not last_in_window and hasattr(self.model, "no_sync"):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _evaluate(self, collect: bool) -> Dict[str, Any]:
+        autocast = self.precision.autocast if self.config.eval_precision == "train" else contextlib.nullcontext
+        return evaluate(self.raw_model, self._eval_batches(self.eval_data), self.loss_fn, autocast, self.task, collect)
+
+    def _check_inputs_finite(self) -> None:
+        """NaN/inf in the training inputs: one clear error naming the first bad sample (and its batch)."""
+        for name, ds in (("training", self.train_data), ("evaluation", self.eval_data)):
+            if isinstance(ds, TensorDataset):
+                x = ds.tensors[0]
+                if x.is_floating_point():
+                    bad = ~torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
+                    if bad.any():
+                        first = int(bad.nonzero()[0])
+                        where = ""
+                        if name == "training":
+                            for b, idx in enumerate(self._epoch_order(self.epoch)):
+                                if (idx == first).any():
+                                    where = f" (epoch {self.epoch + 1}, batch {b})"
+                                    break
+                        raise ValueError(
+                            f"the {name} data holds NaN/inf in {int(bad.sum())} sample(s); first at sample "
+                            f"{first}{where}. Clean or filter the data before training.")
+
+    def _finish(self, logger: MetricsLogger, samples_seen: int, train_time: float, is_main: bool) -> Dict[str, Any]:
+        final = self._evaluate(collect=True) if self.eval_data is not None else None
+        rates = [r["samples_per_s"] for r in self.history if r.get("kind") == "train" and "samples_per_s" in r]
+        train_losses = [r["loss"] for r in self.history if r.get("kind") == "train" and not r.get("skipped")]
+        summary = {
+            "precision": self.precision.name,
+            "precision_requested": self.precision.requested,
+            "precision_reason": self.precision.reason,
+            "device": str(self.device),
+            "task": self.task,
+            "accuracy": final["accuracy"] if final else None,
+            "eval_loss": final["loss"] if final else None,
+            "final_train_loss": train_losses[-1] if train_losses else None,
+            "epochs": self.epoch,
+            "optimizer_steps": self.global_step,
+            "skipped_steps": self.precision.skipped_steps,
+            "final_loss_scale": self.precision.loss_scale,
+            "samples_per_s": (sorted(rates)[len(rates) // 2] if rates else None),
+            "train_time_s": train_time,
+            "world_size": self.world_size,
+        }
+        if final and "perplexity" in final:
+            summary["perplexity"] = final["perplexity"]
+        report = None
+        if final and "preds" in final:
+            report = classification_text(final["preds"], final["targets"], self.class_names)
+            summary["classification_report"] = report["dict"]
+            summary["confusion_matrix"] = report["confusion_matrix"]
+        if is_main:
+            logger.event({"kind": "summary", "step": self.attempted_steps,
+                          **{k: v for k, v in summary.items() if k not in ("classification_report", "confusion_matrix")}})
+            text = self._report_text(summary, report)
+            print(text)
+            if self.run_dir:
+                with open(os.path.join(self.run_dir, "report.txt"), "w") as f:
+                    f.write(text + "\n")
+                tmp = os.path.join(self.run_dir, "summary.json.tmp")
+                with open(tmp, "w") as f:
+                    json.dump(summary, f, indent=2)
+                os.replace(tmp, os.path.join(self.run_dir, "summary.json"))
+        return summary
+
+    def _report_text(self, summary: Dict[str, Any], report: Optional[Dict[str, Any]]) -> str:
+        lines = [f"precision: {self.precision.describe()}",
+                 f"optimizer steps: {summary['optimizer_steps']} (skipped {summary['skipped_steps']}), "
+                 f"final loss scale: {summary['final_loss_scale']:g}, epochs: {summary['epochs']}"]
+        if summary["samples_per_s"]:
+            lines.append(f"throughput: {summary['samples_per_s']:.0f} samples/s (median), train time {summary['train_time_s']:.1f} s")
+        if summary["eval_loss"] is not None:
+            acc = f", accuracy {summary['accuracy']:.4f}" if summary["accuracy"] is not None else ""
+            ppl = f", perplexity {summary['perplexity']:.3f}" if "perplexity" in summary else ""
+            lines.append(f"eval loss {summary['eval_loss']:.4f}{acc}{ppl}")
+        if report:
+            lines += ["", "classification report (scikit-learn)", report["text"], report["confusion_text"]]
+        return "\n".join(lines)
+
+    def _write_nonfinite_report(self, message: str) -> None:
+        if not self.run_dir or self.rank != 0:
+            return
+        with open(os.path.join(self.run_dir, "nonfinite_report.txt"), "w") as f:
+            f.write(message + "\n")
+
+
+def _infer_task(ds: Dataset) -> str:
+    x, y = ds[0][0], ds[0][1]
+    y = torch.as_tensor(y)
+    if y.is_floating_point():
+        return "regression"
+    return "lm" if y.dim() == 1 and not torch.as_tensor(x).is_floating_point() else "classification"
+
+
+def _truncate_metrics(path: str, upto_step: int) -> None:
+    """Drop records written after the checkpoint we resume from (they will be produced again)."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash
+            if r.get("step", 0) <= upto_step and r.get("kind") != "summary":
+                keep.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
