@@ -136,14 +136,14 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
             raise ValueError(f"data file {spec!r} does not exist.")
         try:
             with np.load(spec, allow_pickle=False) as f:
-                missing = {"x", "y"} - set(f.files)
-                if missing:
-                    raise ValueError(f"data file {spec!r} has arrays {sorted(f.files)}; it needs 'x' and 'y'.")
-                x, y = f["x"], f["y"]
-        except ValueError:
-            raise
+                files = set(getattr(f, "files", ()))
+                x = f["x"] if "x" in files else None
+                y = f["y"] if "y" in files else None
         except Exception as e:
-            raise ValueError(f"data file {spec!r} is not a readable .npz ({type(e).__name__}: {e}).") from e
+            raise ValueError(f"data file {spec!r} is not a readable .npz ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:120]}); save it with numpy.savez(path, x=..., y=...).") from e
+        if x is None or y is None:
+            raise ValueError(f"data file {spec!r} has arrays {sorted(files)}; it needs 'x' and 'y'.")
         return _from_arrays(x, y, os.path.basename(spec), test_fraction, seed)
     if ":" in spec:
         from .models import call_with_accepted, load_factory

@@ -112,13 +112,17 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     try:
         ck = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e):
+        text = str(e)
+        if "GLOBAL" in text or "Unsupported global" in text:
+            what = next((l.strip() for l in text.splitlines() if "GLOBAL" in l or "global" in l), "")
             raise CheckpointError(
-                f"checkpoint {path!r} was refused: it holds Python objects that could run code when "
-                f"loaded ({msg[:160]}). ampkit loads checkpoints with weights_only=True only."
+                f"checkpoint {path!r} was refused: it holds Python objects that would run code when "
+                f"unpickled ({what[:160]}). ampkit loads checkpoints with weights_only=True only; nothing was executed."
             ) from e
-        raise CheckpointError(f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({msg[:160]}).") from e
+        detail = next((l.strip() for l in reversed(text.splitlines()) if l.strip() and "documentation" not in l), "")
+        raise CheckpointError(
+            f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}: {detail[:160]})."
+        ) from e
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r} is not an ampkit checkpoint (no '{FORMAT}' format field).")
     if ck.get("version") != VERSION:

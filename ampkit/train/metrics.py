@@ -34,8 +34,8 @@ class MetricsLogger:
         """Queue one step's record; tensor values are resolved at flush()."""
         self._pending.append(record)
 
-    def flush(self) -> List[Dict[str, Any]]:
-        """Resolve queued tensors with one transfer, write them, return the records."""
+    def flush(self, **extra: Any) -> List[Dict[str, Any]]:
+        """Resolve queued tensors with one transfer, add ``extra`` fields, write, return the records."""
         if not self._pending:
             return []
         keys = [k for k, v in self._pending[0].items() if isinstance(v, torch.Tensor)]
@@ -48,6 +48,7 @@ class MetricsLogger:
                     i += 1
         out, self._pending = self._pending, []
         for r in out:
+            r.update(extra)
             self._write(r)
         return out
 

@@ -137,6 +137,8 @@ class Trainer:
         class_names: Optional[Sequence[str]] = None,
         **overrides: Any,
     ) -> None:
+        if isinstance(optimizer, str):  # an optimizer *name* (config key), not an instance
+            overrides["optimizer"], optimizer = optimizer, None
         self.config = (config or TrainConfig()).updated(**overrides)
         cfg = self.config
         if cfg.grad_accum < 1:
@@ -421,9 +423,7 @@ class Trainer:
                 if self.attempted_steps % cfg.log_every == 0 or i == n:
                     now = time.perf_counter()
                     rate = samples_flush * self.world_size / max(now - t_flush, 1e-9)
-                    records = logger.flush()
-                    for r in records:
-                        r["samples_per_s"] = rate
+                    records = logger.flush(samples_per_s=rate)
                     if records:
                         self.history.extend(records)
                         last = records[-1]

@@ -1,0 +1,35 @@
+"""`ampkit plot RUN_DIR [RUN_DIR ...]`: loss/accuracy curves and loss-scale history, runs overlaid."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import UsageError
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by ampkit train")
+    p.add_argument("--out", help="PNG path (default: RUN_DIR/curves.png for one run, curves.png for several)")
+    p.add_argument("--smooth", type=int, default=10, help="moving-mean window for the train loss (1 = raw)")
+    p.add_argument("--title")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+
+
+def run(args) -> int:
+    from ..plot import plot_runs
+
+    out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1 else "curves.png")
+    if args.smooth < 1:
+        raise UsageError(f"--smooth must be >= 1, got {args.smooth}.")
+    if os.path.exists(out) and args.out and not args.force:
+        raise UsageError(f"{out!r} exists: pass --force to overwrite it, or another --out.")
+    for d in args.runs:
+        if not os.path.isdir(d):
+            raise UsageError(f"run directory {d!r} does not exist.")
+    try:
+        path = plot_runs(args.runs, out, smooth=args.smooth, title=args.title)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    print(path, file=sys.stdout)
+    return 0

@@ -1,0 +1,130 @@
+"""`ampkit train` / `ampkit plot` end to end, and every bad input: one line, non-zero exit, nothing lost."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ampkit.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--no-progress", "--epochs", "1", "--batch-size", "64"]
+
+
+def _cli(args, cwd):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "ampkit", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_default_train_reaches_095_and_writes_run_dir(tmp_path):
+    r = _cli(["train", "--no-progress"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    runs = glob.glob(str(tmp_path / "runs" / "*"))
+    assert len(runs) == 1
+    s = json.load(open(os.path.join(runs[0], "summary.json")))
+    assert s["accuracy"] >= 0.95
+    assert s["precision"] in ("bf16-mixed", "bf16-master", "fp32")
+    assert "classification report" in r.stdout and "weighted avg" in r.stdout
+    plot = _cli(["plot", runs[0]], tmp_path)
+    assert plot.returncode == 0 and os.path.exists(os.path.join(runs[0], "curves.png"))
+
+
+def _err(capsys, argv):
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--precision", "fp8"], "Unknown precision 'fp8'"),
+    (["train", "--data", "missing.npz"], "does not exist"),
+    (["train", "--data", "nosuchmod.sub:make"], "cannot import data module"),
+    (["train", "--model", "nosuchmod.sub:make"], "cannot import model module"),
+    (["train", "--model", "transformer"], "Unknown model"),
+    (["train", "--loss-scale", "big", "--precision", "fp16-mixed"], "loss scale 'big' is not valid"),
+    (["train", "--precision", "bf16-mixed", "--loss-scale", "128"], "does not use loss scaling"),
+    (["train", "--grad-accum", "0"], "--grad-accum must be >= 1"),
+    (["train", "--no-amp", "--fp16"], "contradict"),
+    (["train", "--config", "nope.toml"], "does not exist"),
+    (["train", "--resume", "auto"], "--resume auto needs --out"),
+    (["train", "--fp32-modules", "nope"], "not found in the model"),
+])
+def test_bad_input_one_line(capsys, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    code, err = _err(capsys, argv + FAST)
+    assert code == 2
+    assert len([l for l in err if l.startswith("ampkit train: error")]) == 1
+    assert needle in err[-1]
+
+
+def test_bad_data_files(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "noy.npz", x=np.zeros((4, 3)))
+    np.savez(tmp_path / "empty.npz", x=np.zeros((0, 3)), y=np.zeros(0, dtype=np.int64))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    np.savez(tmp_path / "nan.npz", x=np.array([[0.0, 1.0], [np.nan, 1.0]] * 10), y=np.array([0, 1] * 10))
+    for name, needle in [("noy.npz", "needs 'x' and 'y'"), ("empty.npz", "empty"),
+                         ("junk.npz", "not a readable .npz"), ("nan.npz", "NaN/inf")]:
+        code, err = _err(capsys, ["train", "--data", str(tmp_path / name)] + FAST)
+        assert code == 2 and needle in err[-1], (name, err)
+
+
+def test_npz_and_user_factories(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 6)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+    (tmp_path / "mymods.py").write_text(
+        "import torch\n"
+        "def make(num_classes=2, in_features=6):\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(in_features, 16), torch.nn.ReLU(), torch.nn.Linear(16, num_classes))\n"
+        "def broken():\n    raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["train", "--data", "d.npz", "--model", "mymods:make", "--out", str(out), "--epochs", "15", "--lr", "0.02",
+                 "--no-progress"]) == 0
+    assert json.load(open(out / "summary.json"))["accuracy"] > 0.8
+    code, err = _err(capsys, ["train", "--data", "d.npz", "--model", "mymods:broken"] + FAST)
+    assert code == 2 and "failed: RuntimeError: boom" in err[-1]
+
+
+def test_out_dir_and_checkpoint_errors_keep_files(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out)] + FAST) == 0
+    snapshot = {p: open(p, "rb").read() for p in glob.glob(str(out / "**"), recursive=True) if os.path.isfile(p)}
+    code, err = _err(capsys, ["train", "--out", str(out)] + FAST)
+    assert code == 2 and "already holds a run" in err[-1]
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"\x00garbage" * 10)
+    code, err = _err(capsys, ["train", "--out", str(tmp_path / "r2"), "--resume", str(bad)] + FAST)
+    assert code == 2 and "corrupt or truncated" in err[-1] and str(bad) in err[-1]
+    code, err = _err(capsys, ["train", "--out", str(out), "--resume", "auto", "--model", "mlp"] + FAST)
+    assert code == 2 and "different model" in err[-1]
+    after = {p: open(p, "rb").read() for p in snapshot}
+    assert after == snapshot
+
+
+def test_config_file_and_written_back(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.toml").write_text('epochs = 1\nbatch-size = 128\nprecision = "fp32"\nlr = 0.002\n')
+    out = tmp_path / "run"
+    assert main(["train", "--config", "c.toml", "--lr", "0.004", "--out", str(out), "--no-progress"]) == 0
+    text = open(out / "config.toml").read()
+    assert "batch_size = 128" in text and "lr = 0.004" in text and 'precision = "fp32"' in text
+    # the written config loads back
+    out2 = tmp_path / "run2"
+    assert main(["train", "--config", str(out / "config.toml"), "--out", str(out2)]) == 0
+    (tmp_path / "bad.toml").write_text("epochs = 1\nwarp_speed = 9\n")
+    assert main(["train", "--config", "bad.toml"]) == 2
+
+
+def test_plot_errors(capsys, tmp_path):
+    code, err = _err(capsys, ["plot", str(tmp_path / "nope")])
+    assert code == 2 and "does not exist" in err[-1]
+    code, err = _err(capsys, ["plot", str(tmp_path)])
+    assert code == 2 and "no metrics.jsonl" in err[-1]
