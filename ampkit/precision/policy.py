@@ -30,6 +30,7 @@ from .islands import apply_fp32_islands
 from .master import MasterWeightOptimizer
 from .modes import AUTO, MODES, Mode, resolve
 from .scaler import LossScaler, parse_loss_scale
+from .speed import OpSpeedPolicy, policy_enabled
 
 __all__ = ["Precision", "set_global_policy", "global_policy"]
 
@@ -82,6 +83,9 @@ class Precision:
         skip_nonfinite: skip (and count) steps whose gradients are non-finite, in every mode.
         channels_last: convert 4-D conv models to channels_last memory format in ``setup``;
             None = where it is measured to pay (CPU with bf16 compute and conv layers).
+        op_policy: speed-aware per-op dtype choice inside ``autocast()`` (``ampkit.precision.speed``:
+            e.g. attention backward in fp32 where this CPU runs it faster); None = on for CPU
+            16-bit compute unless ``AMPKIT_OP_POLICY=off``.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class Precision:
         cast_outputs: bool = True,
         skip_nonfinite: bool = True,
         channels_last: Optional[bool] = None,
+        op_policy: Optional[bool] = None,
         scaler: Optional[LossScaler] = None,
     ) -> None:
         self.device = resolve_device(device)
@@ -115,6 +120,7 @@ class Precision:
         self.keep_norm_fp32 = keep_norm_fp32
         self.cast_outputs = cast_outputs
         self.channels_last = channels_last
+        self.op_policy = op_policy
         self._check_hardware()
 
         static = parse_loss_scale(loss_scale)
@@ -239,7 +245,18 @@ class Precision:
         dtype = self.mode.autocast_dtype
         if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        ctx = torch.autocast(device_type=self.device.type, dtype=dtype)
+        if not self._use_op_policy():
+            return ctx
+        stack = contextlib.ExitStack()
+        stack.enter_context(ctx)
+        stack.enter_context(OpSpeedPolicy())
+        return stack
+
+    def _use_op_policy(self) -> bool:
+        if self.op_policy is not None:
+            return self.op_policy
+        return self.device.type == "cpu" and policy_enabled() != "off"
 
     def convert_input(self, batch: Any) -> Any:
         """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
