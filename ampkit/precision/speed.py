@@ -8,9 +8,9 @@ back. Nothing is hard-coded: the first time a shape bucket is met, both variants
 that shape and the verdict is cached in memory and on disk (``~/.cache/ampkit/opspeed.json``,
 or ``$AMPKIT_CACHE_DIR``), keyed by CPU, torch version, threads, dtype and shape bucket.
 
-The policy is a ``TorchFunctionMode`` entered by ``Precision.autocast()``, so it applies to
-``F.scaled_dot_product_attention`` however the model calls it (nn.MultiheadAttention,
-nn.TransformerEncoderLayer, user code), without touching the model. ``AMPKIT_OP_POLICY=off``
+The policy is entered by ``Precision.autocast()`` and applies to
+``F.scaled_dot_product_attention`` as nn.MultiheadAttention, nn.TransformerEncoderLayer and user
+code call it, without touching the model. ``AMPKIT_OP_POLICY=off``
 disables it; ``=on`` uses the split kernel without measuring (for tests).
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from typing import Dict, Optional
 
 import torch
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
 __all__ = ["OpSpeedPolicy", "sdpa_split_backward", "policy_enabled", "measure_sdpa", "cache_path"]
 
@@ -151,34 +150,62 @@ def _verdict(dtype: torch.dtype, bh: int, t: int, d: int, causal: bool) -> bool:
     return bool(hit.get("use_split"))
 
 
-class OpSpeedPolicy(TorchFunctionMode):
-    """Reroutes eligible CPU attention calls to the split (low-precision fwd, fp32 bwd) kernel."""
+_ORIGINAL_SDPA = F.scaled_dot_product_attention
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            out = self._maybe_split(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
 
-    @staticmethod
-    def _maybe_split(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False):
-        if (
-            attn_mask is not None or dropout_p != 0.0 or enable_gqa
-            or query.device.type != "cpu" or not torch.is_grad_enabled()
-            or not (query.requires_grad or key.requires_grad or value.requires_grad)
-            or query.dim() != 4 or key.shape != query.shape or value.shape != query.shape
-            or torch.compiler.is_compiling()
-        ):
-            return None
-        if torch.is_autocast_enabled("cpu"):
-            dtype = torch.get_autocast_dtype("cpu")
-            query, key, value = (x.to(dtype) for x in (query, key, value))
-        if query.dtype not in (torch.bfloat16, torch.float16) or not (key.dtype == value.dtype == query.dtype):
-            return None
-        b, h, t, d = query.shape
-        if not _verdict(query.dtype, b * h, t, d, bool(is_causal)):
-            return None
-        return sdpa_split_backward(query, key, value, bool(is_causal), scale)
+def _policy_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    out = _maybe_split(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if out is not None:
+        return out
+    kw = {"enable_gqa": True} if enable_gqa else {}
+    return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                          scale=scale, **kw)
+
+
+def _maybe_split(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    if (
+        attn_mask is not None or dropout_p != 0.0 or enable_gqa
+        or not isinstance(query, torch.Tensor) or query.device.type != "cpu" or not torch.is_grad_enabled()
+        or not (query.requires_grad or key.requires_grad or value.requires_grad)
+        or query.dim() != 4 or key.shape != query.shape or value.shape != query.shape
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = (x.to(dtype) for x in (query, key, value))
+    if query.dtype not in (torch.bfloat16, torch.float16) or not (key.dtype == value.dtype == query.dtype):
+        return None
+    b, h, t, d = query.shape
+    if not _verdict(query.dtype, b * h, t, d, bool(is_causal)):
+        return None
+    return sdpa_split_backward(query, key, value, bool(is_causal), scale)
+
+
+class OpSpeedPolicy:
+    """Context manager: while active, ``torch.nn.functional.scaled_dot_product_attention`` (the
+    name nn.MultiheadAttention, nn.TransformerEncoderLayer and most user code call) routes
+    eligible CPU calls to the split kernel; everything else goes to torch's own function.
+
+    A module-attribute swap rather than a TorchFunctionMode: a mode would add Python overhead to
+    every op of the forward, and torch disables modes inside a handled call such as
+    ``F.multi_head_attention_forward``, hiding the attention call within. Code that bound
+    ``scaled_dot_product_attention`` by ``from ... import`` before the swap is not rerouted.
+    """
+
+    _depth = 0
+    _lock = threading.Lock()
+
+    def __enter__(self):
+        with OpSpeedPolicy._lock:
+            if OpSpeedPolicy._depth == 0:
+                F.scaled_dot_product_attention = _policy_sdpa
+            OpSpeedPolicy._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        with OpSpeedPolicy._lock:
+            OpSpeedPolicy._depth -= 1
+            if OpSpeedPolicy._depth == 0:
+                F.scaled_dot_product_attention = _ORIGINAL_SDPA
+        return False
