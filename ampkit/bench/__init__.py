@@ -1,0 +1,96 @@
+"""`ampkit bench`: fp32 vs mixed precision side by side, measured honestly.
+
+``run_bench(settings, out_dir)`` plans the configurations (:mod:`.configs`), measures the
+device's peak GEMM rate (:mod:`.peak`), runs each configuration in its own process,
+interleaved and repeated (:mod:`.runner`, :mod:`.worker`), derives speedups, loss deltas,
+FLOP/s and explanations (:mod:`.report`, :mod:`.explain`) and writes bench.json, bench.md and
+bench.png into ``out_dir``.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Callable, Dict, List, Optional
+
+from .configs import DEFAULTS, QUICK, RUNNERS, Settings, plan
+
+__all__ = ["Settings", "DEFAULTS", "QUICK", "RUNNERS", "plan", "run_bench", "device_section", "check_out_dir"]
+
+
+def device_section(device_name: str, precisions: List[str], measure_peak: bool = True) -> Dict:
+    """What the results were measured on, with the measured peak GEMM FLOP/s per dtype."""
+    import torch
+
+    from ..precision.device import device_info, resolve_device
+    from ..precision.modes import MODES
+    from .explain import low_dtype_of
+    from .peak import measure_peaks
+
+    device = resolve_device(device_name)
+    info = device_info(device)
+    dtypes = ["fp32"] + sorted({d for p in precisions if p in MODES for d in [low_dtype_of(p)] if d})
+    out = {
+        "type": device.type, "name": info.name, "matrix_units": info.matrix_units, "bf16_fast": info.bf16_fast,
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "python": platform.python_version(), "notes": list(info.notes),
+    }
+    if device.type == "cuda":
+        out["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    out["peak_flops"] = measure_peaks(device, dtypes) if measure_peak else {}
+    return out
+
+
+def check_out_dir(out: str) -> None:
+    """Refuse to overwrite: --out must be a new or empty-of-results directory."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is an existing file: pass a directory path (it will hold bench.json, "
+                         "bench.md and bench.png).")
+    from .report import OUTPUTS
+
+    clash = [f for f in OUTPUTS if os.path.exists(os.path.join(out, f))]
+    if clash:
+        raise ValueError(f"--out {out!r} already holds {', '.join(clash)}: pass another --out, or move them away.")
+
+
+def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]] = None,
+              worker: Optional[Callable] = None, measure_peak: bool = True) -> Dict:
+    """Plan, measure, report. Returns {"device", "results", "notes", "paths"}."""
+    import torch
+
+    from .report import finalize, write_json, write_markdown, write_png
+    from .runner import run_all, run_worker
+
+    check_out_dir(out)
+    configs, notes = plan(settings)
+    os.makedirs(out, exist_ok=True)
+    threads = torch.get_num_threads()
+    if log:
+        log(f"ampkit bench: {len(configs)} configurations x {settings.repeats} repeats, {threads} threads; "
+            "measuring peak GEMM rate ...")
+    precisions = sorted({c["resolved_precision"] for c in configs})
+    device = device_section(settings.device, precisions, measure_peak)
+    results = run_all(configs, settings.repeats, settings.timeout_s, threads, log, worker or run_worker)
+    finalize(results, device)
+    sdict = settings.as_dict()
+    sdict["command"] = settings_command(settings)
+    paths = [write_json(os.path.join(out, "bench.json"), device, results, sdict, notes),
+             write_markdown(os.path.join(out, "bench.md"), device, results, sdict, notes),
+             write_png(os.path.join(out, "bench.png"), results, device)]
+    return {"device": device, "results": results, "notes": notes, "paths": paths}
+
+
+def settings_command(s: Settings) -> str:
+    """The `ampkit bench` command line that reproduces these settings exactly."""
+    parts = ["ampkit bench", "--models", ",".join(s.models)]
+    if s.precisions is not None:
+        parts += ["--precisions", ",".join(s.precisions)]
+    parts += ["--runners", ",".join(s.runners), "--steps", str(s.steps), "--warmup", str(s.warmup),
+              "--repeats", str(s.repeats), "--device", s.device]
+    if s.quick:
+        parts.insert(1, "--quick")
+    if s.batch_size:
+        parts += ["--batch-size", str(s.batch_size)]
+    if s.compile:
+        parts.append("--compile")
+    return " ".join(parts)

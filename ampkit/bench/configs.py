@@ -1,0 +1,184 @@
+"""What `ampkit bench` measures: models, precisions, runners, defaults, the `--quick` preset.
+
+`plan()` turns the user's choices into the list of configurations the runner schedules, and
+raises ValueError (one line, saying how to fix it) for anything it cannot run. Nothing here
+imports the user's model or touches the device beyond asking what it supports.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..precision.modes import AUTO, MODES, resolve
+
+__all__ = ["Settings", "DEFAULTS", "QUICK", "RUNNERS", "REFERENCE_MODELS", "plan", "default_precisions",
+           "baseline_precision", "has_compensated_optim", "config_key"]
+
+#: reference workloads: batch size and what one sample is (DESIGN.md's measured shapes)
+REFERENCE_MODELS: Dict[str, Dict] = {
+    "cnn": {"batch_size": 64, "what": "SimpleCNN, 3x32x32 images, 10 classes, AdamW"},
+    "resnet": {"batch_size": 64, "what": "ResNet (3 stages, width 32, BatchNorm), 3x32x32 images, AdamW"},
+    "gpt": {"batch_size": 16, "what": "GPT d=384, 4 layers, 6 heads, 256 tokens, vocab 256, AdamW"},
+    "mlp": {"batch_size": 64, "what": "MLP 3x32x32 -> 256 -> 256 -> 10, AdamW"},
+}
+USER_BATCH_SIZE = 32
+
+#: ampkit = Precision hooks (the Trainer's code path); torch-loop = plain nanoGPT-style loop
+RUNNERS = ("ampkit", "torch-loop")
+
+#: the plain loop only knows autocast + GradScaler: a mode's baseline is autocast in its dtype
+_LOOP_MODES = {None: "fp32", torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}
+
+
+@dataclass
+class Settings:
+    models: List[str] = field(default_factory=lambda: ["cnn", "resnet", "gpt"])
+    precisions: Optional[List[str]] = None  # None = every mode that makes sense on the device
+    runners: List[str] = field(default_factory=lambda: list(RUNNERS))
+    steps: int = 10
+    warmup: int = 2
+    repeats: int = 3
+    batch_size: Optional[int] = None  # None = per-model default (or the preset's batch_sizes)
+    batch_sizes: Dict[str, int] = field(default_factory=dict)  # per-model override of the default
+    device: str = "cpu"
+    compile: bool = False
+    lr: float = 1e-3
+    seed: int = 0
+    timeout_s: float = 900.0  # per worker process
+    quick: bool = False
+
+    def as_dict(self) -> Dict:
+        return asdict(self)
+
+
+DEFAULTS = Settings()
+#: --quick: two models, fp32 vs bf16 autocast, both runners, few steps; still interleaved + repeated.
+#: The GPT runs 4x256 tokens (not 16x256) so the whole preset fits 3 minutes on a 2-core CPU.
+QUICK = Settings(models=["cnn", "gpt"], precisions=["fp32", "bf16-mixed"], steps=3, warmup=1, repeats=2,
+                 batch_sizes={"gpt": 4}, timeout_s=300.0, quick=True)
+
+
+def has_compensated_optim() -> bool:
+    """bf16-pure needs ampkit.optim (Kahan-compensated optimizers), built separately."""
+    try:
+        return importlib.util.find_spec("ampkit.optim") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def baseline_precision(mode: str) -> str:
+    """The torch-loop mode a user would write for this ampkit mode: autocast in the same dtype."""
+    return _LOOP_MODES[MODES[mode].low_dtype]
+
+
+def default_precisions(device: torch.device) -> Tuple[List[str], List[str]]:
+    """(modes worth measuring on this device, notes on the ones left out and why)."""
+    from ..precision.device import device_info
+
+    info = device_info(device)
+    modes, notes = ["fp32"], []
+    if device.type == "cuda":
+        modes += ["fp16-mixed", "fp16-master"]
+        if info.bf16_supported:
+            modes[2:2] = ["bf16-mixed"]
+            modes += ["bf16-master"]
+        else:
+            notes.append(f"bf16 modes skipped: {info.name} does not support bf16.")
+    else:
+        modes += ["bf16-mixed", "bf16-master"]
+        notes.append("fp16 modes skipped on CPU: torch's CPU fp16 kernels run far slower than fp32 "
+                     "(ask for them with --precisions fp16-mixed to measure it).")
+    if info.bf16_supported or device.type == "cpu":
+        if has_compensated_optim():
+            modes.append("bf16-pure")
+        else:
+            notes.append("bf16-pure skipped: it needs ampkit.optim (compensated optimizers), not in this build.")
+    notes.append("fp16-pure skipped: no master copy and no compensation, small updates underflow "
+                 "(ask for it explicitly).")
+    return modes, notes
+
+
+def _check_model(spec: str) -> str:
+    from ..models import REFERENCE, load_factory
+
+    key = spec.strip()
+    if key.lower() in REFERENCE:
+        return "cnn" if key.lower() == "simple_cnn" else key.lower()
+    if ":" in key:
+        import os
+        import sys
+
+        if os.getcwd() not in sys.path:  # the workers import user modules from the working directory too
+            sys.path.insert(0, os.getcwd())
+        load_factory(key, "model")  # raises ValueError with the fix
+        return key
+    raise ValueError(f"Unknown model {spec!r}: use cnn, resnet, gpt, mlp or 'pkg.module:factory'.")
+
+
+def config_key(cfg: Dict) -> Tuple[str, str, str]:
+    return cfg["model"], cfg["precision"], cfg["runner"]
+
+
+def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
+    """Configurations to measure (one dict each, sent to a worker) and notes for the report."""
+    for name in ("steps", "repeats"):
+        if int(getattr(s, name)) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(s, name)}.")
+    if s.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {s.warmup}.")
+    if s.batch_size is not None and s.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {s.batch_size}.")
+    if not s.models:
+        raise ValueError("--models is empty: name at least one (cnn, resnet, gpt or pkg.module:factory).")
+    bad = [r for r in s.runners if r not in RUNNERS]
+    if bad or not s.runners:
+        raise ValueError(f"Unknown runner {bad[0] if bad else ''!r}: use {', '.join(RUNNERS)} (comma-separated).")
+    from ..precision.device import auto_mode, resolve_device
+
+    device = resolve_device(s.device)
+    notes: List[str] = []
+    if s.precisions is None:
+        precisions, notes = default_precisions(device)
+    else:
+        precisions = []
+        for p in s.precisions:
+            name = resolve(p)  # ValueError lists the valid names
+            if name == "bf16-pure" and not has_compensated_optim():
+                raise ValueError("precision 'bf16-pure' needs ampkit.optim (compensated optimizers), which this "
+                                 "ampkit does not have yet: leave bf16-pure out.")
+            if name not in precisions:
+                precisions.append(name)
+        if "fp32" not in precisions:
+            precisions.insert(0, "fp32")
+            notes.append("fp32 added: every speedup and loss delta is against fp32 of the same model and runner.")
+        if device.type == "cpu" and any(MODES[p].low_dtype == torch.float16 for p in precisions if p != AUTO):
+            notes.append("fp16 on CPU asked for: torch's CPU fp16 kernels are far slower than fp32; "
+                         "expect long steps (each worker stops after its timeout).")
+    resolved = {p: (auto_mode(device)[0] if p == AUTO else p) for p in precisions}
+    models = []
+    for m in s.models:
+        key = _check_model(m)
+        if key not in models:
+            models.append(key)
+    configs = []
+    for model in models:
+        batch = s.batch_size or s.batch_sizes.get(model) or REFERENCE_MODELS.get(model, {}).get(
+            "batch_size", USER_BATCH_SIZE)
+        for runner in s.runners:
+            if runner == "ampkit":
+                modes = precisions
+            else:  # the plain loop: autocast in each asked-for dtype (bf16-master -> bf16-mixed)
+                modes = list(dict.fromkeys(baseline_precision(resolved[p]) for p in precisions))
+            for p in modes:
+                configs.append({
+                    "model": model, "precision": p, "resolved_precision": resolved.get(p, p), "runner": runner,
+                    "batch_size": batch, "steps": s.steps, "warmup": s.warmup, "device": str(device),
+                    "compile": bool(s.compile), "lr": s.lr, "seed": s.seed,
+                })
+    if "torch-loop" in s.runners and any(baseline_precision(resolved[p]) != p for p in precisions):
+        notes.append("torch-loop rows use plain autocast in the same dtype as the ampkit modes it is the "
+                     "baseline for (bf16-master/bf16-pure -> bf16-mixed): that is what a user writes by hand.")
+    return configs, notes

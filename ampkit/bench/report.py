@@ -1,0 +1,170 @@
+"""Derived columns (speedup, loss delta, FLOP/s, utilisation, explanation) and the three outputs.
+
+Every ratio is taken inside one run: a row's speedup and loss delta are against the fp32 row
+of the *same model and runner*; ``vs_torch_loop`` compares an ampkit row with the plain loop in
+the same compute dtype (bf16-master vs the bf16 autocast loop), > 1 meaning ampkit is faster.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+from .configs import baseline_precision
+from .explain import explain, low_dtype_of
+from .profile import CATEGORIES
+
+__all__ = ["finalize", "write_json", "write_markdown", "write_png", "markdown", "OUTPUTS"]
+
+OUTPUTS = ("bench.json", "bench.md", "bench.png")
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return round(a / b, 4) if a and b else None
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """Round to significant digits (a tiny model's TFLOP/s must not round to 0)."""
+    return float(f"{x:.{digits}g}")
+
+
+def finalize(results: List[Dict], device: Dict) -> List[Dict]:
+    """Fill the derived fields of every record (in place) and return the list."""
+    ok = [r for r in results if "error" not in r or r.get("ms_per_step")]
+    fp32 = {(r["model"], r["runner"]): r for r in ok if r["precision"] == "fp32"}
+    by_key = {(r["model"], r["precision"], r["runner"]): r for r in ok}
+    peaks = device.get("peak_flops") or {}
+    for r in results:
+        for k in ("speedup_vs_fp32", "loss_delta_vs_fp32", "loss_rel_delta_vs_fp32", "samples_per_s",
+                  "tokens_per_s", "tflops", "utilisation", "vs_torch_loop", "explanation"):
+            r.setdefault(k, None)
+        ms = r.get("ms_per_step")
+        if not ms:
+            continue
+        base = fp32.get((r["model"], r["runner"]))
+        if base is not None:
+            r["speedup_vs_fp32"] = _ratio(base["ms_per_step"], ms)
+            r["loss_delta_vs_fp32"] = round(r["final_loss"] - base["final_loss"], 6)
+            if base["final_loss"]:
+                r["loss_rel_delta_vs_fp32"] = round(r["loss_delta_vs_fp32"] / abs(base["final_loss"]), 6)
+        r["samples_per_s"] = round(r["samples_per_step"] * 1000.0 / ms, 2)
+        if r.get("tokens_per_step"):
+            r["tokens_per_s"] = round(r["tokens_per_step"] * 1000.0 / ms, 1)
+        if r.get("flops_per_step"):
+            rate = r["flops_per_step"] * 1000.0 / ms
+            r["tflops"] = _sig(rate / 1e12)
+            peak = peaks.get(low_dtype_of(r.get("resolved_precision") or r["precision"]) or "fp32")
+            r["utilisation"] = _sig(rate / peak) if peak else None
+        if r["runner"] == "ampkit":
+            loop = by_key.get((r["model"], baseline_precision(r.get("resolved_precision") or r["precision"]),
+                               "torch-loop"))
+            r["vs_torch_loop"] = _ratio(loop["ms_per_step"], ms) if loop else None
+        r["explanation"] = explain(r, base, device)
+    return results
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: str, device: Dict, results: List[Dict], settings: Dict, notes: List[str]) -> str:
+    _atomic_write(path, json.dumps({"device": device, "settings": settings, "notes": notes, "results": results},
+                                   indent=1) + "\n")
+    return path
+
+
+def _f(v, fmt: str, none: str = "-") -> str:
+    return none if v is None else format(v, fmt)
+
+
+def _device_line(device: Dict) -> str:
+    peaks = ", ".join(f"{k} {v / 1e12:.3f}" for k, v in (device.get("peak_flops") or {}).items())
+    return (f"{device.get('type', '?').upper()} {device.get('name', '')} ({device.get('matrix_units', '?')}), "
+            f"{device.get('threads')} threads, torch {device.get('torch')}; measured peak GEMM TFLOP/s: {peaks}")
+
+
+def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]) -> str:
+    lines = ["# ampkit bench", "", f"- device: {_device_line(device)}",
+             f"- {settings.get('steps')} timed steps after {settings.get('warmup')} warm-up, "
+             f"{settings.get('repeats')} interleaved repeats, each in its own process; medians of all timed steps",
+             f"- command: `{settings.get('command', '')}`", "",
+             "| model | precision | runner | ms/step | IQR | speedup vs fp32 | vs torch-loop | samples/s | peak MB "
+             "| state B/param | final loss | loss Δ vs fp32 | TFLOP/s | util |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        name = r["precision"] + (f" ({r['resolved_precision']})" if r.get("resolved_precision") not in
+                                 (None, r["precision"]) else "")
+        if not r.get("ms_per_step"):
+            lines.append(f"| {r['model']} | {name} | {r['runner']} | failed: {r.get('error', '?')} |" + " |" * 10)
+            continue
+        lines.append(
+            f"| {r['model']} | {name} | {r['runner']} | {r['ms_per_step']:.1f} | {r['ms_per_step_spread']:.1f} "
+            f"| {_f(r['speedup_vs_fp32'], '.2f')}x | {_f(r['vs_torch_loop'], '.2f', '')} "
+            f"| {_f(r['samples_per_s'], '.1f')} | {r['peak_mem_mb']:.0f} | {r['state_bytes_per_param']:.1f} "
+            f"| {r['final_loss']:.4f} | {_f(r['loss_delta_vs_fp32'], '+.4f')} | {_f(r['tflops'], '.3g')} "
+            f"| {_f(r['utilisation'], '.1%')} |")
+    why = [r for r in results if r.get("explanation")]
+    if why:
+        lines += ["", "## Not faster than fp32: why", ""]
+        lines += [f"- {r['model']} {r['precision']} ({r['runner']}, {r['speedup_vs_fp32']:.2f}x): {r['explanation']}"
+                  for r in why]
+    prof = [r for r in results if r.get("profile")]
+    if prof:
+        lines += ["", "## Where the time goes (one profiled step, ms of self time)", "",
+                  "| model | precision | runner | step | " + " | ".join(c.replace("_", " ") for c in CATEGORIES) + " |",
+                  "|---|---|---|---:|" + "---:|" * len(CATEGORIES)]
+        for r in prof:
+            p = r["profile"]
+            lines.append(f"| {r['model']} | {r['precision']} | {r['runner']} | {p['wall_ms']:.0f} | "
+                         + " | ".join(f"{p['ms'][c]:.0f}" for c in CATEGORIES) + " |")
+    mem = [r for r in results if r.get("state_bytes")]
+    if mem:
+        lines += ["", "## Training state (bytes per parameter, from the tensors)", "",
+                  "| model | precision | runner | params | grads | optimizer | masters | total | peak MB | base RSS MB |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in mem:
+            sb, n = r["state_bytes"], max(1, r["n_params"])
+            cells = " | ".join(f"{sb.get(k, 0) / n:.1f}" for k in ("params", "grads", "optimizer", "masters", "total"))
+            lines.append(f"| {r['model']} | {r['precision']} | {r['runner']} | {cells} | {r['peak_mem_mb']:.0f} "
+                         f"| {_f(r.get('rss_base_mb'), '.0f')} |")
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: str, device: Dict, results: List[Dict], settings: Dict, notes: List[str]) -> str:
+    _atomic_write(path, markdown(device, results, settings, notes))
+    return path
+
+
+def write_png(path: str, results: List[Dict], device: Dict) -> str:
+    """Two bar charts: speedup vs fp32 and peak memory, one bar per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if r.get("ms_per_step")]
+    labels = [f"{r['model']} {r['precision']} {r['runner']}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * max(4, len(rows)) + 1.2), sharey=True)
+    colors = ["tab:gray" if r["precision"] == "fp32" else ("tab:blue" if r["runner"] == "ampkit" else "tab:orange")
+              for r in rows]
+    ys = range(len(rows))
+    axes[0].barh(ys, [r.get("speedup_vs_fp32") or 0 for r in rows], color=colors)
+    axes[0].axvline(1.0, color="k", lw=0.8)
+    axes[0].set_xlabel("speedup vs fp32 (same model, same runner)")
+    axes[1].barh(ys, [r["peak_mem_mb"] for r in rows], color=colors)
+    axes[1].set_xlabel("peak memory MB (" + ("CUDA allocator" if device.get("type") == "cuda" else "process RSS") + ")")
+    axes[0].set_yticks(list(ys), labels)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"ampkit bench: {device.get('name', '')} ({device.get('threads')} threads)"
+                 " - gray fp32, blue ampkit, orange torch-loop", fontsize=10)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,107 @@
+"""Run every configuration in its own process, interleaved and repeated; pool the samples.
+
+Order: each round runs every configuration once, and the direction alternates (A B C | C B A |
+A B C ...). On a shared machine the speed drifts (other jobs, thermal state); interleaving
+spreads that drift over all configurations, and alternating the direction cancels a linear
+drift exactly for every pair (plain A B A B would always run B a slot later than A).
+
+Per configuration: ``ms_per_step`` is the median of every timed step of every repetition,
+``ms_per_step_spread`` their interquartile range (p75 - p25), and ``rep_ms`` the median of each
+repetition, so drift between rounds stays visible.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["schedule", "run_worker", "run_all", "aggregate"]
+
+
+def schedule(n_configs: int, repeats: int) -> List[Tuple[int, int]]:
+    """(round, config index) in run order: interleaved, direction alternating per round."""
+    order = []
+    for r in range(repeats):
+        idx = range(n_configs) if r % 2 == 0 else range(n_configs - 1, -1, -1)
+        order += [(r, i) for i in idx]
+    return order
+
+
+def _env() -> Dict[str, str]:
+    """The worker imports this ampkit (a checkout works uninstalled) and the user's modules from cwd."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [root, os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+def run_worker(cfg: Dict, timeout_s: float) -> Dict:
+    """One configuration in a fresh interpreter; a failure becomes a record with ``error``."""
+    base = {"model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"]}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ampkit.bench.worker", json.dumps(cfg)], capture_output=True,
+                              text=True, timeout=timeout_s, env=_env())
+    except subprocess.TimeoutExpired:
+        return {**base, "error": f"timed out after {timeout_s:.0f} s"}
+    lines = [l for l in proc.stdout.splitlines() if l.strip()]
+    try:
+        record = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        err = [l for l in proc.stderr.splitlines() if l.strip()]
+        return {**base, "error": (err[-1] if err else f"worker exited with {proc.returncode}")[:300]}
+    return record
+
+
+def _quartiles(xs: Sequence[float]) -> Tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def aggregate(reps: List[Dict]) -> Dict:
+    """One configuration's repetitions -> one record (pooled median, IQR, per-repetition medians)."""
+    ok = [r for r in reps if "error" not in r]
+    if not ok:
+        return {**reps[-1], "repeats": 0}
+    out = dict(ok[-1])
+    pooled = [t for r in ok for t in r["step_ms"]]
+    q1, q3 = _quartiles(pooled)
+    out.update(
+        ms_per_step=round(statistics.median(pooled), 3),
+        ms_per_step_spread=round(q3 - q1, 3),
+        rep_ms=[round(statistics.median(r["step_ms"]), 3) for r in ok],
+        repeats=len(ok),
+        peak_mem_mb=max(r["peak_mem_mb"] for r in ok),
+        flops_per_step=next((r["flops_per_step"] for r in ok if r.get("flops_per_step")), None),
+        profile=next((r["profile"] for r in reversed(ok) if r.get("profile")), None),
+    )
+    out["final_losses"] = [r["final_loss"] for r in ok]
+    failed = [r["error"] for r in reps if "error" in r]
+    if failed:
+        out["failed_repeats"] = failed
+    out.pop("step_ms", None)
+    out["step_ms_all"] = pooled
+    return out
+
+
+def run_all(configs: List[Dict], repeats: int, timeout_s: float, threads: int,
+            log: Optional[Callable[[str], None]] = None,
+            worker: Callable[[Dict, float], Dict] = run_worker) -> List[Dict]:
+    """Measure ``configs`` ``repeats`` times in interleaved order; one aggregated record each."""
+    reps: List[List[Dict]] = [[] for _ in configs]
+    order = schedule(len(configs), repeats)
+    for n, (r, i) in enumerate(order, 1):
+        cfg = {**configs[i], "threads": threads, "count_flops": r == 0, "profile": r == repeats - 1}
+        rec = worker(cfg, timeout_s)
+        reps[i].append(rec)
+        if log:
+            what = f"{cfg['model']} {cfg['precision']} {cfg['runner']}"
+            if "error" in rec:
+                msg = f"failed: {rec['error']}"
+            else:
+                msg = f"{statistics.median(rec['step_ms']):.1f} ms/step, loss {rec['final_loss']:.4f}"
+            log(f"[{n}/{len(order)}] {what} (round {r + 1}/{repeats}): {msg}")
+    return [aggregate(x) for x in reps]

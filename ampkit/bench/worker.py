@@ -1,0 +1,118 @@
+"""Measure one configuration in this process: ``python -m ampkit.bench.worker '<json>'``.
+
+Prints one JSON record on the last stdout line. Running each configuration in its own process
+gives it a clean peak memory (RSS / CUDA allocator peak) and no cross-talk (allocator caches,
+oneDNN primitive caches, autocast caches, thread pools) from the configuration before it.
+
+Order of work: build the workload (seeded) -> warm-up steps (the first one under
+FlopCounterMode, so counting FLOPs costs no extra step; eager even with ``compile``) -> timed
+steps -> peak memory -> optionally one profiled step (after the final loss is taken, so it
+changes nothing that is reported).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from typing import Dict, List
+
+import torch
+
+__all__ = ["measure", "main"]
+
+
+def _timed_steps(step, batches, start: int, n: int, device: torch.device):
+    """Per-step milliseconds (CUDA: events, no host sync inside the loop) and the last loss."""
+    times: List[float] = []
+    loss = None
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        events[0].record()
+        for i in range(n):
+            loss = step(*batches[(start + i) % len(batches)])
+            events[i + 1].record()
+        torch.cuda.synchronize(device)
+        times = [events[i].elapsed_time(events[i + 1]) for i in range(n)]
+    else:
+        for i in range(n):
+            t0 = time.perf_counter()
+            loss = step(*batches[(start + i) % len(batches)])
+            times.append((time.perf_counter() - t0) * 1000.0)
+    return times, loss
+
+
+def measure(cfg: Dict) -> Dict:
+    from .flops import count_flops
+    from .loops import make_step
+    from .memory import peak_rss_mb, state_bytes
+    from .profile import profile_step
+    from .workload import build_workload
+
+    threads = cfg.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    device = torch.device(cfg["device"])
+    rss_base = peak_rss_mb()
+    steps, warmup = int(cfg["steps"]), int(cfg["warmup"])
+    wl = build_workload(cfg["model"], int(cfg["batch_size"]), min(8, steps + warmup), int(cfg["seed"]), device)
+    n_params = sum(p.numel() for p in wl.model.parameters())
+    step = make_step(cfg["runner"], cfg["precision"], wl, device, float(cfg["lr"]))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t_start = time.perf_counter()
+    flops = None
+    if cfg.get("count_flops", True):
+        flops = count_flops(lambda: step(*wl.batches[0]))  # eager; a warm-up step when warmup > 0
+    if cfg.get("compile"):
+        step.compile()
+    done = 1 if flops is not None else 0
+    for i in range(max(0, warmup - done)):
+        step(*wl.batches[(done + i) % len(wl.batches)])
+    start = max(warmup, done)
+    times, loss = _timed_steps(step, wl.batches, start, steps, device)
+    final_loss = float(loss)  # the one host sync outside the timed loop
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak_mb = peak_rss_mb()
+    sb = state_bytes(wl.model, step.optimizer)  # setup() converts in place: the same module
+    record = {
+        "model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"],
+        "resolved_precision": step.precision.name if step.precision is not None else cfg["precision"],
+        "device": str(device), "threads": torch.get_num_threads(), "batch_size": wl.samples_per_step,
+        "samples_per_step": wl.samples_per_step, "tokens_per_step": wl.tokens_per_step,
+        "warmup": warmup, "steps": steps, "trained_steps": start + steps, "compile": bool(cfg.get("compile")),
+        "step_ms": [round(t, 3) for t in times], "final_loss": final_loss,
+        "peak_mem_mb": round(peak_mb, 1), "rss_base_mb": round(rss_base, 1) if device.type == "cpu" else None,
+        "n_params": n_params, "state_bytes": sb, "state_bytes_per_param": round(sb["total"] / max(1, n_params), 3),
+        "flops_per_step": flops, "loop": step.describe, "wall_s": None, "profile": None,
+    }
+    if cfg.get("profile"):
+        x, y = wl.batches[(start + steps) % len(wl.batches)]
+        record["profile"] = profile_step(lambda: step(x, y), device)
+    record["wall_s"] = round(time.perf_counter() - t_start, 2)
+    return record
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m ampkit.bench.worker '<json config>'", file=sys.stderr)
+        return 2
+    try:
+        cfg = json.loads(argv[0])
+        record = measure(cfg)
+    except Exception as e:  # reported as one record so the run goes on with the other configurations
+        traceback.print_exc(file=sys.stderr)
+        cfg = cfg if isinstance(locals().get("cfg"), dict) else {}
+        record = {"model": cfg.get("model"), "precision": cfg.get("precision"), "runner": cfg.get("runner"),
+                  "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+        print(json.dumps(record))
+        return 1
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""One benchmark workload: a freshly seeded model, pre-generated batches and a loss function.
+
+Batches are generated up front and cycled so data loading is not measured: the bench times
+the precision code path (forward, loss, backward, optimizer step), which is what the modes
+change. Every configuration of a model gets the same init (same seed) and the same batches.
+
+User models (``pkg.module:factory``) get their inputs from, in order:
+
+1. ``example_batch(batch_size) -> (inputs, targets)`` defined in the factory's module (or as an
+   attribute of the factory). ``inputs`` is a tensor or a tuple of tensors passed as
+   ``model(*inputs)``; integer ``targets`` mean cross-entropy, floating ones mean MSE; an
+   optional module-level ``loss_fn(output, targets)`` replaces that choice.
+2. otherwise a guess from the model's first layer: ``Conv2d`` -> 32x32 images with its
+   in_channels, ``Embedding`` -> 256 token ids, ``Linear`` -> vectors of its in_features; the
+   targets are class indices over the output's last dimension. If that fails, the error says
+   to define ``example_batch``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["Workload", "build_workload", "default_loss"]
+
+
+@dataclass
+class Workload:
+    model: nn.Module
+    batches: List[Tuple[tuple, torch.Tensor]]  # (inputs tuple, targets)
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    samples_per_step: int
+    tokens_per_step: Optional[int] = None  # sequence models: tokens per optimizer step
+
+
+def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for class/token targets (logits flattened over all leading dims), MSE otherwise."""
+    if target.is_floating_point():
+        return F.mse_loss(output, target.to(output.dtype))
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def _images(n: int, seed: int):
+    """ampkit.data.synthetic_images' recipe (class = fixed low-frequency pattern + noise), unsplit:
+    no test set is needed here, and sklearn's import (1-3 s) would be paid by every worker."""
+    g = torch.Generator().manual_seed(seed)
+    protos = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=(32, 32), mode="bilinear", align_corners=False)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return protos[y] + 0.8 * torch.randn(n, 3, 32, 32, generator=g), y
+
+
+def _tokens(n: int, seed: int, seq_len: int = 256, vocab: int = 256):
+    """ampkit.data.sequences' recipe (a sparse Markov chain: 4 likely successors per token), unsplit."""
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randint(0, vocab, (vocab, 4), generator=g)
+    choice = torch.multinomial(torch.tensor([0.55, 0.25, 0.15, 0.05]), n * seq_len, replacement=True,
+                               generator=g).view(n, seq_len)
+    toks = torch.empty(n, seq_len + 1, dtype=torch.long)
+    toks[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    for t in range(seq_len):
+        toks[:, t + 1] = succ[toks[:, t], choice[:, t]]
+    return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+
+
+def _guess_batch(model: nn.Module, batch_size: int, g: torch.Generator, spec: str):
+    first = next((m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Embedding, nn.Linear))), None)
+    if isinstance(first, nn.Conv2d):
+        x = torch.randn(batch_size, first.in_channels, 32, 32, generator=g)
+    elif isinstance(first, nn.Embedding):
+        x = torch.randint(0, first.num_embeddings, (batch_size, 256), generator=g)
+    elif isinstance(first, nn.Linear):
+        x = torch.randn(batch_size, first.in_features, generator=g)
+    else:
+        x = None
+    try:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            out = model(x[:2])
+        model.train(was_training)
+        y = torch.randint(0, out.shape[-1], (batch_size, *out.shape[1:-1]), generator=g)
+        return (x,), y
+    except Exception as e:
+        raise ValueError(
+            f"cannot guess an input batch for model {spec!r} ({type(e).__name__}: {e}): define "
+            "example_batch(batch_size) -> (inputs, targets) next to the factory."
+        ) from e
+
+
+def _user_batches(spec: str, model: nn.Module, batch_size: int, n: int, seed: int):
+    module = importlib.import_module(spec.partition(":")[0])
+    factory = getattr(module, spec.partition(":")[2].split(".")[0], None)
+    make = getattr(factory, "example_batch", None) or getattr(module, "example_batch", None)
+    loss_fn = getattr(module, "loss_fn", None) or default_loss
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for i in range(n):
+        if make is None:
+            batches.append(_guess_batch(model, batch_size, g, spec))
+            continue
+        torch.manual_seed(seed + i)
+        try:
+            x, y = make(batch_size)
+        except Exception as e:
+            raise ValueError(f"example_batch({batch_size}) of model {spec!r} failed: {type(e).__name__}: {e}; "
+                             "it must return (inputs, targets).") from e
+        batches.append((tuple(x) if isinstance(x, (tuple, list)) else (x,), y))
+    x0 = batches[0][0][0]
+    tokens = int(x0.shape[0] * x0.shape[1]) if (not x0.is_floating_point() and x0.dim() == 2) else None
+    return batches, loss_fn, tokens
+
+
+def build_workload(spec: str, batch_size: int, n_batches: int, seed: int, device: torch.device) -> Workload:
+    """A seeded model and ``n_batches`` distinct batches on ``device`` (fp32 inputs; modes cast them)."""
+    from ..models import GPT, MLP, ResNet, SimpleCNN, build_model
+
+    torch.manual_seed(seed)
+    tokens = None
+    if spec in ("cnn", "resnet", "mlp"):
+        model = {"cnn": SimpleCNN, "resnet": ResNet, "mlp": lambda **kw: MLP(in_features=3 * 32 * 32, **kw)}[spec](
+            **({"in_channels": 3} if spec != "mlp" else {}), num_classes=10)
+        x, y = _images(batch_size * n_batches, seed)
+        batches = [((x[i * batch_size:(i + 1) * batch_size],), y[i * batch_size:(i + 1) * batch_size])
+                   for i in range(n_batches)]
+        loss_fn = default_loss
+    elif spec == "gpt":
+        model = GPT()
+        x, y = _tokens(batch_size * n_batches, seed)
+        batches = [((x[i * batch_size:(i + 1) * batch_size],), y[i * batch_size:(i + 1) * batch_size])
+                   for i in range(n_batches)]
+        tokens = batch_size * x.shape[1]
+        loss_fn = default_loss
+    else:
+        model = build_model(spec)
+        batches, loss_fn, tokens = _user_batches(spec, model, batch_size, n_batches, seed)
+    model = model.to(device)
+    batches = [(tuple(t.to(device) for t in xs), y.to(device)) for xs, y in batches]
+    samples = int(batches[0][1].shape[0])
+    return Workload(model, batches, loss_fn, samples, tokens)

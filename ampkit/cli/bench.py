@@ -1,0 +1,73 @@
+"""`ampkit bench`: fp32 vs mixed precision side by side (time, memory, loss, FLOP/s), on this machine."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+from . import UsageError
+
+
+def _csv(s: str):
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    # defaults are None: they come from the full preset, or from --quick
+    p.add_argument("--models", type=_csv, help="comma-separated: cnn, resnet, gpt, mlp or pkg.module:factory "
+                   "(default cnn,resnet,gpt; a user module may define example_batch(batch_size) -> (inputs, targets))")
+    p.add_argument("--precisions", type=_csv, help="comma-separated modes or aliases (default: every mode that makes "
+                   "sense on the device; fp32 is always added as the reference)")
+    p.add_argument("--runners", type=_csv, help="ampkit (Precision hooks, the Trainer's path), torch-loop (plain "
+                   "autocast + GradScaler loop); default both")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 10; --quick 3)")
+    p.add_argument("--warmup", type=int, help="untimed steps before timing (default 2; --quick 1)")
+    p.add_argument("--repeats", type=int, help="interleaved runs of each configuration (default 3; --quick 2)")
+    p.add_argument("--batch-size", type=int, help="override the models' batch sizes (cnn/resnet 64, gpt 16)")
+    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model in every configuration "
+                   "(compile time is spent in warm-up, not timed)")
+    p.add_argument("--quick", action="store_true", help="cnn + gpt, fp32 vs bf16-mixed, both runners, 3 steps x 2 "
+                   "repeats: a few minutes on a 2-core CPU")
+    p.add_argument("--out", help="directory for bench.json, bench.md, bench.png (default runs/bench-<time>); "
+                   "existing results are never overwritten")
+
+
+def settings_from_args(args):
+    """Preset (full or --quick) overridden by the flags given."""
+    from ..bench import DEFAULTS, QUICK
+    from ..precision.device import resolve_device
+
+    base = QUICK if args.quick else DEFAULTS
+    over = {k: v for k, v in {
+        "models": args.models, "precisions": args.precisions, "runners": args.runners, "steps": args.steps,
+        "warmup": args.warmup, "repeats": args.repeats, "batch_size": args.batch_size,
+    }.items() if v is not None}
+    over["device"] = str(resolve_device(args.device))
+    over["compile"] = bool(args.compile)
+    return dataclasses.replace(base, **over)
+
+
+def run(args) -> int:
+    from ..bench import check_out_dir, plan, run_bench
+
+    out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
+    try:
+        settings = settings_from_args(args)
+        check_out_dir(out)
+        plan(settings)  # every input error before the first measurement
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    res = run_bench(settings, out, log=log)
+    with open(res["paths"][1]) as f:
+        print(f.read(), end="")
+    log(f"ampkit bench: done in {time.perf_counter() - t0:.0f} s; wrote " + ", ".join(res["paths"]))
+    failed = [r for r in res["results"] if not r.get("ms_per_step")]
+    return 1 if failed and len(failed) == len(res["results"]) else 0

@@ -1,0 +1,79 @@
+"""`ampkit bench` end to end (real worker subprocesses, tiny model) and every bad input: one line, exit 2."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ampkit.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD_FIELDS = {"model", "precision", "runner", "ms_per_step", "ms_per_step_spread", "speedup_vs_fp32",
+                 "peak_mem_mb", "state_bytes_per_param", "final_loss", "loss_delta_vs_fp32", "tflops", "utilisation",
+                 "samples_per_s", "tokens_per_s", "steps", "state_bytes", "explanation", "vs_torch_loop"}
+TINY = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def make():
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def example_batch(batch_size):
+        return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+""")
+
+
+def test_bench_writes_json_md_png_through_worker_processes(tmp_path):
+    (tmp_path / "tinybench.py").write_text(TINY)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "ampkit", "bench", "--models", "tinybench:make", "--precisions", "bf16",
+                        "--steps", "2", "--warmup", "1", "--repeats", "1", "--batch-size", "8", "--device", "cpu",
+                        "--out", "out"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    data = json.load(open(tmp_path / "out" / "bench.json"))
+    assert {"type", "name", "threads", "torch", "peak_flops"} <= set(data["device"])
+    assert data["device"]["peak_flops"]["fp32"] > 0 and data["device"]["peak_flops"]["bf16"] > 0
+    results = data["results"]
+    assert [(x["precision"], x["runner"]) for x in results] == [
+        ("fp32", "ampkit"), ("bf16-mixed", "ampkit"), ("fp32", "torch-loop"), ("bf16-mixed", "torch-loop")]
+    for x in results:
+        assert RECORD_FIELDS <= set(x), RECORD_FIELDS - set(x)
+        assert x["ms_per_step"] > 0 and x["ms_per_step_spread"] >= 0 and x["repeats"] == 1 and x["steps"] == 2
+        assert x["tflops"] > 0 and 0 < x["utilisation"] and x["peak_mem_mb"] > 0 and x["profile"]
+        assert x["state_bytes_per_param"] == pytest.approx(16.0, abs=0.2)
+    fp32 = results[0]
+    assert fp32["speedup_vs_fp32"] == 1.0 and fp32["loss_delta_vs_fp32"] == 0.0
+    assert results[1]["vs_torch_loop"] == pytest.approx(results[3]["ms_per_step"] / results[1]["ms_per_step"], rel=1e-3)
+    # same model, data and seed in both runners: the fp32 losses agree
+    assert fp32["final_loss"] == pytest.approx(results[2]["final_loss"], rel=1e-5)
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "| tinybench:make | bf16-mixed | ampkit |" in md and "--steps 2" in md
+    assert (tmp_path / "out" / "bench.png").stat().st_size > 1000
+    assert "| model | precision | runner |" in r.stdout and "[4/4]" in r.stderr
+    # a second run into the same directory must not overwrite
+    again = subprocess.run([sys.executable, "-m", "ampkit", "bench", "--models", "tinybench:make", "--out", "out"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "already holds bench.json" in again.stderr
+    assert json.load(open(tmp_path / "out" / "bench.json")) == data
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--models", "transformer"], "Unknown model 'transformer'"),
+    (["--models", "nosuchmod.sub:make"], "cannot import model module"),
+    (["--precisions", "fp8"], "Unknown precision 'fp8'"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--runners", "ampkit,jax"], "Unknown runner 'jax'"),
+    (["--out", "afile.txt"], "is an existing file"),
+])
+def test_bad_input_one_line_exit_2(capsys, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile.txt").write_text("keep me")
+    code = main(["bench", "--device", "cpu", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("ampkit bench: error:") and needle in err[0], err
+    assert (tmp_path / "afile.txt").read_text() == "keep me" and not (tmp_path / "runs").exists()

@@ -1,0 +1,72 @@
+"""ampkit.bench.configs: what gets measured, the --quick preset, and every bad input."""
+import dataclasses
+
+import pytest
+import torch
+
+from ampkit.bench import configs as C
+from ampkit.bench.configs import QUICK, Settings, baseline_precision, plan
+
+
+def _keys(cfgs):
+    return [(c["model"], c["precision"], c["runner"]) for c in cfgs]
+
+
+def test_default_cpu_plan_skips_fp16_and_says_why():
+    cfgs, notes = plan(Settings(models=["cnn"], device="cpu"))
+    modes = {c["precision"] for c in cfgs if c["runner"] == "ampkit"}
+    assert {"fp32", "bf16-mixed", "bf16-master"} <= modes
+    assert not any(m.startswith("fp16") for m in modes)
+    assert any("fp16 modes skipped on CPU" in n for n in notes)
+    if not C.has_compensated_optim():
+        assert "bf16-pure" not in modes and any("bf16-pure skipped" in n for n in notes)
+
+
+def test_torch_loop_gets_autocast_baseline_per_dtype_and_fp32_is_added():
+    cfgs, notes = plan(Settings(models=["gpt"], precisions=["bf16-master", "O1"], device="cpu"))
+    assert _keys(cfgs) == [("gpt", "fp32", "ampkit"), ("gpt", "bf16-master", "ampkit"), ("gpt", "fp16-mixed", "ampkit"),
+                           ("gpt", "fp32", "torch-loop"), ("gpt", "bf16-mixed", "torch-loop"),
+                           ("gpt", "fp16-mixed", "torch-loop")]
+    assert any("fp32 added" in n for n in notes) and any("fp16 on CPU asked for" in n for n in notes)
+    assert baseline_precision("bf16-pure") == "bf16-mixed" and baseline_precision("fp16-master") == "fp16-mixed"
+
+
+def test_auto_is_resolved_for_the_loop_baseline():
+    cfgs, _ = plan(Settings(models=["cnn"], precisions=["auto"], device="cpu", runners=["torch-loop"]))
+    from ampkit.precision.device import auto_mode
+
+    assert {c["precision"] for c in cfgs} == {"fp32", baseline_precision(auto_mode("cpu")[0])}
+
+
+def test_quick_preset_and_batch_sizes():
+    cfgs, _ = plan(dataclasses.replace(QUICK, device="cpu"))
+    assert {c["model"] for c in cfgs} == {"cnn", "gpt"}
+    assert {c["batch_size"] for c in cfgs if c["model"] == "gpt"} == {4}
+    assert {c["batch_size"] for c in cfgs if c["model"] == "cnn"} == {64}
+    assert all(c["steps"] == 3 for c in cfgs) and QUICK.repeats >= 2
+    cfgs, _ = plan(dataclasses.replace(QUICK, device="cpu", batch_size=2))
+    assert {c["batch_size"] for c in cfgs} == {2}
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"models": ["transformer"]}, "Unknown model 'transformer'"),
+    ({"models": ["nosuchmod.x:make"]}, "cannot import model module"),
+    ({"precisions": ["fp8"]}, "Unknown precision 'fp8'"),
+    ({"steps": 0}, "--steps must be >= 1"),
+    ({"repeats": 0}, "--repeats must be >= 1"),
+    ({"warmup": -1}, "--warmup must be >= 0"),
+    ({"batch_size": 0}, "--batch-size must be >= 1"),
+    ({"runners": ["fast"]}, "Unknown runner 'fast'"),
+    ({"models": []}, "--models is empty"),
+])
+def test_bad_settings(kw, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        plan(Settings(**{"device": "cpu", **kw}))
+
+
+def test_bf16_pure_without_optim_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(C, "has_compensated_optim", lambda: False)
+    with pytest.raises(ValueError, match="needs ampkit.optim"):
+        plan(Settings(models=["cnn"], precisions=["bf16-pure"], device="cpu"))
+    _, notes = plan(Settings(models=["cnn"], device="cpu"))
+    assert any("bf16-pure skipped" in n for n in notes)

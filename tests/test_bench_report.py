@@ -1,0 +1,66 @@
+"""ampkit.bench.report: ratios against the fp32 row of the same model and runner, and the three outputs."""
+import json
+
+from ampkit.bench.report import finalize, markdown, write_json, write_markdown, write_png
+
+DEV = {"type": "cpu", "name": "test cpu", "matrix_units": "none", "bf16_fast": True, "threads": 2, "torch": "x",
+       "peak_flops": {"fp32": 1e11, "bf16": 2e11}}
+
+
+def rec(model, precision, runner, ms, loss, **kw):
+    return {"model": model, "precision": precision, "resolved_precision": precision, "runner": runner,
+            "ms_per_step": ms, "ms_per_step_spread": 1.0, "final_loss": loss, "samples_per_step": 64,
+            "tokens_per_step": None, "peak_mem_mb": 500.0, "state_bytes_per_param": 16.0, "flops_per_step": 2e10,
+            "profile": None, **kw}
+
+
+def rows():
+    return [
+        rec("cnn", "fp32", "ampkit", 200.0, 2.00),
+        rec("cnn", "bf16-mixed", "ampkit", 100.0, 2.02),
+        rec("cnn", "bf16-master", "ampkit", 80.0, 1.98),
+        rec("cnn", "fp32", "torch-loop", 400.0, 2.50),  # a different fp32 per runner
+        rec("cnn", "bf16-mixed", "torch-loop", 120.0, 2.40),
+        rec("gpt", "fp32", "ampkit", 1000.0, 5.0, tokens_per_step=4096),
+        rec("gpt", "bf16-mixed", "ampkit", 1100.0, 5.1, tokens_per_step=4096),
+        {"model": "gpt", "precision": "bf16-master", "runner": "ampkit", "error": "timed out after 9 s", "repeats": 0},
+    ]
+
+
+def test_ratios_are_against_fp32_of_same_model_and_runner():
+    out = {(r["model"], r["precision"], r["runner"]): r for r in finalize(rows(), DEV)}
+    assert out["cnn", "bf16-mixed", "ampkit"]["speedup_vs_fp32"] == 2.0
+    assert out["cnn", "bf16-mixed", "torch-loop"]["speedup_vs_fp32"] == round(400 / 120, 4)
+    assert out["cnn", "fp32", "ampkit"]["speedup_vs_fp32"] == 1.0
+    assert abs(out["cnn", "bf16-mixed", "ampkit"]["loss_delta_vs_fp32"] - 0.02) < 1e-9
+    assert abs(out["cnn", "bf16-mixed", "torch-loop"]["loss_delta_vs_fp32"] - -0.10) < 1e-9
+    assert abs(out["cnn", "bf16-master", "ampkit"]["loss_rel_delta_vs_fp32"] - -0.01) < 1e-9
+    # ampkit vs the plain loop in the same dtype: bf16-master against the bf16 autocast loop
+    assert out["cnn", "bf16-master", "ampkit"]["vs_torch_loop"] == 1.5
+    assert out["cnn", "fp32", "ampkit"]["vs_torch_loop"] == 2.0
+    assert out["cnn", "bf16-mixed", "torch-loop"]["vs_torch_loop"] is None
+    # throughput, FLOP/s and utilisation against the peak of the compute dtype
+    r = out["cnn", "bf16-mixed", "ampkit"]
+    assert r["samples_per_s"] == 640.0 and r["tflops"] == 0.2 and r["utilisation"] == 1.0
+    assert out["cnn", "fp32", "ampkit"]["utilisation"] == 1.0  # 2e10 / 0.2 s = 1e11 = fp32 peak
+    assert out["gpt", "bf16-mixed", "ampkit"]["tokens_per_s"] == round(4096 / 1.1, 1)
+    # not faster -> one line why (no profile here: falls back to the no-profile line)
+    assert out["gpt", "bf16-mixed", "ampkit"]["explanation"]
+    assert out["cnn", "bf16-mixed", "ampkit"]["explanation"] is None
+    failed = out["gpt", "bf16-master", "ampkit"]
+    assert failed["speedup_vs_fp32"] is None and failed["explanation"] is None
+
+
+def test_outputs(tmp_path):
+    res = finalize(rows(), DEV)
+    settings = {"steps": 3, "warmup": 1, "repeats": 2, "command": "ampkit bench --quick"}
+    p = write_json(str(tmp_path / "bench.json"), DEV, res, settings, ["a note"])
+    data = json.load(open(p))
+    assert set(data) >= {"device", "results"} and len(data["results"]) == 8
+    md = markdown(DEV, res, settings, ["a note"])
+    assert "| cnn | bf16-master | ampkit | 80.0 | 1.0 | 2.50x | 1.50 |" in md
+    assert "| gpt | bf16-master | ampkit | failed: timed out after 9 s |" in md
+    assert "## Not faster than fp32: why" in md and "- a note" in md and "`ampkit bench --quick`" in md
+    write_markdown(str(tmp_path / "bench.md"), DEV, res, settings, [])
+    png = write_png(str(tmp_path / "bench.png"), res, DEV)
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

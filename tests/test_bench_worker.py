@@ -1,0 +1,74 @@
+"""ampkit.bench.worker in-process: one configuration measured on a tiny user model (no timing asserted)."""
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ampkit.bench.worker import measure
+from ampkit.bench.workload import build_workload
+
+TINY = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def make():
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def example_batch(batch_size):
+        return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+""")
+CONV = textwrap.dedent("""
+    from torch import nn
+
+    def make():
+        return nn.Sequential(nn.Conv2d(2, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+""")
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    (tmp_path / "bench_tiny_mod.py").write_text(TINY)
+    (tmp_path / "bench_conv_mod.py").write_text(CONV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for m in ("bench_tiny_mod", "bench_conv_mod"):
+        sys.modules.pop(m, None)
+
+
+def cfg(**kw):
+    return {"model": "bench_tiny_mod:make", "precision": "fp32", "runner": "ampkit", "batch_size": 8, "steps": 2,
+            "warmup": 1, "device": "cpu", "lr": 1e-3, "seed": 0, "count_flops": True, "profile": False, **kw}
+
+
+def test_runners_train_the_same_workload(user_models):
+    a = measure(cfg())
+    b = measure(cfg(runner="torch-loop", profile=True))
+    assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-6)  # same init, data, optimizer, steps
+    assert len(a["step_ms"]) == 2 and a["trained_steps"] == 3 and a["samples_per_step"] == 8
+    # Linear(16,32)+Linear(32,4), batch 8: forward 2*8*(512+128); backward dW both + dX of the 2nd layer
+    assert a["flops_per_step"] == 2 * 8 * (512 + 128) + 2 * 8 * (512 + 128) + 2 * 8 * 128
+    assert a["state_bytes"]["masters"] == 0 and a["state_bytes_per_param"] == pytest.approx(16.0, abs=0.2)
+    assert a["profile"] is None and set(b["profile"]["ms"]) >= {"gemm", "cast", "optimizer", "untracked"}
+    assert "AdamW(fused=True)" in b["loop"] and "GradScaler(enabled=False)" in b["loop"]
+
+
+def test_master_weights_state_bytes(user_models):
+    r = measure(cfg(precision="bf16-master", count_flops=False, warmup=0))
+    sb = r["state_bytes"]
+    # bf16 params (2) + fp32 master grads (4) + AdamW moments (8) + fp32 masters (4)
+    assert sb["params"] * 2 == sb["masters"] and r["state_bytes_per_param"] == pytest.approx(18.0, abs=0.2)
+    assert r["flops_per_step"] is None and r["resolved_precision"] == "bf16-master" and r["trained_steps"] == 2
+
+
+def test_user_model_without_example_batch_gets_a_guessed_batch(user_models):
+    wl = build_workload("bench_conv_mod:make", 5, 2, 0, torch.device("cpu"))
+    (x,), y = wl.batches[0]
+    assert x.shape == (5, 2, 32, 32) and y.shape == (5,) and int(y.max()) < 3 and len(wl.batches) == 2
+
+
+def test_reference_workloads_are_seeded():
+    a = build_workload("gpt", 2, 2, 0, torch.device("cpu"))
+    b = build_workload("gpt", 2, 2, 0, torch.device("cpu"))
+    assert a.tokens_per_step == 512 and torch.equal(a.batches[1][0][0], b.batches[1][0][0])
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
