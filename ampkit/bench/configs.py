@@ -57,7 +57,7 @@ class Settings:
 DEFAULTS = Settings()
 #: --quick: two models, fp32 vs bf16 autocast, both runners, few steps; still interleaved + repeated.
 #: The GPT runs 4x256 tokens (not 16x256) so the whole preset fits 3 minutes on a 2-core CPU.
-QUICK = Settings(models=["cnn", "gpt"], precisions=["fp32", "bf16-mixed"], steps=3, warmup=1, repeats=2,
+QUICK = Settings(models=["cnn", "gpt"], precisions=["fp32", "bf16-mixed"], steps=3, warmup=2, repeats=2,
                  batch_sizes={"gpt": 4}, timeout_s=300.0, quick=True)
 
 

@@ -23,7 +23,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runners", type=_csv, help="ampkit (Precision hooks, the Trainer's path), torch-loop (plain "
                    "autocast + GradScaler loop); default both")
     p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 10; --quick 3)")
-    p.add_argument("--warmup", type=int, help="untimed steps before timing (default 2; --quick 1)")
+    p.add_argument("--warmup", type=int, help="untimed steps before timing (default 2; --quick 2)")
     p.add_argument("--repeats", type=int, help="interleaved runs of each configuration (default 3; --quick 2)")
     p.add_argument("--batch-size", type=int, help="override the models' batch sizes (cnn/resnet 64, gpt 16)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
