@@ -108,7 +108,9 @@ def measure_sdpa(dtype: torch.dtype, bh: int, t: int, d: int, causal: bool, reps
     grad = torch.randn(1, bh, t, d, generator=g).to(dtype)
 
     def native():
-        F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
+        # torch's own kernel: F.scaled_dot_product_attention may be the policy's swap here (we are called
+        # from inside it, holding _LOCK), and re-entering it would deadlock
+        _ORIGINAL_SDPA(q, k, v, is_causal=causal).backward(grad)
 
     def split():
         sdpa_split_backward(q, k, v, causal).backward(grad)
