@@ -34,6 +34,7 @@ def device_section(device_name: str, precisions: List[str], measure_peak: bool =
         "type": device.type, "name": info.name, "matrix_units": info.matrix_units, "bf16_fast": info.bf16_fast,
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "python": platform.python_version(), "notes": list(info.notes),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("AMPKIT_") or k == "OMP_NUM_THREADS"},
     }
     if device.type == "cuda":
         out["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)

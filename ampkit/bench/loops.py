@@ -67,7 +67,10 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    step = Step(model, optimizer, fn, f"ampkit Precision({precision.name!r}) hooks, Trainer's fused AdamW")
+    use_policy = getattr(precision, "_use_op_policy", None)
+    policy = "" if precision.mode.autocast_dtype is None or use_policy is None else (
+        ", op policy " + ("on" if use_policy() else "off"))
+    step = Step(model, optimizer, fn, f"ampkit Precision({precision.name!r}) hooks{policy}, Trainer's fused AdamW")
     step.precision = precision
     return step
 

@@ -4,10 +4,9 @@ Prints one JSON record on the last stdout line. Running each configuration in it
 gives it a clean peak memory (RSS / CUDA allocator peak) and no cross-talk (allocator caches,
 oneDNN primitive caches, autocast caches, thread pools) from the configuration before it.
 
-Order of work: build the workload (seeded) -> warm-up steps (the first one under
-FlopCounterMode, so counting FLOPs costs no extra step; eager even with ``compile``) -> timed
-steps -> peak memory -> optionally one profiled step (after the final loss is taken, so it
-changes nothing that is reported).
+Order of work: build the workload (seeded) -> warm-up steps (the last eager one under
+FlopCounterMode, so counting FLOPs costs no extra step) -> timed steps -> peak memory ->
+optionally one profiled step (after the final loss is taken, so it changes nothing reported).
 """
 from __future__ import annotations
 
@@ -61,15 +60,23 @@ def measure(cfg: Dict) -> Dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_start = time.perf_counter()
-    flops = None
+    # FLOPs are counted on the *last* eager warm-up step, after one-time work of the first step
+    # (lazy init, the op policy's speed probes) that must not be counted; with warmup 0 it is an
+    # extra untimed step. A compiled model is compiled after it and warmed up by the remaining steps.
+    flops, i = None, 0
+    batch = lambda k: wl.batches[k % len(wl.batches)]  # noqa: E731
+    for _ in range(0 if cfg.get("compile") else max(0, warmup - 1)):
+        step(*batch(i))
+        i += 1
     if cfg.get("count_flops", True):
-        flops = count_flops(lambda: step(*wl.batches[0]))  # eager; a warm-up step when warmup > 0
+        flops = count_flops(lambda: step(*batch(i)))
+        i += 1
     if cfg.get("compile"):
         step.compile()
-    done = 1 if flops is not None else 0
-    for i in range(max(0, warmup - done)):
-        step(*wl.batches[(done + i) % len(wl.batches)])
-    start = max(warmup, done)
+    while i < warmup:
+        step(*batch(i))
+        i += 1
+    start = i
     times, loss = _timed_steps(step, wl.batches, start, steps, device)
     final_loss = float(loss)  # the one host sync outside the timed loop
     if device.type == "cuda":
