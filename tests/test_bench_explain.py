@@ -86,3 +86,14 @@ def test_breakdown_attributes_optimizer_children_and_untracked_time():
     assert b["ms"]["gemm"] == 40 and b["ms"]["cast"] == 10 and b["ms"]["optimizer"] == 11
     assert b["ms"]["untracked"] == pytest.approx(9.0) and b["share"]["gemm"] == pytest.approx(40 / 70, abs=1e-4)
     assert b["top_ops"][0] == ["aten::mm", 40.0]
+
+
+def test_noisy_rows_claim_no_cause():
+    r = {**row(0.5, gemm=590), "noisy": True, "rep_ms": [250.0, 2010.0]}
+    msg = explain(r, FP32, CPU)
+    assert msg.startswith("measurements too noisy to say why") and "bf16-mixed 250-2010 ms" in msg
+    f = {**FP32, "noisy": True, "rep_ms": [400.0, 900.0]}
+    assert "fp32 400-900 ms" in explain(row(0.9, gemm=590), f, CPU)
+    # the hardware verdict comes from the peak measurement, not from the noisy rows
+    dev = {**CPU, "peak_flops": {"fp32": 1.0e11, "bf16": 1.0e11}}
+    assert explain(r, FP32, dev).startswith("no bf16 units here")

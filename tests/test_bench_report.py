@@ -64,3 +64,14 @@ def test_outputs(tmp_path):
     write_markdown(str(tmp_path / "bench.md"), DEV, res, settings, [])
     png = write_png(str(tmp_path / "bench.png"), res, DEV)
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_noisy_rows_are_flagged_and_marked():
+    rs = rows()
+    rs[1].update(rep_ms=[90.0, 200.0])  # repetitions disagree by > 1.5x
+    rs[2].update(ms_per_step_spread=50.0)  # IQR above half the median (80 ms)
+    out = finalize(rs, DEV)
+    assert [r["noisy"] for r in out[:3]] == [False, True, True]
+    assert out[1]["explanation"] is None  # 2x faster: nothing to explain, noisy or not
+    md = markdown(DEV, out, {}, [])
+    assert "| cnn | bf16-mixed | ampkit | 100.0* |" in md and "\\* noisy" in md

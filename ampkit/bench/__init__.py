@@ -72,6 +72,14 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
     precisions = sorted({c["resolved_precision"] for c in configs})
     device = device_section(settings.device, precisions, measure_peak)
     results = run_all(configs, settings.repeats, settings.timeout_s, threads, log, worker or run_worker)
+    if measure_peak:  # again at the end: the better of the two, in case other jobs slowed the first
+        from ..precision.device import resolve_device
+        from .peak import measure_peaks
+
+        start = device["peak_flops"]
+        end = measure_peaks(resolve_device(settings.device), list(start))
+        device["peak_flops_measured"] = {"start": start, "end": end}
+        device["peak_flops"] = {k: max(start[k], end[k]) for k in start}
     finalize(results, device)
     sdict = settings.as_dict()
     sdict["command"] = settings_command(settings)

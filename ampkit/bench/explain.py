@@ -6,6 +6,8 @@ device section (measured peak GEMM rate per dtype). The first rule that fires wi
 goes from causes no software can fix (no 16-bit units) to overheads a policy can attack:
 
 1. the measured 16-bit GEMM peak is not above fp32's: no 16-bit units torch uses here;
+1b. the row or its fp32 row is noisy (repetitions disagree): no cause is claimed from one
+   profiled step taken on a busy machine;
 2. matmul/conv time did not drop in 16 bits: those kernels are not faster for these shapes;
 3. too small to be compute-bound: little of the fp32 step is matmul/conv/attention;
 4. attention backward is a large share and slower than in fp32;
@@ -53,6 +55,11 @@ def explain(row: Dict, fp32: Optional[Dict], device: Dict) -> Optional[str]:
         return "torch's CPU fp16 kernels are not accelerated (no fp16 matrix units used): fp16 runs slower than fp32"
     if device.get("type") == "cpu" and low == "bf16" and device.get("bf16_fast") is False and not peaks.get("bf16"):
         return "this CPU has no bf16 units (AMX/AVX512-BF16): bf16 is emulated"
+    noisy = [(name, r["rep_ms"]) for name, r in ((row["precision"], row), ("fp32", fp32 or {})) if r.get("noisy")]
+    if noisy:
+        spans = ", ".join(f"{n} {min(ms):.0f}-{max(ms):.0f} ms" for n, ms in noisy)
+        return (f"measurements too noisy to say why (repetition medians {spans}): another job was probably "
+                "using the cores; re-run on a quiet machine")
     p, f = row.get("profile"), (fp32 or {}).get("profile")
     if not p or not f:
         util = (fp32 or {}).get("utilisation")

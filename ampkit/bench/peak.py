@@ -1,8 +1,10 @@
 """The device's measured peak GEMM rate per dtype: the denominator of `utilisation`.
 
-Measured once at the start of a run (in the bench's parent process, with the same thread
-count the workers use) on a square GEMM large enough to reach the matrix units' rate: the best
-of a few timed repetitions after a warm-up. A vendor's datasheet number would flatter nobody;
+Measured at the start of a run and again at its end (in the bench's parent process, with the
+same thread count the workers use) on a square GEMM large enough to reach the matrix units'
+rate: the best of several timed repetitions after a warm-up, and the better of the two
+measurements. Interference from other jobs only ever slows a GEMM down, so the best is the
+honest estimate of the peak. A vendor's datasheet number would flatter nobody;
 this is what torch actually gets here, so utilisation says how much of *that* a step uses.
 """
 from __future__ import annotations
@@ -17,8 +19,8 @@ __all__ = ["DTYPES", "measure_gemm", "measure_peaks"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def measure_gemm(device: torch.device, dtype: torch.dtype, n: int, budget_s: float = 0.4,
-                 max_reps: int = 5) -> float:
+def measure_gemm(device: torch.device, dtype: torch.dtype, n: int, budget_s: float = 1.0,
+                 max_reps: int = 10) -> float:
     """FLOP/s of an n x n x n matmul in ``dtype``: best of up to ``max_reps`` runs within ``budget_s``."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)

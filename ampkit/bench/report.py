@@ -14,7 +14,12 @@ from .configs import baseline_precision
 from .explain import explain, low_dtype_of
 from .profile import CATEGORIES
 
-__all__ = ["finalize", "write_json", "write_markdown", "write_png", "markdown", "OUTPUTS"]
+#: repetitions of one configuration whose medians differ by more than this factor (or an IQR
+#: above half the median) mark the row noisy: another job shared the cores
+NOISY_REPS, NOISY_IQR = 1.5, 0.5
+
+__all__ = ["NOISY_REPS", "NOISY_IQR", "is_noisy", "finalize", "write_json", "write_markdown", "write_png", "markdown",
+           "OUTPUTS"]
 
 OUTPUTS = ("bench.json", "bench.md", "bench.png")
 
@@ -28,12 +33,21 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def is_noisy(r: Dict) -> bool:
+    reps = r.get("rep_ms") or []
+    if len(reps) >= 2 and max(reps) > NOISY_REPS * min(reps):
+        return True
+    return bool(r.get("ms_per_step")) and r.get("ms_per_step_spread", 0) > NOISY_IQR * r["ms_per_step"]
+
+
 def finalize(results: List[Dict], device: Dict) -> List[Dict]:
     """Fill the derived fields of every record (in place) and return the list."""
     ok = [r for r in results if "error" not in r or r.get("ms_per_step")]
     fp32 = {(r["model"], r["runner"]): r for r in ok if r["precision"] == "fp32"}
     by_key = {(r["model"], r["precision"], r["runner"]): r for r in ok}
     peaks = device.get("peak_flops") or {}
+    for r in results:
+        r["noisy"] = is_noisy(r)
     for r in results:
         for k in ("speedup_vs_fp32", "loss_delta_vs_fp32", "loss_rel_delta_vs_fp32", "samples_per_s",
                   "tokens_per_s", "tflops", "utilisation", "vs_torch_loop", "explanation"):
@@ -101,11 +115,18 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
             lines.append(f"| {r['model']} | {name} | {r['runner']} | failed: {r.get('error', '?')} |" + " |" * 10)
             continue
         lines.append(
-            f"| {r['model']} | {name} | {r['runner']} | {r['ms_per_step']:.1f} | {r['ms_per_step_spread']:.1f} "
+            f"| {r['model']} | {name} | {r['runner']} | {r['ms_per_step']:.1f}{'*' if r.get('noisy') else ''} "
+            f"| {r['ms_per_step_spread']:.1f} "
             f"| {_f(r['speedup_vs_fp32'], '.2f')}x | {_f(r['vs_torch_loop'], '.2f', '')} "
             f"| {_f(r['samples_per_s'], '.1f')} | {r['peak_mem_mb']:.0f} | {r['state_bytes_per_param']:.1f} "
             f"| {r['final_loss']:.4f} | {_f(r['loss_delta_vs_fp32'], '+.4f')} | {_f(r['tflops'], '.3g')} "
             f"| {_f(r['utilisation'], '.1%')} |")
+    if any(r.get("noisy") for r in results):
+        lines += ["", f"\\* noisy: the repetitions' medians differ by more than {NOISY_REPS}x, or the IQR is above "
+                  f"{NOISY_IQR:.0%} of the median; another job was probably using the cores. Ratios of such rows are "
+                  "not reliable: re-run on a quiet machine."]
+    if any((r.get("utilisation") or 0) > 1 for r in results):
+        lines += ["", "Utilisation above 100% means the peak GEMM measurement itself was slowed by other jobs."]
     why = [r for r in results if r.get("explanation")]
     if why:
         lines += ["", "## Not faster than fp32: why", ""]
