@@ -174,15 +174,16 @@ def write_png(path: str, results: List[Dict], device: Dict) -> str:
     colors = ["tab:gray" if r["precision"] == "fp32" else ("tab:blue" if r["runner"] == "ampkit" else "tab:orange")
               for r in rows]
     ys = range(len(rows))
-    axes[0].barh(ys, [r.get("speedup_vs_fp32") or 0 for r in rows], color=colors)
+    hatch = ["//" if r.get("noisy") else "" for r in rows]
+    axes[0].barh(ys, [r.get("speedup_vs_fp32") or 0 for r in rows], color=colors, hatch=hatch)
     axes[0].axvline(1.0, color="k", lw=0.8)
     axes[0].set_xlabel("speedup vs fp32 (same model, same runner)")
-    axes[1].barh(ys, [r["peak_mem_mb"] for r in rows], color=colors)
+    axes[1].barh(ys, [r["peak_mem_mb"] for r in rows], color=colors, hatch=hatch)
     axes[1].set_xlabel("peak memory MB (" + ("CUDA allocator" if device.get("type") == "cuda" else "process RSS") + ")")
     axes[0].set_yticks(list(ys), labels)
     axes[0].invert_yaxis()
     fig.suptitle(f"ampkit bench: {device.get('name', '')} ({device.get('threads')} threads)"
-                 " - gray fp32, blue ampkit, orange torch-loop", fontsize=10)
+                 " - gray fp32, blue ampkit, orange torch-loop, hatched: noisy", fontsize=10)
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=100)
