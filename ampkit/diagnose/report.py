@@ -119,7 +119,8 @@ def format_check(r: Dict[str, Any], top: int = 10) -> str:
     rec = r["recommendation"]
     lines.append("Recommendation:")
     lines.append(f"  precision:    {rec['precision']}")
-    lines.append(f"  init_scale:   {_scale(rec['init_scale'])} = {rec['init_scale']:g} (from the gradient range; "
+    value = f"{rec['init_scale']:.0f}" if rec["init_scale"] >= 1 else f"{rec['init_scale']:g}"
+    lines.append(f"  init_scale:   {_scale(rec['init_scale'])} = {value} (from the gradient range; "
                  + ("used by this precision)" if rec["loss_scaling"] else "for fp16 modes; this precision needs no scaling)"))
     lines.append(f"  fp32_modules: {', '.join(rec['fp32_modules']) or 'none'}")
     for note in rec.get("notes") or []:
