@@ -135,3 +135,17 @@ def test_lazy_export():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         check(planted_overflow(), batch(), **kwargs)
+
+
+def test_auto_precision_for_the_trainer():
+    from ampkit.diagnose import auto_precision
+    from ampkit.precision import auto_mode
+
+    torch.manual_seed(0)
+    choice = auto_precision(mlp(), batch(), device="cpu")
+    device_choice = auto_mode("cpu")[0]
+    assert choice["device_choice"] == device_choice
+    if device_choice == "fp32":
+        assert choice["mode"] == "fp32" and choice["verdicts"] == {}
+    else:
+        assert choice["verdicts"][device_choice]["verdict"] == "ok" and choice["mode"] == device_choice

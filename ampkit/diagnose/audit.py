@@ -9,7 +9,7 @@ Ops outside the model's forward (the loss) are attributed to ``(loss)``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 from torch import nn

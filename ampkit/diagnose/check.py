@@ -29,7 +29,7 @@ from .localise import localise_nonfinite
 from .runner import as_loss_fn, default_forward, prepare, run_once, step_fn, to_device
 from .scan import NumericsScan, fp32_candidates, recommend_init_scale, underflow_fraction_at
 from .stale import simulated_stale
-from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, compare, verdict_of, _record
+from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, unmeasured
 
 __all__ = ["check", "amp_verdicts", "auto_precision", "CheckReport", "DEFAULT_PRECISIONS"]
 
@@ -56,7 +56,8 @@ class CheckReport(dict):
         return json.dumps(jsonable(self), allow_nan=False, **kw)
 
 
-def _validate(model: nn.Module, precisions: Sequence[str], fp32_modules: Sequence[str], loss_scale: float) -> List[str]:
+def _validate(model: nn.Module, precisions: Sequence[str], fp32_modules: Sequence[str], loss_scale: float,
+              lr: float) -> List[str]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"check() needs a torch.nn.Module, got {type(model).__name__}.")
     if isinstance(precisions, str):
@@ -67,6 +68,8 @@ def _validate(model: nn.Module, precisions: Sequence[str], fp32_modules: Sequenc
     resolve_module_names(model, fp32_modules)  # ValueError with close matches
     if not (isinstance(loss_scale, (int, float)) and loss_scale > 0 and loss_scale != float("inf")):
         raise ValueError(f"loss_scale must be a positive finite number (e.g. 65536), got {loss_scale!r}.")
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be a positive number (e.g. 1e-4), got {lr!r}.")
     return names
 
 
@@ -102,7 +105,7 @@ def check(
     Keys: ``device``, ``auto``, ``loss_scale``, ``reference``, ``verdicts``, ``modules``,
     ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``.
     """
-    names = _validate(model, precisions, fp32_modules, loss_scale)
+    names = _validate(model, precisions, fp32_modules, loss_scale, lr)
     dev = resolve_device(device)
     batch = to_device(batch, dev)
     forward_fn = forward_fn or default_forward
@@ -131,18 +134,17 @@ def check(
                                 fp32_modules=fp32_modules, _reference=ref,
                                 _forward_ctx=audit_ctx if audit else None)
     else:
-        verdicts = {n: {"verdict": "unsafe", "reasons": ["the fp32 reference itself is non-finite: fix the "
-                                                         "model first (see reference.first_nonfinite)"],
-                        **{k: None for k in THRESHOLDS}, "nonfinite": ref.nonfinite, "first_nonfinite": None}
-                    for n in dict.fromkeys(_auto_name(n, dev) for n in names)}
+        why = "the fp32 reference itself is non-finite: fix the model first (see reference.first_nonfinite)"
+        verdicts = {n: unmeasured(why, ref.nonfinite) for n in dict.fromkeys(_auto_name(n, dev) for n in names)}
 
     # 3. verify fp32 islands for fp16 precisions that fail on overflow
     islands = [m for m in fp32_candidates(scanned["modules"]) if m not in fp32_modules]
     if islands and ref.nonfinite is None:
         for name, v in verdicts.items():
             if MODES[name].low_dtype == torch.float16 and v["verdict"] != "ok":
-                v["with_fp32_modules"] = _rerun_with(model, name, dev, batch, forward_fn, loss_fn, loss_scale,
-                                                     fp32_modules + islands, ref)
+                fix = amp_verdicts(model, batch, loss_fn, [name], dev, forward_fn=forward_fn, loss_scale=loss_scale,
+                                   fp32_modules=fp32_modules + islands, _reference=ref)[name]
+                v["with_fp32_modules"] = {"modules": fp32_modules + islands, **fix}
 
     # 4. stale updates of 16-bit parameters (Adam-like first step at lr)
     stale = {"lr": lr, "update": "adam-first-step"}
@@ -186,16 +188,6 @@ def _auto_name(name: str, dev: torch.device) -> str:
     from ..precision import auto_mode
 
     return auto_mode(dev)[0] if name == "auto" else name
-
-
-def _rerun_with(model, name, dev, batch, forward_fn, loss_fn, loss_scale, modules, ref) -> Dict[str, Any]:
-    m, prec = prepare(model, name, dev, modules)
-    run = run_once(m, prec, batch, forward_fn, loss_fn, loss_scale)
-    errors = compare(ref, run)
-    level, reasons = verdict_of(errors, run, loss_scale)
-    rec = _record(name, errors, level, reasons, run)
-    rec["modules"] = list(modules)
-    return rec
 
 
 def _flag_stale(verdicts: Dict[str, Dict[str, Any]], stale: Dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 __all__ = [
     "FP16_MAX", "FP16_TINY", "ROOT", "iter_tensors", "tensor_range", "HookSet", "display_name",
-    "finite_number", "state_snapshot",
+    "finite_number", "state_snapshot", "rng_devices",
 ]
 
 #: largest finite float16; anything bigger becomes inf when cast to fp16
@@ -101,6 +101,13 @@ class HookSet:
         self.remove()
 
 
+def rng_devices(device: Optional[torch.device]) -> List[int]:
+    """The CUDA device indices ``torch.random.fork_rng`` must save for a run on ``device``."""
+    if device is None or device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
 @contextlib.contextmanager
 def state_snapshot(model: nn.Module, device: Optional[torch.device] = None):
     """Restore buffers (BatchNorm running stats...) and the RNG after a replayed forward.
@@ -108,8 +115,7 @@ def state_snapshot(model: nn.Module, device: Optional[torch.device] = None):
     A diagnostic replay must not move the model's statistics or the training run's random stream.
     """
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
-    devices = [device] if device is not None and device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=rng_devices(device)):
         try:
             yield
         finally:

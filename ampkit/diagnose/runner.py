@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..precision import MODES, Precision
-from .hooks import iter_tensors
+from .hooks import iter_tensors, rng_devices
 
 __all__ = [
     "to_device", "split_batch", "default_forward", "default_loss", "as_loss_fn", "prepare",
@@ -178,7 +178,7 @@ def run_once(
     res = RunResult(prec.name)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     fctx = forward_ctx() if forward_ctx is not None else contextlib.nullcontext()
-    with torch.random.fork_rng(devices=[prec.device] if prec.device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=rng_devices(prec.device)):
         torch.manual_seed(SEED)
         with fctx, prec.autocast():
             output = forward_fn(model, batch)

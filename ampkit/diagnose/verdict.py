@@ -34,7 +34,7 @@ from .hooks import finite_number
 from .localise import localise_nonfinite
 from .runner import (RunResult, as_loss_fn, default_forward, prepare, run_once, step_fn, to_device)
 
-__all__ = ["THRESHOLDS", "compare", "verdict_of", "amp_verdicts", "choose_auto", "preference_order"]
+__all__ = ["THRESHOLDS", "compare", "verdict_of", "amp_verdicts", "choose_auto", "preference_order", "unmeasured"]
 
 #: metric -> (risky above, unsafe above)
 THRESHOLDS: Dict[str, tuple] = {
@@ -78,7 +78,7 @@ def compare(ref: RunResult, run: RunResult) -> Dict[str, Any]:
     return out
 
 
-def verdict_of(errors: Dict[str, Any], run: RunResult, asked_scale: float) -> tuple:
+def verdict_of(errors: Dict[str, Any], run: RunResult) -> tuple:
     """('ok'|'risky'|'unsafe', [reasons])."""
     reasons: List[str] = []
     if run.nonfinite in ("forward", "loss"):
@@ -131,6 +131,12 @@ def _record(name: str, errors: Dict[str, Any], level: str, reasons: List[str], r
     }
 
 
+def unmeasured(reason: str, nonfinite: Optional[str] = None) -> Dict[str, Any]:
+    """An 'unsafe' verdict record for a precision that could not be compared (same keys as a measured one)."""
+    return {"verdict": "unsafe", "reasons": [reason], **{k: None for k in THRESHOLDS}, "loss": None,
+            "grad_norm": None, "loss_scale": None, "nonfinite": nonfinite, "first_nonfinite": None}
+
+
 def amp_verdicts(
     model: nn.Module,
     batch: Any,
@@ -165,11 +171,15 @@ def amp_verdicts(
         if name == "fp32":
             results[name] = _record(name, compare(ref, ref), "ok", ["the reference"], ref)
             continue
-        m, prec = prepare(model, name, device, fp32_modules)
+        try:
+            m, prec = prepare(model, name, device, fp32_modules)
+        except RuntimeError as e:  # e.g. bf16 asked for on a GPU without it
+            results[name] = unmeasured(f"not supported here: {e}")
+            continue
         ctx = (lambda m=m, name=name: _forward_ctx(name, m)) if _forward_ctx is not None else None
         run = run_once(m, prec, batch, forward_fn, loss_fn, loss_scale, forward_ctx=ctx)
         errors = compare(ref, run)
-        level, reasons = verdict_of(errors, run, loss_scale)
+        level, reasons = verdict_of(errors, run)
         rec = _record(name, errors, level, reasons, run)
         rec["first_nonfinite"] = None
         if run.nonfinite is not None:
