@@ -9,7 +9,7 @@ from ampkit import Precision
 from ampkit.diagnose.check import check
 from ampkit.diagnose.localise import format_report, localise_nonfinite
 
-from check_models import NaNGrad, batch, mlp, planted_nan, planted_overflow
+from check_models import NaNGrad, _NaNGrad, batch, mlp, planted_nan, planted_overflow
 
 
 def loss_of(model, b):
@@ -40,6 +40,25 @@ def test_planted_nan_gradient_is_named_in_backward():
     r = localise_nonfinite(model, batch(), loss_of)
     assert r["stage"] == "backward" and r["module"] == "2" and r["type"] == "NaNGrad"
     assert r["grad_output"]["nan"] == 0 and r["grad_input"]["nan"] > 0
+
+
+class _Parent(nn.Module):
+    """The NaN gradient comes from the parent's own code, after its child."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _NaNGrad.apply(self.child(x))
+
+
+def test_nan_gradient_from_code_between_modules_names_its_input():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Parent(), nn.Linear(8, 4))
+    r = localise_nonfinite(model, batch(), loss_of)
+    assert r["stage"] == "backward" and r["module"] == "1.child" and r["between_modules"]
+    assert "consumes that output" in r["message"]
 
 
 def test_scaled_gradient_overflow_points_at_the_loss():

@@ -7,8 +7,9 @@ removes the hooks again. Buffers (BatchNorm statistics) and the RNG are restored
 gradients come from ``torch.autograd.grad``, so the replay leaves the training run unchanged.
 
 Forward: the first module (in completion order, so the innermost) whose output holds NaN/inf
-while its input was finite. Backward: the innermost module whose gradient w.r.t. its output
-was finite while the gradient w.r.t. its input or one of its own parameters was not.
+while its input was finite. Backward, at the first non-finite gradient: the innermost module
+whose gradient w.r.t. its output was finite while the gradient w.r.t. its input or one of its
+own parameters was not; else the loss, or the code between modules that consumed an output.
 
 Trainer use::
 
@@ -40,11 +41,6 @@ def _finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def _is_ancestor(a: str, b: str) -> bool:
-    """True when module ``a`` contains module ``b`` (the root "" contains everything)."""
-    return a != b and (a == "" or b.startswith(a + "."))
-
-
 def _resolve_precision(precision, model: nn.Module, loss_scale: Optional[float]):
     """(model to run, autocast context factory, loss scale, precision name)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -64,7 +60,7 @@ def _resolve_precision(precision, model: nn.Module, loss_scale: Optional[float])
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            prec = Precision(name, device, channels_last=False)
+            prec = Precision(name, device, channels_last=False, op_policy=False)
         model, _ = prec.setup(copy.deepcopy(model), None)
         return model, prec.autocast, scale, name
     if mode.autocast_dtype is None:
@@ -107,9 +103,10 @@ class _Watch:
         self.stack: List[Tuple[str, list]] = []
         self.forward_bad: Optional[Dict[str, Any]] = None
         self.input_bad = False
-        # backward events: (kind 'out'|'in'|'param', module name, finite, value range, param name);
-        # ranges, not gradients, are kept so the replay holds no extra activation-sized memory
-        self.events: List[Tuple[str, str, bool, Dict[str, Any], Optional[str]]] = []
+        # backward events: (kind 'out'|'in'|'param', module name, finite, value range, param name,
+        # identity of the gradient tensor); ranges, not gradients, are kept so the replay holds no
+        # extra activation-sized memory
+        self.events: List[Tuple[str, str, bool, Dict[str, Any], Optional[str], tuple]] = []
 
     def install(self, hooks: HookSet) -> None:
         for name, m in self.model.named_modules():
@@ -123,7 +120,8 @@ class _Watch:
     def _grad_hook(self, kind: str, module: str, pname: Optional[str] = None):
         def hook(grad: torch.Tensor):
             ok = bool(torch.isfinite(grad).all())
-            self.events.append((kind, module, ok, _grad_range(grad, ok), pname))
+            ident = (grad.data_ptr(), tuple(grad.shape), grad.dtype)
+            self.events.append((kind, module, ok, _grad_range(grad, ok), pname, ident))
 
         return hook
 
@@ -155,27 +153,34 @@ class _Watch:
                     t.register_hook(self._grad_hook("out", name))
 
     def backward_culprit(self) -> Optional[Dict[str, Any]]:
-        if all(ok for _, _, ok, _, _ in self.events):
+        """The module where the backward first turned non-finite.
+
+        The first non-finite event decides. Hooks on one tensor fire one after another with the
+        same gradient (the output of one module is the input of the next), so the events sharing
+        the first one's gradient are read together: a module whose *input* (or own parameter)
+        gradient is among them produced it (its output gradient was finite before); if only
+        output gradients are, the gradient came from the loss (the model's own output) or from
+        code between modules.
+        """
+        first = next((i for i, e in enumerate(self.events) if not e[2]), None)
+        if first is None:
             return None
-        out_bad, made_bad, first_bad = set(), {}, {}
-        for i, (kind, name, ok, grad, pname) in enumerate(self.events):
-            if ok:
-                continue
-            first_bad.setdefault(name, i)
-            if kind == "out":
-                out_bad.add(name)
-            else:
-                made_bad.setdefault(name, kind)
-        producers = [n for n in made_bad if n not in out_bad]
-        # the innermost producer explains its containers
-        producers = [n for n in producers if not any(_is_ancestor(n, o) for o in producers)]
+        key = self.events[first][5]
+        group = [self.events[first]]
+        for e in self.events[first + 1:]:
+            if e[5] != key or e[2]:
+                break
+            group.append(e)
         modules = dict(self.model.named_modules())
-        if producers:
-            name = min(producers, key=first_bad.get)
-            outs = [g for k, n, _, g, _ in self.events if k == "out" and n == name]
-            ins = [g for k, n, _, g, _ in self.events if k == "in" and n == name]
-            params = [g for k, n, _, g, _ in self.events if k == "param" and n == name]
-            bad_param = next((p for k, n, ok, _, p in self.events if k == "param" and n == name and not ok), None)
+        made = [e[1] for e in group if e[0] in ("in", "param")]
+        if made:
+            # the innermost module that received finite gradients and produced this one
+            name = max(made, key=lambda n: (n.count(".") + (n != ""), -made.index(n)))
+            upto = self.events[: first + len(group)]
+            outs = [r for k, n, _, r, _, _ in upto if k == "out" and n == name]
+            ins = [r for k, n, _, r, _, _ in upto if k == "in" and n == name]
+            params = [r for k, n, _, r, _, _ in self.events if k == "param" and n == name]
+            bad_param = next((p for k, n, ok, _, p, _ in group if k == "param" and n == name and not ok), None)
             return {
                 "stage": "backward",
                 "module": name,
@@ -185,14 +190,14 @@ class _Watch:
                 "param": bad_param,
                 "param_grad": _merge(params),
             }
-        # non-finite before any module's backward produced it: the loss, or code between modules
-        name = "" if "" in out_bad else min(out_bad, key=first_bad.get)
-        outs = [g for k, n, _, g, _ in self.events if k == "out" and n == name]
+        outs_bad = [e[1] for e in group]
+        # the loss's gradient, or code in a parent's forward that consumes this (outermost) output
+        name = "" if "" in outs_bad else min(outs_bad, key=lambda n: n.count("."))
         return {
             "stage": "loss-backward" if name == "" else "backward",
             "module": name,
             "type": type(modules[name]).__name__ if name in modules else "?",
-            "grad_output": _merge(outs),
+            "grad_output": _merge([e[3] for e in group if e[1] == name]),
             "between_modules": name != "",
         }
 
