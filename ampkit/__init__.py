@@ -37,7 +37,9 @@ def __getattr__(name):
         import importlib
 
         module = importlib.import_module(_LAZY[name])
-        value = module if module.__name__.endswith("." + name) else getattr(module, name)
+        # a module exported under its own name (ampkit.models) is the module; otherwise the attribute
+        # (ampkit.check is the function ampkit.diagnose.check.check, not the module of that name)
+        value = getattr(module, name) if hasattr(module, name) else module
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ampkit' has no attribute {name!r}")

@@ -1,0 +1,124 @@
+"""`ampkit check`: is mixed precision safe for this model, and which layer goes wrong when it is not.
+
+Runs :func:`ampkit.check` on one batch of the data and prints the readable report, or the
+report as JSON with ``--json`` (see docs/CHECK.md for every field and threshold).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, List, Tuple
+
+from . import UsageError
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to check")
+    g.add_argument("--model", default=None,
+                   help="cnn | simple_cnn | resnet | gpt | mlp | pkg.module:factory (default: the data's own model)")
+    g.add_argument("--data", default="digits",
+                   help="digits | images | sequences | file.npz | pkg.module:factory (default: digits)")
+    g.add_argument("--batch-size", type=int, default=8, help="samples in the checked batch (default: 8)")
+    g.add_argument("--seed", type=int, default=0, help="data split and model init seed (default: 0)")
+    g = p.add_argument_group("how")
+    g.add_argument("--precision", default="fp16-mixed,bf16-mixed",
+                   help="comma list of precisions to compare with fp32 (names or aliases; 'auto' = the "
+                        "device's choice; default: fp16-mixed,bf16-mixed)")
+    g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    g.add_argument("--fp32-modules", default="",
+                   help="comma list of module names kept in fp32 in every checked precision")
+    g.add_argument("--loss-scale", type=float, default=2.0**16,
+                   help="loss scale at which fp16 gradient underflow is measured (default: 65536)")
+    g.add_argument("--lr", type=float, default=1e-4,
+                   help="learning rate of the simulated step for stale 16-bit updates (default: 1e-4)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    g.add_argument("--top", type=int, default=10, help="modules shown in the text report (default: 10)")
+
+
+def _split(value: str) -> List[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _batch(dataset: Any, n: int) -> Any:
+    from torch.utils.data import default_collate
+
+    size = min(n, len(dataset))
+    if size == 0:
+        raise UsageError("the dataset is empty: it needs at least one sample.")
+    return default_collate([dataset[i] for i in range(size)])
+
+
+def _load(args) -> Tuple[Any, Any, str, str]:
+    """(model, batch, model spec, data name) from --model/--data, with one-line errors."""
+    import torch
+
+    from ..data import load_data
+    from ..models import build_model
+
+    try:
+        data = load_data(args.data, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(_first_line(e)) from None
+    spec = args.model or data.default_model
+    torch.manual_seed(args.seed)
+    try:
+        model = build_model(spec, **(data.model_kwargs or {}))
+    except ValueError as e:
+        raise UsageError(_first_line(e)) from None
+    batch = _batch(data.train, args.batch_size)
+    try:
+        with torch.no_grad():
+            model(batch[0] if isinstance(batch, (list, tuple)) else batch)
+    except Exception as e:  # a user model/data mismatch shows up as any error in forward
+        raise UsageError(f"model {spec!r} cannot run on a batch of {args.data!r} "
+                         f"({type(e).__name__}: {_first_line(e)}): pick a --model that fits the --data.") from None
+    return model, batch, spec, getattr(data, "name", args.data) or args.data
+
+
+def run(args) -> int:
+    from ..diagnose.check import check
+    from ..precision import resolve, resolve_device
+
+    precisions = _split(args.precision)
+    if not precisions:
+        raise UsageError("--precision is empty: give e.g. --precision fp16-mixed,bf16-mixed.")
+    for p in precisions:
+        try:
+            resolve(p)
+        except ValueError as e:
+            raise UsageError(_first_line(e)) from None
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if not (args.loss_scale > 0 and args.loss_scale != float("inf")):
+        raise UsageError(f"--loss-scale must be a positive number (e.g. 65536), got {args.loss_scale:g}.")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be positive, got {args.lr:g}.")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise UsageError(_first_line(e)) from None
+
+    model, batch, spec, data_name = _load(args)
+    try:
+        report = check(model, batch, precisions=precisions, device=device, loss_scale=args.loss_scale,
+                       fp32_modules=_split(args.fp32_modules), lr=args.lr)
+    except ValueError as e:
+        raise UsageError(_first_line(e)) from None
+    n_params = sum(p.numel() for p in model.parameters())
+    size = len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
+    report["input"] = {"model": spec, "data": data_name, "batch_size": size, "parameters": n_params}
+    if args.json:
+        print(report.to_json(indent=2))
+    else:
+        print(f"ampkit check: model {spec} ({n_params:,} parameters), a batch of {size} from {data_name}\n")
+        print(report.text(top=max(1, args.top)))
+    sys.stdout.flush()
+    return 0

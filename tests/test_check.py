@@ -1,0 +1,151 @@
+"""ampkit.check: verdicts, numerics scan, recommendation, JSON shape (tiny models: fp16 on CPU is slow)."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit.diagnose.check import check
+from ampkit.diagnose.scan import recommend_init_scale, underflow_fraction_at
+from ampkit.diagnose.verdict import THRESHOLDS, amp_verdicts, choose_auto
+
+from check_models import batch, mlp, planted_overflow, tiny_grad_loss
+
+
+@pytest.fixture(scope="module")
+def planted_report():
+    return check(planted_overflow(), batch(), precisions=["fp16-mixed", "bf16-mixed"], device="cpu")
+
+
+def test_planted_overflow_is_unsafe_in_fp16_named_first_and_ok_in_bf16(planted_report):
+    r = planted_report
+    assert r["verdicts"]["fp16-mixed"]["verdict"] == "unsafe"
+    assert r["verdicts"]["bf16-mixed"]["verdict"] == "ok"
+    first = r["modules"][0]
+    assert first["name"] == "boom" and first["overflow_source"] and first["fp16_overflow"] > 0
+    assert first["act_max"] > 65504
+    # the layer downstream only inherits it; nothing else is called a source
+    assert [m["name"] for m in r["modules"] if m["overflow_source"]] == ["boom"]
+    # the fp16 run's first non-finite module is the planted one, found by the localiser
+    loc = r["verdicts"]["fp16-mixed"]["first_nonfinite"]
+    assert loc["stage"] == "forward" and loc["module"] == "boom" and loc["output"]["inf"] > 0
+    assert loc["input"]["absmax"] < 65504
+
+
+def test_fp32_islands_are_verified_before_they_are_recommended(planted_report):
+    fix = planted_report["verdicts"]["fp16-mixed"]["with_fp32_modules"]
+    assert fix["modules"] == ["boom", "norm"]  # the source and the module that receives its output
+    assert fix["verdict"] == "ok"
+    # checking fp16 with those islands from the start is ok too
+    r = check(planted_overflow(), batch(), precisions=["fp16-mixed"], fp32_modules=["boom", "norm"], audit=False)
+    assert r["verdicts"]["fp16-mixed"]["verdict"] == "ok"
+
+
+def test_recommendation_and_auto_follow_the_verdicts(planted_report):
+    rec = planted_report["recommendation"]
+    auto = planted_report["auto"]
+    assert set(rec) >= {"precision", "init_scale", "fp32_modules"}
+    assert rec["precision"] == auto["mode"]
+    if auto["device_choice"] == "bf16-mixed":  # a CPU with bf16 units
+        assert rec["precision"] == "bf16-mixed" and rec["fp32_modules"] == []
+    # fp16 being unsafe is never picked even where the device would prefer it
+    v = {"fp16-mixed": dict(planted_report["verdicts"]["fp16-mixed"], with_fp32_modules=None),
+         "bf16-mixed": {"verdict": "unsafe", "reasons": ["made up"]}}
+    assert choose_auto(v, "cpu")["mode"] == "fp32"
+
+
+def test_json_shape(planted_report):
+    d = json.loads(planted_report.to_json())
+    for key in ("device", "auto", "verdicts", "modules", "recommendation"):
+        assert key in d
+    assert d["auto"]["mode"] and d["auto"]["reason"]
+    assert d["device"]["device"] == "cpu" and "bf16_fast" in d["device"]
+    for name, v in d["verdicts"].items():
+        assert v["verdict"] in ("ok", "risky", "unsafe")
+        for k in THRESHOLDS:
+            assert k in v
+    assert d["verdicts"]["bf16-mixed"]["output_rel_err"] < THRESHOLDS["output_rel_err"][0]
+    assert all({"name", "act_max", "grad_max", "fp16_underflow", "fp16_overflow"} <= set(m) for m in d["modules"])
+    text = str(planted_report)
+    assert "UNSAFE" in text and "boom" in text and "Recommendation" in text
+
+
+def test_tiny_gradients_get_an_init_scale_that_removes_underflow():
+    torch.manual_seed(0)
+    model = mlp()
+    r1 = check(model, batch(), tiny_grad_loss, ["fp16-mixed"], loss_scale=1.0, audit=False)
+    assert r1["gradients"]["underflow_at_loss_scale"] > 0.9
+    assert all(m["fp16_underflow"] > 0.9 for m in r1["modules"])
+    assert r1["verdicts"]["fp16-mixed"]["verdict"] == "unsafe"
+    assert r1["verdicts"]["fp16-mixed"]["grad_lost"] > 0.9
+    scale = r1["recommendation"]["init_scale"]
+    assert scale > 1 and math.log2(scale) == int(math.log2(scale))
+    assert r1["recommendation"]["underflow_at_init_scale"] == 0
+    r2 = check(model, batch(), tiny_grad_loss, ["fp16-mixed"], loss_scale=scale, audit=False)
+    assert all(m["fp16_underflow"] == 0 for m in r2["modules"])
+    assert r2["verdicts"]["fp16-mixed"]["verdict"] == "ok"
+    assert r2["verdicts"]["fp16-mixed"]["grad_lost"] < THRESHOLDS["grad_lost"][0]  # (ReLU masks may flip)
+
+
+def test_init_scale_rule():
+    hist = [0] * 300
+    hist[160 - 10] = 100  # |g| in [2^-11, 2^-10)
+    rec = recommend_init_scale(2.0**-10, hist)
+    assert rec["init_scale"] == 2.0**22  # 65504 / (2^-10 * 8) = 2^22.99...
+    assert underflow_fraction_at(hist, 1.0) == 0
+    assert underflow_fraction_at(hist, 2.0**-20) == 1.0
+    assert recommend_init_scale(2.0**-40, hist)["init_scale"] == 2.0**24  # capped as apex does
+    assert recommend_init_scale(None, [0] * 300)["init_scale"] == 2.0**16
+
+
+def test_gradient_overflow_backs_off_and_is_risky():
+    torch.manual_seed(0)
+    model = mlp()
+    big = lambda out, y: nn.functional.cross_entropy(out.float(), y) * 1e4  # noqa: E731
+    v = amp_verdicts(model, batch(), big, ["fp16-mixed"], "cpu", loss_scale=2.0**16)["fp16-mixed"]
+    assert v["verdict"] == "risky" and v["loss_scale"] < 2.0**16
+    assert any("overflowed at loss scale 65536" in r for r in v["reasons"])
+
+
+def test_check_leaves_the_model_alone_and_accepts_aliases():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r = check(model, batch(), precisions="bf16,auto", audit=False)
+    assert set(r["verdicts"]) == {"bf16-mixed", r["auto"]["device_choice"]}
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert model.training and model[2].p == 0.5
+
+
+def test_lazy_export():
+    assert ampkit.check is check
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"precisions": ["fp17"]}, "Unknown precision 'fp17'"),
+    ({"fp32_modules": ["fc9"]}, "not found in the model"),
+    ({"loss_scale": -1.0}, "loss_scale must be a positive"),
+    ({"precisions": []}, "no precision to check"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        check(planted_overflow(), batch(), **kwargs)
+
+
+def test_auto_precision_for_the_trainer():
+    from ampkit.diagnose import auto_precision
+    from ampkit.precision import auto_mode
+
+    torch.manual_seed(0)
+    choice = auto_precision(mlp(), batch(), device="cpu")
+    device_choice = auto_mode("cpu")[0]
+    assert choice["device_choice"] == device_choice
+    if device_choice == "fp32":
+        assert choice["mode"] == "fp32" and choice["verdicts"] == {}
+    else:
+        assert choice["verdicts"][device_choice]["verdict"] == "ok" and choice["mode"] == device_choice

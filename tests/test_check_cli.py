@@ -1,0 +1,92 @@
+"""`ampkit check`: readable report, valid JSON, one-line errors with a non-zero exit."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ampkit.cli import main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TINY = ["--data", "check_models:tiny_data", "--batch-size", "8"]
+
+
+@pytest.fixture(autouse=True)
+def _models_importable(monkeypatch):
+    monkeypatch.syspath_prepend(HERE)
+
+
+def _run(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_readable_report_names_the_planted_layer(capsys):
+    code, out, err = _run(capsys, ["check", "--model", "check_models:planted_overflow"] + TINY)
+    assert code == 0, err
+    assert "model check_models:planted_overflow" in out
+    assert "fp16-mixed  UNSAFE" in out and "'boom' (Boom)" in out
+    lines = out.splitlines()
+    first_module = lines[lines.index(next(x for x in lines if x.startswith("Modules, worst first"))) + 2]
+    assert first_module.split()[0] == "boom" and "overflow starts here" in first_module
+    assert "Recommendation:" in out and "init_scale:" in out
+
+
+def test_json_output_is_valid_and_shaped(capsys):
+    code, out, _ = _run(capsys, ["check", "--model", "check_models:planted_overflow", "--json",
+                                 "--precision", "fp16,bf16-mixed"] + TINY)
+    assert code == 0
+    d = json.loads(out)
+    assert {"device", "auto", "verdicts", "modules", "recommendation"} <= set(d)
+    assert d["verdicts"]["fp16-mixed"]["verdict"] == "unsafe"
+    assert d["verdicts"]["bf16-mixed"]["verdict"] == "ok"
+    assert d["modules"][0]["name"] == "boom"
+    assert set(d["recommendation"]) >= {"precision", "init_scale", "fp32_modules"}
+    assert d["input"]["model"] == "check_models:planted_overflow" and d["input"]["batch_size"] == 8
+
+
+def test_fp32_modules_flag_makes_fp16_ok(capsys):
+    code, out, _ = _run(capsys, ["check", "--model", "check_models:planted_overflow", "--json", "--precision", "fp16-mixed",
+                                 "--fp32-modules", "boom,norm"] + TINY)
+    assert code == 0
+    assert json.loads(out)["verdicts"]["fp16-mixed"]["verdict"] == "ok"
+
+
+@pytest.mark.parametrize("model", ["cnn", "mlp"])
+def test_reference_models_on_digits(capsys, model):
+    code, out, _ = _run(capsys, ["check", "--model", model, "--batch-size", "2", "--json"])
+    assert code == 0
+    d = json.loads(out)
+    assert d["verdicts"]["bf16-mixed"]["verdict"] in ("ok", "risky")
+    assert d["modules"] and d["recommendation"]["precision"]
+    code, out, _ = _run(capsys, ["check", "--model", model, "--batch-size", "2", "--precision", "bf16"])
+    assert code == 0 and "AMP check against fp32" in out and "Dtype audit (bf16-mixed)" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "nosuch"], "Unknown model 'nosuch'"),
+    (["--model", "nosuchmod.sub:make"], "cannot import model module"),
+    (["--precision", "fp16,fp17"], "Unknown precision 'fp17'"),
+    (["--precision", ","], "--precision is empty"),
+    (["--model", "check_models:planted_overflow", "--fp32-modules", "bom"], "did you mean boom"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--loss-scale", "-2"], "--loss-scale must be a positive"),
+    (["--device", "tpu"], "Unknown device"),
+    (["--model", "gpt"], "cannot run on a batch"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    code, out, err = _run(capsys, ["check"] + TINY + argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ampkit check: error:") and needle in lines[0], err
+
+
+def test_process_exit_code_and_stderr():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    p = subprocess.run([sys.executable, "-m", "ampkit", "check", "--precision", "fp17"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1 and "Unknown precision 'fp17'" in p.stderr
