@@ -335,12 +335,13 @@ def initialize(
     if num_losses < 1:
         raise ValueError(f"num_losses must be a positive integer, got {num_losses}.")
     model_list, models_was_list = _as_list(models, "models", (nn.Module,))
+    if optimizers is not None:
+        _check_optimizers(optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])
     if optimizers is None:
         opt_list, opts_was_list = [], False
     else:
         opt_list, opts_was_list = _as_list(optimizers, "optimizers", (torch.optim.Optimizer,))
     _check_models(model_list)
-    _check_optimizers(opt_list)
 
     device = _device_of(model_list)
     mode = props.mode
