@@ -18,9 +18,8 @@ RUNS = {
                                  "fp32 master weights"),
     "apex_amp_initialize-O2": ("apex_amp_initialize.py", ["--opt_level", "O2", "--epochs", "2"], "opt_level O2"),
     "keras_policy": ("keras_policy.py", ["--epochs", "2"], "weights in float32"),
+    "trainer_user_model": ("trainer_user_model.py", ["--epochs", "5"], "trained 80 steps"),
 }
-if (EXAMPLES / "trainer_user_model.py").exists():
-    RUNS["trainer_user_model"] = ("trainer_user_model.py", [], "trained")
 
 
 def _run(script, args):

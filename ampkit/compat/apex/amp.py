@@ -217,16 +217,15 @@ class _GradView:
 
 # ---------------------------------------------------------------------------------- model hooks
 class _AutocastForward:
-    """Runs a module's forward under autocast (O1); the always-called hook leaves the context."""
+    """Runs a module's forward under the policy's autocast (O1); the always-called hook leaves it."""
 
-    def __init__(self, device_type: str, dtype: torch.dtype, output_dtype: Optional[torch.dtype]) -> None:
-        self.device_type = device_type
-        self.dtype = dtype
+    def __init__(self, precision: Precision, output_dtype: Optional[torch.dtype]) -> None:
+        self.precision = precision
         self.output_dtype = output_dtype
         self._active: list = []
 
     def enter(self, module, args):
-        ctx = torch.autocast(device_type=self.device_type, dtype=self.dtype)
+        ctx = self.precision.autocast()  # torch.autocast (+ ampkit's per-op speed policy on CPU)
         ctx.__enter__()
         self._active.append(ctx)
 
@@ -368,7 +367,7 @@ def initialize(
     for model in model_list:
         precision.setup(model, None)
         if props.patch_torch_functions:
-            hooks = _AutocastForward(device.type, props.dtype, cast_model_outputs or torch.float32)
+            hooks = _AutocastForward(precision, cast_model_outputs or torch.float32)
             model.register_forward_pre_hook(hooks.enter)
             model.register_forward_hook(hooks.leave, always_call=True)
         elif cast_model_outputs is not None:
