@@ -100,12 +100,13 @@ class Adam(CompensatedOptimizer):
 
         Rounded to nearest, a bf16 moment cannot follow slow changes: ``v * 0.999`` rounds back
         to ``v`` (1 - beta2 is below bf16's resolution, 2**-8), and ``m`` stops moving while
-        ``|g - m| < 2% |m|``. The fp32 loss curve is then missed by 5-20% (docs/BF16_PURE.md).
+        ``|g - m| < 2% |m|``. The fp32 loss curve was missed by 5-20% in our runs (docs/BF16_PURE.md).
         Stochastic rounding makes every update right in expectation, at no extra state; the fp32
         copies are transient, one moment at a time. Returns the fp32 copy of the new ``exp_avg_sq``
         (equal to it), reused for the denominator.
         """
         for buffers, beta, squared in ((exp_avgs, beta1, False), (exp_avg_sqs, beta2, True)):
+            flat = copy = None  # free the previous moment's copy first: one fp32 copy alive at a time
             flat, copy = foreach_cast(buffers, torch.float32)
             torch._foreach_mul_(copy, beta)
             if squared:

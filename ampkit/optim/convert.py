@@ -93,6 +93,9 @@ def compensated_from(optimizer: torch.optim.Optimizer, compensation: Optional[st
     # step hooks registered on the original keep firing
     new._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
     new._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        # an LR scheduler built on the original checks that *it* stepped before warning
+        new.register_step_post_hook(lambda *_: setattr(optimizer, "_opt_called", True))
 
     with torch.no_grad():
         for p, old in optimizer.state.items():
