@@ -62,7 +62,7 @@ class SGD(CompensatedOptimizer):
                 old_grads = [grads[i] for i in old]
                 if group["moment_rounding"] == "stochastic" and bufs[0].dtype == torch.bfloat16:
                     # rounded to nearest, a bf16 buffer drifts once (1 - momentum) nears bf16's
-                    # resolution (momentum 0.99 missed the fp32 loss by 60%): fp32 update,
+                    # resolution (momentum 0.99 missed the fp32 loss by 37%): fp32 update,
                     # stochastic rounding, right in expectation
                     flat, copy = foreach_cast(bufs, torch.float32)
                     torch._foreach_mul_(copy, momentum)
