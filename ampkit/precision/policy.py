@@ -86,6 +86,12 @@ class Precision:
         op_policy: speed-aware per-op dtype choice inside ``autocast()`` (``ampkit.precision.speed``:
             e.g. attention backward in fp32 where this CPU runs it faster); None = on for CPU
             16-bit compute unless ``AMPKIT_OP_POLICY=off``.
+        compensation: bf16-pure only: how updates land in the bf16 weights, ``"kahan"`` (default,
+            a bf16 buffer per param), ``"stochastic"`` (stochastic rounding, no buffer) or
+            ``"none"`` (plain rounding; small updates are lost). ``setup`` swaps a torch
+            AdamW/Adam/SGD for its ``ampkit.optim`` equivalent; an ``ampkit.optim`` optimizer
+            keeps its own setting unless this is given. Norm layers stay fp32 here too
+            (``keep_norm_fp32``): see docs/BF16_PURE.md.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class Precision:
         channels_last: Optional[bool] = None,
         op_policy: Optional[bool] = None,
         scaler: Optional[LossScaler] = None,
+        compensation: Optional[str] = None,
     ) -> None:
         self.device = resolve_device(device)
         requested = resolve(global_policy() if name is None else name)
@@ -122,6 +129,14 @@ class Precision:
         self.channels_last = channels_last
         self.op_policy = op_policy
         self._check_hardware()
+        if compensation is not None and not self.mode.compensated:
+            raise ValueError(
+                f"compensation={compensation!r} applies to precision='bf16-pure' only (got {self.name!r}): "
+                "drop it, or use precision='bf16-pure'."
+            )
+        if compensation is not None and str(compensation).lower() not in ("kahan", "stochastic", "none"):
+            raise ValueError(f"compensation={compensation!r} is not supported: use 'kahan', 'stochastic' or 'none'.")
+        self.compensation = None if compensation is None else str(compensation).lower()
 
         static = parse_loss_scale(loss_scale)
         if not self.mode.scaled and (static is not None or scaler is not None or init_scale is not None):
@@ -225,7 +240,10 @@ class Precision:
         if self.mode.compensated and optimizer is not None:
             from ..optim import compensated_from
 
-            optimizer = compensated_from(optimizer)
+            if self.compensation is None:
+                optimizer = compensated_from(optimizer)
+            else:
+                optimizer = compensated_from(optimizer, None if self.compensation == "none" else self.compensation)
         self.scaler.register_names(model)
         self.model = model
         self._setup_done = True
@@ -324,6 +342,9 @@ class Precision:
         extra = []
         if self._scales_loss:
             extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler._init_scale:g}")
+        if self.mode.compensated and self.compensation not in (None, "kahan"):
+            extra.append("stochastic rounding instead of Kahan" if self.compensation == "stochastic"
+                         else "no compensation (plain bf16 rounding)")
         if self.fp32_modules:
             extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
         chosen = f"auto -> {self.name} ({self.reason})" if self.requested == AUTO else self.name

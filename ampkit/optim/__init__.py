@@ -1,0 +1,23 @@
+"""Optimizers for pure bf16 training: updates that survive 16-bit weights, without fp32 masters.
+
+* :class:`AdamW`, :class:`Adam`, :class:`SGD`: torch's update rules (foreach), with
+  ``compensation="kahan"`` (a 16-bit buffer per param, default), ``"stochastic"`` (stochastic
+  rounding, no extra state) or None (plain rounding, which stalls at small learning rates).
+* :func:`compensated_from`: the compensated equivalent of a torch AdamW/Adam/SGD; what
+  ``Precision("bf16-pure").setup`` uses.
+* :func:`state_bytes`: measured bytes of training state per parameter (``ampkit bench``).
+* :func:`stochastic_round`, :func:`kahan_add_`: the rounding primitives.
+
+See docs/BF16_PURE.md for the why and the numbers.
+"""
+from .adamw import Adam, AdamW
+from .base import COMPENSATIONS, CompensatedOptimizer
+from .convert import SUPPORTED, compensated_from
+from .memory import state_bytes
+from .rounding import kahan_add_, stochastic_round, stochastic_round_
+from .sgd import SGD
+
+__all__ = [
+    "AdamW", "Adam", "SGD", "CompensatedOptimizer", "COMPENSATIONS", "SUPPORTED",
+    "compensated_from", "state_bytes", "stochastic_round", "stochastic_round_", "kahan_add_",
+]

@@ -1,0 +1,247 @@
+"""Shared machinery of the compensated optimizers: bucketing, where updates land, RNG, state I/O.
+
+Each ``step`` groups a param group's tensors by (device, dtype), in batches of at most
+``bucket_numel`` elements, and hands each batch to the subclass's ``_update`` as lists for
+``torch._foreach_*`` ops. The subclass adds its update to
+``target.tensors``, which are
+
+* the params themselves: fp32/fp64 params, or ``compensation=None`` (plain rounding);
+* the params' Kahan buffers (``compensation="kahan"``): the update is summed there and
+  :func:`~ampkit.optim.rounding.kahan_add_` moves what fits into the params;
+* fp32 copies of the params (``compensation="stochastic"``): rounded back unbiasedly.
+
+So one update rule serves every dtype and compensation, and fp32 params keep plain fp32 updates
+(no buffer) next to bf16 ones in the same optimizer.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .rounding import kahan_add_, stochastic_round_
+
+__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION"]
+
+COMPENSATIONS = ("kahan", "stochastic", None)
+MOMENT_ROUNDINGS = ("stochastic", "nearest")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+def spans(numels: List[int], cap: int) -> List[Tuple[int, int]]:
+    """Consecutive index ranges whose numels sum to at most ``cap`` (a bigger tensor stands alone)."""
+    out, lo, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if i > lo and total + n > cap:
+            out.append((lo, i))
+            lo, total = i, 0
+        total += n
+    if numels:
+        out.append((lo, len(numels)))
+    return out
+
+
+def check_compensation(value: Any) -> None:
+    if value not in COMPENSATIONS:
+        raise ValueError(
+            f"compensation={value!r} is not supported: use 'kahan' (a 16-bit buffer per param), "
+            "'stochastic' (stochastic rounding, no extra state) or None (plain rounding)."
+        )
+
+
+def foreach_cast(tensors: List[torch.Tensor], dtype: torch.dtype) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Copies of ``tensors`` in ``dtype`` as views of one flat buffer: one allocation, one foreach copy.
+
+    Returns ``(flat, views)``.
+    """
+    numels = [t.numel() for t in tensors]
+    flat = torch.empty(sum(numels), dtype=dtype, device=tensors[0].device)
+    views = [c.view(t.shape) for c, t in zip(flat.split(numels), tensors)]
+    torch._foreach_copy_(views, tensors)
+    return flat, views
+
+
+def check_moment_rounding(value: Any) -> None:
+    if value not in MOMENT_ROUNDINGS:
+        raise ValueError(f"moment_rounding={value!r} is not supported: use 'stochastic' or 'nearest'.")
+
+
+def scalar(value: Any) -> float:
+    """A hyperparameter as a Python float (a tensor lr costs one read, as in torch)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class _Target:
+    """Where one bucket's update accumulates, and how it lands in the params (see module doc)."""
+
+    def __init__(self, mode: Optional[str], params: List[torch.Tensor], states: List[dict],
+                 generator_fn: Callable[[], torch.Generator]) -> None:
+        self.mode = mode
+        self.params = params
+        self._generator_fn = generator_fn
+        self._flat: Optional[torch.Tensor] = None
+        if mode == "kahan":
+            self.tensors = [s["compensation"] for s in states]
+        elif mode == "stochastic":
+            self._flat, self.tensors = foreach_cast(params, torch.float32)  # exact upcast
+        else:
+            self.tensors = params
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The stochastic-rounding generator of this bucket's device (created on first use)."""
+        return self._generator_fn()
+
+    def decay_(self, amount: float) -> None:
+        """Decoupled weight decay ``w -= amount * w``: multiplied into a weight, added to a Kahan buffer."""
+        if self.mode == "kahan":
+            torch._foreach_add_(self.tensors, self.params, alpha=-amount)
+        else:
+            torch._foreach_mul_(self.tensors, 1.0 - amount)
+
+    def finish(self) -> None:
+        """Move the accumulated update into the params."""
+        if self.mode == "kahan":
+            kahan_add_(self.params, self.tensors)
+        elif self.mode == "stochastic":
+            stochastic_round_(self._flat, self.generator)
+            torch._foreach_copy_(self.params, self.tensors)  # exact: low bits are zero
+            self._flat = None
+
+
+class CompensatedOptimizer(torch.optim.Optimizer):
+    """Base class: a ``torch.optim.Optimizer`` whose updates survive 16-bit params.
+
+    Args:
+        compensation: ``"kahan"`` (default), ``"stochastic"`` or None; a param-group key, so groups
+            may differ. Applies to bf16/fp16 params only (stochastic: bf16 only); fp32 params are
+            updated in fp32 with no buffer.
+        state_dtype: dtype of the optimizer's moment buffers for 16-bit params; None = bf16 for
+            bf16 params (the memory saving), fp32 for fp16 params (fp16's range cannot hold
+            squared gradients); ``torch.float32`` keeps them fp32. fp32 params always keep fp32
+            state.
+        moment_rounding: how updates of bf16 optimizer state (Adam's moments, SGD's momentum)
+            are rounded: ``"stochastic"`` (default: computed in fp32, rounded stochastically, so
+            slow averages such as beta2=0.999 keep tracking) or ``"nearest"`` (cheaper, fine
+            when 1 - beta is well above bf16's 2**-8 resolution). A param-group key.
+        seed: seed of the stochastic-rounding generator; None derives it from
+            ``torch.initial_seed()`` (so ``torch.manual_seed`` makes runs reproducible). The
+            generator state is saved in ``state_dict()``.
+    """
+
+    #: elements per foreach batch (None: 2**20 on CPU, 2**24 elsewhere). The compensated update
+    #: makes ~20 passes over fp32 copies; batches that stay in cache ran 2.4x faster on CPU than
+    #: one pass over all params, and they bound the transient fp32 copies to the batch.
+    bucket_numel: Optional[int] = None
+
+    def __init__(self, params, defaults: Dict[str, Any], *, compensation: Optional[str] = "kahan",
+                 state_dtype: Optional[torch.dtype] = None, seed: Optional[int] = None) -> None:
+        check_compensation(compensation)
+        if state_dtype not in _STATE_DTYPES:
+            raise ValueError(f"state_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {state_dtype}.")
+        self.state_dtype = state_dtype
+        self.seed = seed
+        self._generators: Dict[str, torch.Generator] = {}
+        super().__init__(params, {**defaults, "compensation": compensation})
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        check_compensation(param_group.get("compensation", self.defaults.get("compensation")))
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def state_dtype_for(self, p: torch.Tensor) -> torch.dtype:
+        """bf16 params: ``state_dtype`` or bf16; fp16 params: ``state_dtype`` or fp32 (fp16's range
+        cannot hold squared gradients); other params: their own dtype."""
+        if p.dtype not in LOW_PRECISION:
+            return p.dtype
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return torch.bfloat16 if p.dtype == torch.bfloat16 else torch.float32
+
+    def _init_state(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """Create the optimizer's own state for ``p`` (called once, at its first step)."""
+
+    def _update(self, group: Dict[str, Any], params: List[torch.Tensor], grads: List[torch.Tensor],
+                states: List[Dict[str, Any]], target: _Target) -> None:
+        raise NotImplementedError
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            seed = self.seed if self.seed is not None else torch.initial_seed() ^ 0x5EED5EED
+            gen.manual_seed(seed % (1 << 63))
+            self._generators[key] = gen
+        return gen
+
+    def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple[torch.device, torch.dtype], tuple]:
+        """Params with grads, grouped by (device, dtype), their state created on first sight."""
+        kahan = group["compensation"] == "kahan"
+        buckets: Dict[Tuple[torch.device, torch.dtype], tuple] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients.")
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state, group)
+            if kahan and p.dtype in LOW_PRECISION and "compensation" not in state:
+                state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params, grads, states = buckets.setdefault((p.device, p.dtype), ([], [], []))
+            params.append(p)
+            grads.append(p.grad)
+            states.append(state)
+        return buckets
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for (device, dtype), (params, grads, states) in self._buckets(group).items():
+                mode = group["compensation"] if dtype in LOW_PRECISION else None
+                if mode == "stochastic" and dtype != torch.bfloat16:
+                    raise ValueError(
+                        f"compensation='stochastic' rounds to bfloat16; found {dtype} params. "
+                        "Use compensation='kahan' for float16 params."
+                    )
+                gen = functools.partial(self._generator, device)
+                cap = self.bucket_numel or (1 << 20 if device.type == "cpu" else 1 << 24)
+                for lo, hi in spans([p.numel() for p in params], cap):
+                    ps, ss = params[lo:hi], states[lo:hi]
+                    self._update(group, ps, grads[lo:hi], ss, _Target(mode, ps, ss, gen))
+        return loss
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        if self._generators:
+            sd["rng_states"] = {k: g.get_state() for k, g in self._generators.items()}
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        rng_states = state_dict.pop("rng_states", None)
+        super().load_state_dict(state_dict)
+        # torch casts every floating state tensor to its param's dtype; fp32 moments of bf16
+        # params (state_dtype=torch.float32) must come back as saved, not rounded to bf16
+        saved_groups = state_dict["param_groups"]
+        by_id = {pid: p for saved, group in zip(saved_groups, self.param_groups)
+                 for pid, p in zip(saved["params"], group["params"])}
+        for pid, saved in state_dict["state"].items():
+            p = by_id.get(pid)
+            if p is None:
+                continue
+            for key, value in saved.items():
+                if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
+                        and value.dtype != p.dtype):
+                    self.state[p][key] = value.to(device=p.device)
+        for key, rng in (rng_states or {}).items():
+            self._generator(torch.device(key)).set_state(rng)
