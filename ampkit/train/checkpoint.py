@@ -11,7 +11,9 @@ Format (``FORMAT``/``VERSION`` below; documented in docs/CHECKPOINTS.md)::
 Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the
 final name (and the directory fsync'ed), so a crash at any moment leaves either the old or the
 new file, never a torn one. A failed write removes its temporary file and leaves earlier
-checkpoints untouched.
+checkpoints untouched; a temporary file orphaned by a kill is ignored by the loaders and removed
+by `remove_partial_writes` when the run resumes. Loading verifies the archive's CRC-32 checksums
+first (torch.load does not), so a flipped bit is reported instead of resumed from.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 import random
 import re
 import tempfile
+import zipfile
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -26,12 +29,13 @@ import torch
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-    "latest_checkpoint", "prune_checkpoints", "rng_state", "set_rng_state", "model_signature",
+    "latest_checkpoint", "prune_checkpoints", "remove_partial_writes", "rng_state", "set_rng_state", "model_signature",
 ]
 
 FORMAT = "ampkit-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_TEMP = re.compile(r"^\.tmp-.*\.pt$")
 
 
 class CheckpointError(ValueError):
@@ -107,8 +111,15 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> str:
 
 def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     """Load and validate a checkpoint; never unpickles code (weights_only=True)."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is a directory: pass one of its step-*.pt files, "
+                              "or --out RUN_DIR --resume auto to continue from the latest one.")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist.")
+    damaged = _crc_mismatch(path)
+    if damaged:
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: the bytes of {damaged!r} do not match their "
+                              "CRC-32 checksum (the file was damaged after it was written); use an earlier checkpoint.")
     try:
         ck = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
@@ -133,6 +144,19 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     return ck
 
 
+def _crc_mismatch(path: str) -> Optional[str]:
+    """The first archive member whose bytes fail their CRC-32, or None (torch.load never checks)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return None  # not a zip archive: torch.load reports what it is
+        with zipfile.ZipFile(path) as z:
+            if not any(info.CRC for info in z.infolist()):
+                return None  # written with torch's checksums turned off
+            return z.testzip()
+    except Exception:  # a damaged directory: torch.load gives the clearer error
+        return None
+
+
 def list_checkpoints(directory: str) -> List[str]:
     """Checkpoint paths in ``directory`` ordered oldest to newest by step."""
     if not os.path.isdir(directory):
@@ -152,6 +176,20 @@ def latest_checkpoint(directory: str) -> Optional[str]:
 
 def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}.pt")
+
+
+def remove_partial_writes(directory: Optional[str]) -> List[str]:
+    """Delete temporary files of saves that a crash interrupted; never touches a step-*.pt file."""
+    removed = []
+    if directory and os.path.isdir(directory):
+        for name in os.listdir(directory):
+            if _TEMP.match(name):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                    removed.append(name)
+                except OSError:
+                    pass
+    return removed
 
 
 def prune_checkpoints(directory: str, keep_last: int) -> None:

@@ -47,6 +47,10 @@ class TrainingInterrupted(Exception):
         super().__init__(f"{name} received: stopped at a step boundary; {where}. Resume with --resume auto.")
 
 
+# options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
+_RESUME_MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
+
+
 class RunDirError(ValueError):
     """The output directory cannot be used (holds another run, not writable...)."""
 
@@ -286,6 +290,13 @@ class Trainer:
                       f"{diff[1][0]} {diff[1][1]} {diff[1][2]}" if diff else
                       f"checkpoint has {len(theirs)} tensors, model has {len(mine)}")
             raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
+        saved = ck.get("config") or {}
+        for key in _RESUME_MUST_MATCH:
+            if key in saved and saved[key] != getattr(self.config, key):
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
+                    f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume with "
+                    "the run's own options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
         try:
             self.precision.load_state_dict(ck["precision"])
             self.raw_model.load_state_dict(ck["model"])
@@ -339,18 +350,28 @@ class Trainer:
         self.run_dir = self._prepare_run_dir()
         resume_path = self._resolve_resume()
         if resume_path:
-            self.load_checkpoint(resume_path)
+            try:
+                self.load_checkpoint(resume_path)
+            except ckpt.CheckpointError as e:
+                older = ckpt.list_checkpoints(os.path.dirname(resume_path))[:-1] if cfg.resume == "auto" else []
+                if older:
+                    raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: continue from it "
+                                               f"with --resume {older[-1]}") from e
+                raise
         else:
             torch.manual_seed(cfg.seed)
         self._check_inputs_finite()
         is_main = self.rank == 0
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None
+        if resume_path and metrics_path:
+            # before the logger opens the file: truncation replaces it with a new one
+            self.history = _truncate_metrics(metrics_path, self.attempted_steps, self.epoch)
+            ckpt.remove_partial_writes(self._checkpoint_dir())
         logger = MetricsLogger(
-            os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None,
+            metrics_path,
             os.path.join(self.run_dir, "tensorboard") if (self.run_dir and is_main and cfg.tensorboard) else None,
             append=bool(resume_path),
         )
-        if resume_path and self.run_dir and is_main:
-            _truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.attempted_steps)
         if self.run_dir and is_main:
             write_config(cfg, os.path.join(self.run_dir, "config.toml"),
                          {"precision (resolved)": self.precision.describe()})
@@ -380,6 +401,9 @@ class Trainer:
         model, precision, optimizer = self.model, self.precision, self.optimizer
         accum = cfg.grad_accum
         samples_seen = 0
+        # TensorDatasets are checked for NaN/inf upfront; other datasets when a step is skipped
+        check_skipped_inputs = not isinstance(self.train_data, TensorDataset)
+        window_inputs: List[tuple] = []
         model.train()
         while self.epoch < cfg.epochs:
             order = self._epoch_order(self.epoch)
@@ -393,6 +417,8 @@ class Trainer:
                 window = min(accum, n - window_start)
                 last_in_window = (i - window_start) == window - 1
                 x, y = self._fetch(self.train_data, order[i])
+                if check_skipped_inputs:
+                    window_inputs.append((i, order[i], x, y))
                 with self._sync_context(last_in_window):
                     with precision.autocast():
                         out = model(x)
@@ -406,7 +432,14 @@ class Trainer:
                 progress.advance()
                 if not last_in_window:
                     continue
-                stepped = precision.step(optimizer, max_norm=cfg.max_norm)
+                try:
+                    stepped = precision.step(optimizer, max_norm=cfg.max_norm)
+                except NonFiniteGradientsError:
+                    self._check_window_inputs(window_inputs)  # bad data explains it better
+                    raise
+                if not stepped:
+                    self._check_window_inputs(window_inputs)
+                window_inputs = []
                 optimizer.zero_grad(set_to_none=True)
                 self.attempted_steps += 1
                 if stepped:
@@ -420,18 +453,22 @@ class Trainer:
                     "skipped": not stepped, "lr": optimizer.param_groups[0]["lr"],
                 })
                 window_loss = torch.zeros((), device=self.device)
-                if self.attempted_steps % cfg.log_every == 0 or i == n:
+                log_due = self.attempted_steps % cfg.log_every == 0 or i == n
+                save_due = bool(cfg.save_every) and self.attempted_steps % cfg.save_every == 0
+                if log_due or save_due or self._stop_signal is not None:
+                    # metrics reach the file before any checkpoint: a kill never loses logged steps
                     now = time.perf_counter()
                     rate = samples_flush * self.world_size / max(now - t_flush, 1e-9)
                     records = logger.flush(samples_per_s=rate)
                     if records:
                         self.history.extend(records)
                         last = records[-1]
+                    if records and log_due:
                         progress.show({"step": self.global_step, "loss": f"{last['loss']:.4f}",
                                        "scale": f"{last['scale']:g}", "skipped": precision.skipped_steps,
                                        "lr": f"{last['lr']:.2e}", "samples/s": f"{rate:.0f}"})
                     t_flush, samples_flush = now, 0
-                if cfg.save_every and self.attempted_steps % cfg.save_every == 0:
+                if save_due:
                     self.save_checkpoint()
                 if self._stop_signal is not None:
                     progress.close()
@@ -472,11 +509,25 @@ class Trainer:
         autocast = self.precision.autocast if self.config.eval_precision == "train" else contextlib.nullcontext
         return evaluate(self.raw_model, self._eval_batches(self.eval_data), self.loss_fn, autocast, self.task, collect)
 
+    def _check_window_inputs(self, window: List[tuple]) -> None:
+        """After a skipped step: NaN/inf in that window's inputs or targets is one clear error with the batch index."""
+        for b, idx, x, y in window:
+            for what, t in (("inputs", x), ("targets", y)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0:
+                    bad = ~torch.isfinite(t.reshape(len(t), -1)).all(dim=1)
+                    if bad.any():
+                        first = int(idx[int(bad.nonzero()[0])])
+                        raise ValueError(
+                            f"the training data holds NaN/inf in its {what}: epoch {self.epoch + 1}, batch {b}, "
+                            f"sample {first} ({int(bad.sum())} bad sample(s) in that batch); the step was skipped. "
+                            "Clean or filter the data before training.")
+
     def _check_inputs_finite(self) -> None:
         """NaN/inf in the training inputs: one clear error naming the first bad sample (and its batch)."""
         for name, ds in (("training", self.train_data), ("evaluation", self.eval_data)):
-            if isinstance(ds, TensorDataset):
-                x = ds.tensors[0]
+            if not isinstance(ds, TensorDataset):
+                continue
+            for what, x in zip(("inputs", "targets"), ds.tensors[:2]):
                 if x.is_floating_point():
                     bad = ~torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
                     if bad.any():
@@ -488,7 +539,7 @@ class Trainer:
                                     where = f" (epoch {self.epoch + 1}, batch {b})"
                                     break
                         raise ValueError(
-                            f"the {name} data holds NaN/inf in {int(bad.sum())} sample(s); first at sample "
+                            f"the {name} data holds NaN/inf in the {what} of {int(bad.sum())} sample(s); first at sample "
                             f"{first}{where}. Clean or filter the data before training.")
 
     def _finish(self, logger: MetricsLogger, samples_seen: int, train_time: float, is_main: bool) -> Dict[str, Any]:
@@ -562,20 +613,30 @@ def _infer_task(ds: Dataset) -> str:
     return "lm" if y.dim() == 1 and not torch.as_tensor(x).is_floating_point() else "classification"
 
 
-def _truncate_metrics(path: str, upto_step: int) -> None:
-    """Drop records written after the checkpoint we resume from (they will be produced again)."""
+def _truncate_metrics(path: str, upto_step: int, upto_epoch: int) -> List[Dict[str, Any]]:
+    """Drop records written after the checkpoint we resume from (they will be produced again).
+
+    Returns the records kept (the run's history so far). An evaluation is logged after its epoch
+    counter advanced, so one with a later epoch than the checkpoint's came after it, even at the
+    same step (a checkpoint saved on an epoch's last step, before that epoch's evaluation).
+    """
     if not os.path.exists(path):
-        return
-    keep = []
+        return []
+    keep, records = [], []
     with open(path) as f:
         for line in f:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a crash
-            if r.get("step", 0) <= upto_step and r.get("kind") != "summary":
-                keep.append(line if line.endswith("\n") else line + "\n")
+            if r.get("kind") == "summary" or r.get("step", 0) > upto_step:
+                continue
+            if r.get("kind") == "eval" and r.get("epoch", 0) > upto_epoch:
+                continue
+            keep.append(line if line.endswith("\n") else line + "\n")
+            records.append(r)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(keep)
     os.replace(tmp, path)
+    return records
