@@ -39,7 +39,15 @@ _TEMP = re.compile(r"^\.tmp-.*\.pt$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, corrupt, unsafe, from another model or version."""
+    """A checkpoint that cannot be used: missing, corrupt, unsafe, from another model or version.
+
+    ``damaged`` is True when the file's bytes are bad (truncated, corrupt), so an earlier
+    checkpoint of the same run is a way out; False when any checkpoint of the run would fail.
+    """
+
+    def __init__(self, message: str, damaged: bool = False) -> None:
+        super().__init__(message)
+        self.damaged = damaged
 
 
 def rng_state() -> Dict[str, Any]:
@@ -78,20 +86,22 @@ def model_signature(model: torch.nn.Module) -> List[list]:
 def save_checkpoint(state: Dict[str, Any], path: str) -> str:
     """Atomically write ``state`` (plus format/version) to ``path``; returns the path."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION, **state}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    tmp = None
     try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         if isinstance(e, OSError):
             raise CheckpointError(
                 f"could not write checkpoint {path!r}: {e.strerror or e}; earlier checkpoints are intact "
@@ -119,7 +129,9 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     damaged = _crc_mismatch(path)
     if damaged:
         raise CheckpointError(f"checkpoint {path!r} is corrupt: the bytes of {damaged!r} do not match their "
-                              "CRC-32 checksum (the file was damaged after it was written); use an earlier checkpoint.")
+                              "CRC-32 checksum (the file was damaged after it was written).", damaged=True)
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes) and cannot be loaded.", damaged=True)
     try:
         ck = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
@@ -131,14 +143,17 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
                 f"unpickled ({what[:160]}). ampkit loads checkpoints with weights_only=True only; nothing was executed."
             ) from e
         detail = next((l.strip() for l in reversed(text.splitlines()) if l.strip() and "documentation" not in l), "")
+        detail = detail.split(". ")[0][:160]  # torch's zip errors go on with generic advice
         raise CheckpointError(
-            f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}: {detail[:160]})."
+            f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}"
+            f"{': ' + detail if detail else ''}).", damaged=True
         ) from e
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r} is not an ampkit checkpoint (no '{FORMAT}' format field).")
     if ck.get("version") != VERSION:
+        found = f"format version {ck['version']!r}" if "version" in ck else "no format version"
         raise CheckpointError(
-            f"checkpoint {path!r} has format version {ck.get('version')!r}; this ampkit reads version {VERSION}. "
+            f"checkpoint {path!r} has {found}; this ampkit reads version {VERSION}. "
             "Use the ampkit release that wrote it, or start a new run."
         )
     return ck

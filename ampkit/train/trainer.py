@@ -283,6 +283,10 @@ class Trainer:
 
     def load_checkpoint(self, path: str) -> None:
         ck = ckpt.load_checkpoint(path, map_location=self.device)
+        missing = [k for k in ("model", "optimizer", "precision", "progress", "rng") if k not in ck]
+        if missing:
+            raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
+                                       "incomplete or was not written by the ampkit Trainer.")
         mine, theirs = ckpt.model_signature(self.raw_model), ck.get("model_signature")
         if theirs is not None and [list(x) for x in theirs] != mine:
             diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
@@ -354,7 +358,7 @@ class Trainer:
                 self.load_checkpoint(resume_path)
             except ckpt.CheckpointError as e:
                 older = ckpt.list_checkpoints(os.path.dirname(resume_path))[:-1] if cfg.resume == "auto" else []
-                if older:
+                if older and e.damaged:
                     raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: continue from it "
                                                f"with --resume {older[-1]}") from e
                 raise

@@ -106,7 +106,7 @@ class ForkServer:
             raise RuntimeError(f"fork server died (exit {self.proc.poll()})")
         return json.loads(line)
 
-    def run(self, args, fault="none", nth=0, kill_after=None, clock_file=None, env=None, timeout=300):
+    def run(self, args, fault="none", nth=0, kill_after=None, clock_file=None, env=None, uid=None, timeout=300):
         """Run ``ampkit ARGS`` in a forked child; returns a dict with returncode, killed, stdout, stderr.
 
         kill_after: SIGKILL after this many seconds, counted from the fork or, with clock_file,
@@ -115,7 +115,7 @@ class ForkServer:
         self.n += 1
         out = os.path.join(self.workdir, f"child-{self.n}")
         req = {"args": list(args), "fault": fault, "nth": nth, "kill_after": kill_after, "clock_file": clock_file,
-               "env": env or {}, "stdout": out + ".out", "stderr": out + ".err"}
+               "env": env or {}, "uid": uid, "stdout": out + ".out", "stderr": out + ".err"}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         reply = self._reply(timeout)
@@ -150,3 +150,13 @@ def reference(forkserver, tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """In-process `ampkit train --num-threads 1` must not slow down the tests that follow."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

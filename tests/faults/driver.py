@@ -146,6 +146,10 @@ def _child(req):
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, fd)
         os.close(out)
+    if req.get("uid") is not None:  # run as an unprivileged user (root ignores file permissions)
+        os.setgroups([])
+        os.setgid(req["uid"])
+        os.setuid(req["uid"])
     code = 1
     try:
         code = main([req["fault"], str(req.get("nth", 0)), *req["args"]])
@@ -164,6 +168,8 @@ def _child(req):
 def serve():
     """Fork server: one JSON request per stdin line -> one JSON reply per stdout line."""
     import time
+
+    import importlib.readers  # noqa: F401  (sklearn's data files; unreadable after dropping root)
 
     import ampkit.cli.train  # noqa: F401  (import everything a run needs, once)
     import ampkit.data  # noqa: F401
