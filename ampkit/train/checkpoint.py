@@ -21,6 +21,7 @@ import os
 import random
 import re
 import tempfile
+import warnings
 import zipfile
 from typing import Any, Dict, List, Optional
 
@@ -133,7 +134,9 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes) and cannot be loaded.", damaged=True)
     try:
-        ck = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # a foreign pickle protocol: the error below says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            ck = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         text = str(e)
         if "GLOBAL" in text or "Unsupported global" in text:
@@ -144,6 +147,11 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
             ) from e
         detail = next((l.strip() for l in reversed(text.splitlines()) if l.strip() and "documentation" not in l), "")
         detail = detail.split(". ")[0][:160]  # torch's zip errors go on with generic advice
+        if "Weights only load failed" in text:
+            raise CheckpointError(
+                f"checkpoint {path!r} was refused by the safe (weights_only) loader ({detail}): it is corrupt or "
+                "not a torch checkpoint; nothing was executed.", damaged=True
+            ) from e
         raise CheckpointError(
             f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}"
             f"{': ' + detail if detail else ''}).", damaged=True

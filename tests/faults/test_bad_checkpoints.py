@@ -71,7 +71,7 @@ DAMAGE = {
     "bit-flip-pickle": (lambda p: _flip(p, "pickle"), "corrupt"),
     "bit-flip-tensor-data": (lambda p: _flip(p, "tensor"), "CRC-32"),
     "bit-flip-end-of-directory": (lambda p: _flip(p, "directory"), "corrupt"),
-    "random-bytes": (lambda p: open(p, "wb").write(os.urandom(4096)), "corrupt or truncated"),
+    "random-bytes": (lambda p: open(p, "wb").write(os.urandom(4096)), "corrupt"),
 }
 
 
