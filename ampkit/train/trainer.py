@@ -440,6 +440,8 @@ class Trainer:
                     stepped = precision.step(optimizer, max_norm=cfg.max_norm)
                 except NonFiniteGradientsError:
                     self._check_window_inputs(window_inputs)  # bad data explains it better
+                    self.attempted_steps += 1
+                    self._log_step(logger, window_loss, stepped=False)  # the stopping step is counted too
                     raise
                 if not stepped:
                     self._check_window_inputs(window_inputs)
@@ -450,12 +452,7 @@ class Trainer:
                     self.global_step += 1
                     if self.scheduler is not None:
                         self.scheduler.step()
-                logger.step({
-                    "kind": "train", "step": self.attempted_steps, "optimizer_step": self.global_step,
-                    "epoch": self.epoch, "loss": window_loss.clone(),
-                    "scale": precision.scaler._scale.clone() if precision.scaler._scale is not None else 1.0,
-                    "skipped": not stepped, "lr": optimizer.param_groups[0]["lr"],
-                })
+                self._log_step(logger, window_loss, stepped)
                 window_loss = torch.zeros((), device=self.device)
                 log_due = self.attempted_steps % cfg.log_every == 0 or i == n
                 save_due = bool(cfg.save_every) and self.attempted_steps % cfg.save_every == 0
@@ -502,6 +499,15 @@ class Trainer:
         if self._saved_state != (self.epoch, self.batch_in_epoch, self.attempted_steps):
             self.save_checkpoint()  # the final state, whatever --save-every said
         return samples_seen
+
+    def _log_step(self, logger: MetricsLogger, window_loss: torch.Tensor, stepped: bool) -> None:
+        scaler = self.precision.scaler
+        logger.step({
+            "kind": "train", "step": self.attempted_steps, "optimizer_step": self.global_step,
+            "epoch": self.epoch, "loss": window_loss.clone(),
+            "scale": scaler._scale.clone() if scaler._scale is not None else 1.0,
+            "skipped": not stepped, "lr": self.optimizer.param_groups[0]["lr"],
+        })
 
     def _sync_context(self, last_in_window: bool):
         """DDP: all-reduce gradients only on the last micro-batch of a window."""
@@ -603,10 +609,22 @@ class Trainer:
         return "\n".join(lines)
 
     def _write_nonfinite_report(self, message: str) -> None:
+        """The scaler's message (which parameters) plus where in the run it stopped and how to go on."""
         if not self.run_dir or self.rank != 0:
             return
+        last = self.batch_in_epoch - 1
+        first = last - (last % self.config.grad_accum)
+        lines = [
+            "training stopped: gradients stayed non-finite (no update was applied on any of those steps)",
+            message,
+            f"stopped at: step {self.attempted_steps} ({self.global_step} applied, "
+            f"{self.precision.skipped_steps} skipped in all), epoch {self.epoch + 1}, "
+            f"micro-batches {first}-{last} of that epoch",
+            f"last checkpoint: {self.last_checkpoint or 'none'}",
+            "continue after fixing the cause: the same command with --resume auto",
+        ]
         with open(os.path.join(self.run_dir, "nonfinite_report.txt"), "w") as f:
-            f.write(message + "\n")
+            f.write("\n".join(lines) + "\n")
 
 
 def _infer_task(ds: Dataset) -> str:

@@ -5,6 +5,7 @@ the run directory changes (byte-for-byte). Where the run holds an earlier checkp
 names it, and resuming from it ends bitwise equal to an uninterrupted run.
 """
 import os
+import random
 import shutil
 
 import pytest
@@ -71,7 +72,7 @@ DAMAGE = {
     "bit-flip-pickle": (lambda p: _flip(p, "pickle"), "corrupt"),
     "bit-flip-tensor-data": (lambda p: _flip(p, "tensor"), "CRC-32"),
     "bit-flip-end-of-directory": (lambda p: _flip(p, "directory"), "corrupt"),
-    "random-bytes": (lambda p: open(p, "wb").write(os.urandom(4096)), "corrupt"),
+    "random-bytes": (lambda p: open(p, "wb").write(random.Random(0).randbytes(4096)), "corrupt"),
 }
 
 
