@@ -4,9 +4,10 @@ Format (``FORMAT``/``VERSION`` below; documented in docs/CHECKPOINTS.md)::
 
     {"format": "ampkit-checkpoint", "version": 1,
      "model": state_dict, "optimizer": state_dict (fp32 masters included), "precision": {...},
-     "scheduler": state_dict | None, "progress": {"epoch", "batch", "global_step", "micro_step"},
+     "scheduler": state_dict | None,
+     "progress": {"epoch", "batch", "global_step", "attempted_steps"},
      "rng": {"torch": ByteTensor, "numpy": {...}, "python": [...]},
-     "config": {...}, "model_signature": [[name, shape, dtype], ...], "metrics": {...}}
+     "config": {...}, "model_signature": [[name, shape, dtype], ...]}
 
 Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the
 final name (and the directory fsync'ed), so a crash at any moment leaves either the old or the

@@ -367,10 +367,11 @@ class Trainer:
         self._check_inputs_finite()
         is_main = self.rank == 0
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None
+        if cfg.resume and metrics_path:  # the checkpoint (if any) loaded: clear what a crash left
+            ckpt.remove_partial_writes(self._checkpoint_dir())
         if resume_path and metrics_path:
             # before the logger opens the file: truncation replaces it with a new one
             self.history = _truncate_metrics(metrics_path, self.attempted_steps, self.epoch)
-            ckpt.remove_partial_writes(self._checkpoint_dir())
         logger = MetricsLogger(
             metrics_path,
             os.path.join(self.run_dir, "tensorboard") if (self.run_dir and is_main and cfg.tensorboard) else None,

@@ -7,13 +7,16 @@ gradient while the loss itself stays finite (the trainer must look at the gradie
 
 The model also polices the trainer, at every training forward: its weights must be finite, and
 when the previous step was a storm step (grad_accum 1), the weights must be exactly what they
-were before it. A violation raises AssertionError, which fails the test with a traceback.
+were before it. A violation is appended to VIOLATIONS (the suite's summary counts them) and
+raises AssertionError, which fails the test with a traceback.
 """
 import json
 import os
 
 import torch
 from torch import nn
+
+VIOLATIONS = []  # (forward index, what the trainer did wrong), across all StormMLPs of the process
 
 
 class StormMLP(nn.Module):
@@ -28,10 +31,14 @@ class StormMLP(nn.Module):
 
     def _police(self):
         weights = torch.cat([p.detach().float().flatten() for p in self.parameters()])
+        problem = None
         if not torch.isfinite(weights).all():
-            raise AssertionError(f"forward {self.forwards}: the weights hold NaN/inf: the trainer applied a bad update")
-        if (self.forwards - 1) in self.storm and not torch.equal(weights, self._previous):
-            raise AssertionError(f"forward {self.forwards}: the storm step before it changed the weights")
+            problem = "the weights hold NaN/inf: the trainer applied a non-finite update"
+        elif (self.forwards - 1) in self.storm and not torch.equal(weights, self._previous):
+            problem = "the storm step before it changed the weights"
+        if problem:
+            VIOLATIONS.append((self.forwards, problem))
+            raise AssertionError(f"forward {self.forwards}: {problem}")
         self._previous = weights
 
     def forward(self, x):

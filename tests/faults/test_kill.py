@@ -88,18 +88,19 @@ def _hashes(directory):
     return out
 
 
-# save k is step k (fp32 config: save_every 1). k=7: not a log_every multiple, so the metrics of
+# save k is step k (fp32 config: save_every 1). k=1: no checkpoint survives, the resume starts
+# afresh and must still clear the partial file. k=7: not a log_every multiple, so the metrics of
 # step 6 reach the file only because a checkpoint is due. k=24: the first save of epoch 2, after
 # epoch 1's evaluation was logged (a resume from step 23 must drop that record and redo it once).
 @pytest.mark.parametrize("fault,returncode,nths", [
-    ("kill-mid-write", -9, (7, 24)), ("kill-before-rename", -9, (7,)), ("kill-after-rename", -9, (7,)),
+    ("kill-mid-write", -9, (1, 7, 24)), ("kill-before-rename", -9, (7,)), ("kill-after-rename", -9, (7,)),
     ("kill-mid-prune", -9, (7,)), ("sigint-twice-mid-write", 130, (7,)),
 ])
 def test_kill_inside_checkpoint_write(fault, returncode, nths, forkserver, reference, ledger, tmp_path, slow):
     name = "fp32"
     ref = reference(name)
     if slow:
-        nths = sorted(set(nths) | {2, 23, 45})
+        nths = sorted(set(nths) | {2, 23, 44})  # prune deletion 44 happens in the last save (46)
     for nth in nths:
         out = str(tmp_path / f"run-{nth}")
         snap = str(tmp_path / f"snapshot-{nth}.json")
@@ -118,7 +119,7 @@ def test_kill_inside_checkpoint_write(fault, returncode, nths, forkserver, refer
             # the interrupted save was checkpoint number `nth` (save_every 1: step nth)
             # save k is step k (save_every 1); pruning first deletes during save 3 (keep_last 2)
             expected = {"kill-after-rename": nth, "kill-mid-prune": nth + 2}.get(fault, nth - 1)
-            assert max(steps) == expected
+            assert max(steps, default=0) == expected
             if fault == "kill-before-rename":
                 assert len(temp_files(out)) == 1  # complete, fsync'ed, never renamed: ignored, then removed
             if fault == "sigint-twice-mid-write":
