@@ -150,8 +150,8 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
         detail = detail.split(". ")[0][:160]  # torch's zip errors go on with generic advice
         if "Weights only load failed" in text:
             raise CheckpointError(
-                f"checkpoint {path!r} was refused by the safe (weights_only) loader ({detail}): it is corrupt or "
-                "not a torch checkpoint; nothing was executed.", damaged=True
+                f"checkpoint {path!r} is corrupt or truncated, or not a torch checkpoint: the safe (weights_only) "
+                f"loader refused it ({detail}); nothing was executed.", damaged=True
             ) from e
         raise CheckpointError(
             f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}"
