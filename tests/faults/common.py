@@ -1,5 +1,6 @@
 """Shared pieces of the fault suite: run configurations and comparisons against a reference run."""
 import glob
+import hashlib
 import json
 import math
 import os
@@ -27,6 +28,25 @@ STATE_KEYS = ("model", "optimizer", "precision", "scheduler", "progress", "model
 METRIC_FIELDS = ("kind", "step", "optimizer_step", "epoch", "loss", "scale", "skipped", "lr", "accuracy")
 SUMMARY_FIELDS = ("optimizer_steps", "skipped_steps", "epochs", "accuracy", "eval_loss", "final_loss_scale",
                   "final_train_loss", "precision")
+
+
+def file_hashes(directory):
+    """name -> sha256 of every file directly in ``directory``."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def tree_bytes(root):
+    """path -> content of every file under ``root`` (to prove a refused command changed nothing)."""
+    files = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            with open(os.path.join(d, n), "rb") as f:
+                files[os.path.join(d, n)] = f.read()
+    return files
 
 
 def ckpt_dir(out):

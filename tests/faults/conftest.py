@@ -117,10 +117,11 @@ class ForkServer:
         self.n += 1
         out = os.path.join(self.workdir, f"child-{self.n}")
         req = {"args": list(args), "fault": fault, "nth": nth, "kill_after": kill_after, "clock_file": clock_file,
-               "env": env or {}, "uid": uid, "stdout": out + ".out", "stderr": out + ".err"}
+               "env": env or {}, "uid": uid, "timeout": timeout, "stdout": out + ".out", "stderr": out + ".err"}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
-        reply = self._reply(timeout)
+        reply = self._reply(timeout + 30)  # the server kills the child at `timeout`
+        assert not reply["timed_out"], f"ampkit {' '.join(args)} hung for {timeout} s: {open(req['stderr']).read()}"
         reply["stdout"] = open(req["stdout"]).read()
         reply["stderr"] = open(req["stderr"]).read()
         return reply

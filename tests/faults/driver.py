@@ -188,7 +188,7 @@ def serve():
         if pid == 0:
             _child(req)
         # the kill clock starts at fork, or once `clock_file` exists (training has begun)
-        kill_after, killed, clock_file = req.get("kill_after"), False, req.get("clock_file")
+        kill_after, killed, overdue, clock_file = req.get("kill_after"), False, False, req.get("clock_file")
         t_clock = None if clock_file else t0
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -196,14 +196,16 @@ def serve():
                 break
             if t_clock is None and os.path.exists(clock_file):
                 t_clock = time.perf_counter()
-            if kill_after is not None and t_clock is not None and time.perf_counter() - t_clock >= kill_after:
+            overdue = time.perf_counter() - t0 > req.get("timeout", 300)  # a hung child must not outlive the suite
+            if overdue or (kill_after is not None and t_clock is not None and time.perf_counter() - t_clock >= kill_after):
                 os.kill(pid, signal.SIGKILL)  # not reaped yet, so the pid cannot have been reused
                 killed = True
                 _, status = os.waitpid(pid, 0)
                 break
             time.sleep(0.001)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print(json.dumps({"returncode": code, "killed": killed, "elapsed": time.perf_counter() - t0,
+        print(json.dumps({"returncode": code, "killed": killed and not overdue, "timed_out": overdue,
+                          "elapsed": time.perf_counter() - t0,
                           "clock_started": None if t_clock is None else t_clock - t0}), flush=True)
 
 

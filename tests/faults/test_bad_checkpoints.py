@@ -14,17 +14,7 @@ import torch
 from ampkit.cli import main
 from ampkit.train.checkpoint import list_checkpoints
 
-from .common import CONFIGS, ckpt_dir, compare_to_reference
-
-
-def _snapshot(root):
-    files = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(d, n)
-            with open(p, "rb") as f:
-                files[p] = f.read()
-    return files
+from .common import CONFIGS, ckpt_dir, compare_to_reference, tree_bytes
 
 
 @pytest.fixture
@@ -36,13 +26,13 @@ def run_copy(reference, tmp_path):
 
 
 def _refused(capsys, argv, run_dir):
-    before = _snapshot(run_dir)
+    before = tree_bytes(run_dir)
     code = main(argv)
     err = capsys.readouterr().err
     errors = [l for l in err.splitlines() if l.startswith("ampkit train: error:")]
     assert code == 2, err
     assert len(errors) == 1 and "Traceback" not in err, err
-    after = _snapshot(run_dir)
+    after = tree_bytes(run_dir)
     changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
     return errors[0], changed
 

@@ -6,7 +6,6 @@ run with the same seed, with the same metrics.jsonl records (none lost, none dup
 the same summary. Most trials run in forked children of a pre-imported server (see driver.py);
 every tenth is a plain ``python -m ampkit train`` subprocess.
 """
-import hashlib
 import json
 import os
 import random
@@ -19,7 +18,8 @@ import pytest
 
 from ampkit.train.checkpoint import latest_checkpoint, list_checkpoints
 
-from .common import CONFIGS, ROOT, ckpt_dir, compare_to_reference, temp_files, unloadable_checkpoints, where_it_stopped
+from .common import (CONFIGS, ROOT, ckpt_dir, compare_to_reference, file_hashes, temp_files, unloadable_checkpoints,
+                     where_it_stopped)
 from .conftest import slow_mode
 
 CONFIG_NAMES = list(CONFIGS)
@@ -80,14 +80,6 @@ def test_kill_at_random_moment(kill_trial, forkserver, reference, ledger, tmp_pa
         _resume_and_compare(forkserver, name, out, ref, trial)
 
 
-def _hashes(directory):
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), "rb") as f:
-            out[name] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
 # save k is step k (fp32 config: save_every 1). k=1: no checkpoint survives, the resume starts
 # afresh and must still clear the partial file. k=7: not a log_every multiple, so the metrics of
 # step 6 reach the file only because a checkpoint is due. k=24: the first save of epoch 2, after
@@ -111,7 +103,7 @@ def test_kill_inside_checkpoint_write(fault, returncode, nths, forkserver, refer
             if fault == "sigint-twice-mid-write":
                 assert r["stderr"].strip().splitlines()[-1] == "ampkit train: interrupted"
             before = json.load(open(snap))
-            now = _hashes(ckpt_dir(out))
+            now = file_hashes(ckpt_dir(out))
             changed = [f for f, h in before.items() if f.startswith("step-") and now.get(f, h) != h]
             trial.lost += len(changed)
             assert not changed, f"checkpoints modified by an interrupted write: {changed}"

@@ -15,7 +15,7 @@ import torch
 from ampkit.cli import main
 from ampkit.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 
-from .common import CONFIGS, ckpt_dir
+from .common import CONFIGS, ckpt_dir, tree_bytes
 
 
 class _Exec:
@@ -53,15 +53,6 @@ WRITERS = {
 }
 
 
-def _snapshot(root):
-    out = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            with open(os.path.join(d, n), "rb") as f:
-                out[os.path.join(d, n)] = f.read()
-    return out
-
-
 @pytest.mark.parametrize("kind", list(WRITERS))
 def test_code_executing_checkpoint_is_refused(kind, reference, tmp_path, capsys, ledger):
     run = str(tmp_path / "run")
@@ -70,7 +61,7 @@ def test_code_executing_checkpoint_is_refused(kind, reference, tmp_path, capsys,
     real = list_checkpoints(ckpt_dir(run))[-1]
     evil = os.path.join(ckpt_dir(run), "step-00000099.pt")  # the newest: --resume auto picks it
     WRITERS[kind](evil, real, marker)
-    before = _snapshot(run)
+    before = tree_bytes(run)
     with ledger.trial("code-executing checkpoint refused", note=kind):
         code = main(CONFIGS["fp32"] + ["--out", run, "--resume", "auto"])
         err = capsys.readouterr().err
@@ -80,7 +71,7 @@ def test_code_executing_checkpoint_is_refused(kind, reference, tmp_path, capsys,
         errors = [l for l in err.splitlines() if l.startswith("ampkit train: error:")]
         assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
         assert repr(evil) in errors[0] and "refused" in errors[0] and "nothing was executed" in errors[0]
-        assert _snapshot(run) == before
+        assert tree_bytes(run) == before
         # protocol-2 pickles (torch.save) reach the forbidden global; a protocol-4 pickle is stopped sooner
         reason = "would run code when unpickled" if kind != "exec, plain pickle file" else "safe \\(weights_only\\) loader refused it"
         with pytest.raises(CheckpointError, match=reason):

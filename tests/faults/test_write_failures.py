@@ -3,7 +3,6 @@ metrics.jsonl): the run stops with exit 2 and one line saying what happened, eve
 already on disk stays byte-for-byte intact, no partial file is left, and ``--resume auto`` later
 ends bitwise equal to an uninterrupted run.
 """
-import hashlib
 import json
 import os
 import shutil
@@ -14,15 +13,7 @@ import pytest
 
 from ampkit.train.checkpoint import list_checkpoints
 
-from .common import CONFIGS, ckpt_dir, compare_to_reference, temp_files, unloadable_checkpoints
-
-
-def _hashes(directory):
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), "rb") as f:
-            out[name] = hashlib.sha256(f.read()).hexdigest()
-    return out
+from .common import CONFIGS, ckpt_dir, compare_to_reference, file_hashes, temp_files, unloadable_checkpoints
 
 
 def _one_error_line(stderr):
@@ -47,7 +38,7 @@ def test_write_failure_keeps_checkpoints_and_explains(fault, nth, needles, forks
         line = _one_error_line(r["stderr"])
         for needle in needles:
             assert needle in line, line
-        before, now = json.load(open(snap)), _hashes(ckpt_dir(out))
+        before, now = json.load(open(snap)), file_hashes(ckpt_dir(out))
         changed = [f for f, h in before.items() if f.startswith("step-") and now.get(f) != h]
         trial.lost += len(changed)
         assert not changed, f"checkpoints changed or removed by a failed save: {changed}"
@@ -77,7 +68,7 @@ def test_permission_denied_for_real(forkserver, ledger):
                                                          "PermissionError" in r["stderr"]):
             pytest.skip("an unprivileged process cannot read this Python installation")
         assert r["returncode"] == 0, r["stderr"]
-        before = _hashes(ckpt_dir(out))
+        before = file_hashes(ckpt_dir(out))
         os.chmod(ckpt_dir(out), stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
         with ledger.trial("write failure during a run", note="permission denied (real chmod 555)") as trial:
             # two more epochs: the first save after resuming hits the read-only directory
@@ -85,7 +76,7 @@ def test_permission_denied_for_real(forkserver, ledger):
             assert r["returncode"] == 2, r["stderr"]
             line = _one_error_line(r["stderr"])
             assert "could not write checkpoint" in line and "Permission denied" in line, line
-            now = _hashes(ckpt_dir(out))
+            now = file_hashes(ckpt_dir(out))
             trial.lost += sum(1 for f, h in before.items() if now.get(f) != h)
             assert now == before
             os.chmod(ckpt_dir(out), 0o777)
