@@ -127,5 +127,9 @@ def run(args) -> int:
         return 3
     except (ValueError, CheckpointError, RunDirError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
+    except OSError as e:  # a full disk, a read-only or vanished directory: the environment, not a bug
+        where = f" ({e.filename})" if e.filename else ""
+        raise UsageError(f"{e.strerror or e}{where}; checkpoints already written are intact: fix the cause, "
+                         "then continue with --resume auto.") from e
     print(f"ampkit train: run directory {trainer.run_dir}", file=sys.stderr)
     return 0

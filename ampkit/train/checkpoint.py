@@ -4,14 +4,17 @@ Format (``FORMAT``/``VERSION`` below; documented in docs/CHECKPOINTS.md)::
 
     {"format": "ampkit-checkpoint", "version": 1,
      "model": state_dict, "optimizer": state_dict (fp32 masters included), "precision": {...},
-     "scheduler": state_dict | None, "progress": {"epoch", "batch", "global_step", "micro_step"},
+     "scheduler": state_dict | None,
+     "progress": {"epoch", "batch", "global_step", "attempted_steps"},
      "rng": {"torch": ByteTensor, "numpy": {...}, "python": [...]},
-     "config": {...}, "model_signature": [[name, shape, dtype], ...], "metrics": {...}}
+     "config": {...}, "model_signature": [[name, shape, dtype], ...]}
 
 Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the
 final name (and the directory fsync'ed), so a crash at any moment leaves either the old or the
 new file, never a torn one. A failed write removes its temporary file and leaves earlier
-checkpoints untouched.
+checkpoints untouched; a temporary file orphaned by a kill is ignored by the loaders and removed
+by `remove_partial_writes` when the run resumes. Loading verifies the archive's CRC-32 checksums
+first (torch.load does not), so a flipped bit is reported instead of resumed from.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import os
 import random
 import re
 import tempfile
+import warnings
+import zipfile
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -26,16 +31,25 @@ import torch
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-    "latest_checkpoint", "prune_checkpoints", "rng_state", "set_rng_state", "model_signature",
+    "latest_checkpoint", "prune_checkpoints", "remove_partial_writes", "rng_state", "set_rng_state", "model_signature",
 ]
 
 FORMAT = "ampkit-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_TEMP = re.compile(r"^\.tmp-.*\.pt$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, corrupt, unsafe, from another model or version."""
+    """A checkpoint that cannot be used: missing, corrupt, unsafe, from another model or version.
+
+    ``damaged`` is True when the file's bytes are bad (truncated, corrupt), so an earlier
+    checkpoint of the same run is a way out; False when any checkpoint of the run would fail.
+    """
+
+    def __init__(self, message: str, damaged: bool = False) -> None:
+        super().__init__(message)
+        self.damaged = damaged
 
 
 def rng_state() -> Dict[str, Any]:
@@ -74,20 +88,22 @@ def model_signature(model: torch.nn.Module) -> List[list]:
 def save_checkpoint(state: Dict[str, Any], path: str) -> str:
     """Atomically write ``state`` (plus format/version) to ``path``; returns the path."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION, **state}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    tmp = None
     try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         if isinstance(e, OSError):
             raise CheckpointError(
                 f"could not write checkpoint {path!r}: {e.strerror or e}; earlier checkpoints are intact "
@@ -107,10 +123,21 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> str:
 
 def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     """Load and validate a checkpoint; never unpickles code (weights_only=True)."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is a directory: pass one of its step-*.pt files, "
+                              "or --out RUN_DIR --resume auto to continue from the latest one.")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist.")
+    damaged = _crc_mismatch(path)
+    if damaged:
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: the bytes of {damaged!r} do not match their "
+                              "CRC-32 checksum (the file was damaged after it was written).", damaged=True)
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes) and cannot be loaded.", damaged=True)
     try:
-        ck = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # a foreign pickle protocol: the error below says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            ck = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         text = str(e)
         if "GLOBAL" in text or "Unsupported global" in text:
@@ -120,17 +147,38 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
                 f"unpickled ({what[:160]}). ampkit loads checkpoints with weights_only=True only; nothing was executed."
             ) from e
         detail = next((l.strip() for l in reversed(text.splitlines()) if l.strip() and "documentation" not in l), "")
+        detail = detail.split(". ")[0][:160]  # torch's zip errors go on with generic advice
+        if "Weights only load failed" in text:
+            raise CheckpointError(
+                f"checkpoint {path!r} is corrupt or truncated, or not a torch checkpoint: the safe (weights_only) "
+                f"loader refused it ({detail}); nothing was executed.", damaged=True
+            ) from e
         raise CheckpointError(
-            f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}: {detail[:160]})."
+            f"checkpoint {path!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}"
+            f"{': ' + detail if detail else ''}).", damaged=True
         ) from e
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r} is not an ampkit checkpoint (no '{FORMAT}' format field).")
     if ck.get("version") != VERSION:
+        found = f"format version {ck['version']!r}" if "version" in ck else "no format version"
         raise CheckpointError(
-            f"checkpoint {path!r} has format version {ck.get('version')!r}; this ampkit reads version {VERSION}. "
+            f"checkpoint {path!r} has {found}; this ampkit reads version {VERSION}. "
             "Use the ampkit release that wrote it, or start a new run."
         )
     return ck
+
+
+def _crc_mismatch(path: str) -> Optional[str]:
+    """The first archive member whose bytes fail their CRC-32, or None (torch.load never checks)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return None  # not a zip archive: torch.load reports what it is
+        with zipfile.ZipFile(path) as z:
+            if not any(info.CRC for info in z.infolist()):
+                return None  # written with torch's checksums turned off
+            return z.testzip()
+    except Exception:  # a damaged directory: torch.load gives the clearer error
+        return None
 
 
 def list_checkpoints(directory: str) -> List[str]:
@@ -152,6 +200,20 @@ def latest_checkpoint(directory: str) -> Optional[str]:
 
 def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}.pt")
+
+
+def remove_partial_writes(directory: Optional[str]) -> List[str]:
+    """Delete temporary files of saves that a crash interrupted; never touches a step-*.pt file."""
+    removed = []
+    if directory and os.path.isdir(directory):
+        for name in os.listdir(directory):
+            if _TEMP.match(name):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                    removed.append(name)
+                except OSError:
+                    pass
+    return removed
 
 
 def prune_checkpoints(directory: str, keep_last: int) -> None:

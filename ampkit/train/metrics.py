@@ -50,12 +50,19 @@ class MetricsLogger:
         for r in out:
             r.update(extra)
             self._write(r)
+        self._flush_file()
         return out
 
     def event(self, record: Dict[str, Any]) -> None:
         """Write a record now (epoch summaries, evaluation)."""
         self.flush()
         self._write(record)
+        self._flush_file()
+
+    def _flush_file(self) -> None:
+        # to the OS, not only Python's buffer: records already flushed survive a kill -9
+        if self._file:
+            self._file.flush()
 
     def _write(self, r: Dict[str, Any]) -> None:
         if self._file:

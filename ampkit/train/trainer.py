@@ -47,6 +47,10 @@ class TrainingInterrupted(Exception):
         super().__init__(f"{name} received: stopped at a step boundary; {where}. Resume with --resume auto.")
 
 
+# options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
+_RESUME_MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
+
+
 class RunDirError(ValueError):
     """The output directory cannot be used (holds another run, not writable...)."""
 
@@ -279,6 +283,10 @@ class Trainer:
 
     def load_checkpoint(self, path: str) -> None:
         ck = ckpt.load_checkpoint(path, map_location=self.device)
+        missing = [k for k in ("model", "optimizer", "precision", "progress", "rng") if k not in ck]
+        if missing:
+            raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
+                                       "incomplete or was not written by the ampkit Trainer.")
         mine, theirs = ckpt.model_signature(self.raw_model), ck.get("model_signature")
         if theirs is not None and [list(x) for x in theirs] != mine:
             diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
@@ -286,6 +294,13 @@ class Trainer:
                       f"{diff[1][0]} {diff[1][1]} {diff[1][2]}" if diff else
                       f"checkpoint has {len(theirs)} tensors, model has {len(mine)}")
             raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
+        saved = ck.get("config") or {}
+        for key in _RESUME_MUST_MATCH:
+            if key in saved and saved[key] != getattr(self.config, key):
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
+                    f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume with "
+                    "the run's own options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
         try:
             self.precision.load_state_dict(ck["precision"])
             self.raw_model.load_state_dict(ck["model"])
@@ -339,18 +354,29 @@ class Trainer:
         self.run_dir = self._prepare_run_dir()
         resume_path = self._resolve_resume()
         if resume_path:
-            self.load_checkpoint(resume_path)
+            try:
+                self.load_checkpoint(resume_path)
+            except ckpt.CheckpointError as e:
+                older = ckpt.list_checkpoints(os.path.dirname(resume_path))[:-1] if cfg.resume == "auto" else []
+                if older and e.damaged:
+                    raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: continue from it "
+                                               f"with --resume {older[-1]}") from e
+                raise
         else:
             torch.manual_seed(cfg.seed)
         self._check_inputs_finite()
         is_main = self.rank == 0
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None
+        if cfg.resume and metrics_path:  # the checkpoint (if any) loaded: clear what a crash left
+            ckpt.remove_partial_writes(self._checkpoint_dir())
+        if resume_path and metrics_path:
+            # before the logger opens the file: truncation replaces it with a new one
+            self.history = _truncate_metrics(metrics_path, self.attempted_steps, self.epoch)
         logger = MetricsLogger(
-            os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None,
+            metrics_path,
             os.path.join(self.run_dir, "tensorboard") if (self.run_dir and is_main and cfg.tensorboard) else None,
             append=bool(resume_path),
         )
-        if resume_path and self.run_dir and is_main:
-            _truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.attempted_steps)
         if self.run_dir and is_main:
             write_config(cfg, os.path.join(self.run_dir, "config.toml"),
                          {"precision (resolved)": self.precision.describe()})
@@ -380,6 +406,9 @@ class Trainer:
         model, precision, optimizer = self.model, self.precision, self.optimizer
         accum = cfg.grad_accum
         samples_seen = 0
+        # TensorDatasets are checked for NaN/inf upfront; other datasets when a step is skipped
+        check_skipped_inputs = not isinstance(self.train_data, TensorDataset)
+        window_inputs: List[tuple] = []
         model.train()
         while self.epoch < cfg.epochs:
             order = self._epoch_order(self.epoch)
@@ -393,6 +422,8 @@ class Trainer:
                 window = min(accum, n - window_start)
                 last_in_window = (i - window_start) == window - 1
                 x, y = self._fetch(self.train_data, order[i])
+                if check_skipped_inputs:
+                    window_inputs.append((i, order[i], x, y))
                 with self._sync_context(last_in_window):
                     with precision.autocast():
                         out = model(x)
@@ -406,32 +437,40 @@ class Trainer:
                 progress.advance()
                 if not last_in_window:
                     continue
-                stepped = precision.step(optimizer, max_norm=cfg.max_norm)
+                try:
+                    stepped = precision.step(optimizer, max_norm=cfg.max_norm)
+                except NonFiniteGradientsError:
+                    self._check_window_inputs(window_inputs)  # bad data explains it better
+                    self.attempted_steps += 1
+                    self._log_step(logger, window_loss, stepped=False)  # the stopping step is counted too
+                    raise
+                if not stepped:
+                    self._check_window_inputs(window_inputs)
+                window_inputs = []
                 optimizer.zero_grad(set_to_none=True)
                 self.attempted_steps += 1
                 if stepped:
                     self.global_step += 1
                     if self.scheduler is not None:
                         self.scheduler.step()
-                logger.step({
-                    "kind": "train", "step": self.attempted_steps, "optimizer_step": self.global_step,
-                    "epoch": self.epoch, "loss": window_loss.clone(),
-                    "scale": precision.scaler._scale.clone() if precision.scaler._scale is not None else 1.0,
-                    "skipped": not stepped, "lr": optimizer.param_groups[0]["lr"],
-                })
+                self._log_step(logger, window_loss, stepped)
                 window_loss = torch.zeros((), device=self.device)
-                if self.attempted_steps % cfg.log_every == 0 or i == n:
+                log_due = self.attempted_steps % cfg.log_every == 0 or i == n
+                save_due = bool(cfg.save_every) and self.attempted_steps % cfg.save_every == 0
+                if log_due or save_due or self._stop_signal is not None:
+                    # metrics reach the file before any checkpoint: a kill never loses logged steps
                     now = time.perf_counter()
                     rate = samples_flush * self.world_size / max(now - t_flush, 1e-9)
                     records = logger.flush(samples_per_s=rate)
                     if records:
                         self.history.extend(records)
                         last = records[-1]
+                    if records and log_due:
                         progress.show({"step": self.global_step, "loss": f"{last['loss']:.4f}",
                                        "scale": f"{last['scale']:g}", "skipped": precision.skipped_steps,
                                        "lr": f"{last['lr']:.2e}", "samples/s": f"{rate:.0f}"})
                     t_flush, samples_flush = now, 0
-                if cfg.save_every and self.attempted_steps % cfg.save_every == 0:
+                if save_due:
                     self.save_checkpoint()
                 if self._stop_signal is not None:
                     progress.close()
@@ -462,6 +501,15 @@ class Trainer:
             self.save_checkpoint()  # the final state, whatever --save-every said
         return samples_seen
 
+    def _log_step(self, logger: MetricsLogger, window_loss: torch.Tensor, stepped: bool) -> None:
+        scaler = self.precision.scaler
+        logger.step({
+            "kind": "train", "step": self.attempted_steps, "optimizer_step": self.global_step,
+            "epoch": self.epoch, "loss": window_loss.clone(),
+            "scale": scaler._scale.clone() if scaler._scale is not None else 1.0,
+            "skipped": not stepped, "lr": self.optimizer.param_groups[0]["lr"],
+        })
+
     def _sync_context(self, last_in_window: bool):
         """DDP: all-reduce gradients only on the last micro-batch of a window."""
         if not last_in_window and hasattr(self.model, "no_sync"):
@@ -472,11 +520,25 @@ class Trainer:
         autocast = self.precision.autocast if self.config.eval_precision == "train" else contextlib.nullcontext
         return evaluate(self.raw_model, self._eval_batches(self.eval_data), self.loss_fn, autocast, self.task, collect)
 
+    def _check_window_inputs(self, window: List[tuple]) -> None:
+        """After a skipped step: NaN/inf in that window's inputs or targets is one clear error with the batch index."""
+        for b, idx, x, y in window:
+            for what, t in (("inputs", x), ("targets", y)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0:
+                    bad = ~torch.isfinite(t.reshape(len(t), -1)).all(dim=1)
+                    if bad.any():
+                        first = int(idx[int(bad.nonzero()[0])])
+                        raise ValueError(
+                            f"the training data holds NaN/inf in its {what}: epoch {self.epoch + 1}, batch {b}, "
+                            f"sample {first} ({int(bad.sum())} bad sample(s) in that batch); the step was skipped. "
+                            "Clean or filter the data before training.")
+
     def _check_inputs_finite(self) -> None:
         """NaN/inf in the training inputs: one clear error naming the first bad sample (and its batch)."""
         for name, ds in (("training", self.train_data), ("evaluation", self.eval_data)):
-            if isinstance(ds, TensorDataset):
-                x = ds.tensors[0]
+            if not isinstance(ds, TensorDataset):
+                continue
+            for what, x in zip(("inputs", "targets"), ds.tensors[:2]):
                 if x.is_floating_point():
                     bad = ~torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
                     if bad.any():
@@ -488,7 +550,7 @@ class Trainer:
                                     where = f" (epoch {self.epoch + 1}, batch {b})"
                                     break
                         raise ValueError(
-                            f"the {name} data holds NaN/inf in {int(bad.sum())} sample(s); first at sample "
+                            f"the {name} data holds NaN/inf in the {what} of {int(bad.sum())} sample(s); first at sample "
                             f"{first}{where}. Clean or filter the data before training.")
 
     def _finish(self, logger: MetricsLogger, samples_seen: int, train_time: float, is_main: bool) -> Dict[str, Any]:
@@ -548,10 +610,22 @@ class Trainer:
         return "\n".join(lines)
 
     def _write_nonfinite_report(self, message: str) -> None:
+        """The scaler's message (which parameters) plus where in the run it stopped and how to go on."""
         if not self.run_dir or self.rank != 0:
             return
+        last = self.batch_in_epoch - 1
+        first = last - (last % self.config.grad_accum)
+        lines = [
+            "training stopped: gradients stayed non-finite (no update was applied on any of those steps)",
+            message,
+            f"stopped at: step {self.attempted_steps} ({self.global_step} applied, "
+            f"{self.precision.skipped_steps} skipped in all), epoch {self.epoch + 1}, "
+            f"micro-batches {first}-{last} of that epoch",
+            f"last checkpoint: {self.last_checkpoint or 'none'}",
+            "continue after fixing the cause: the same command with --resume auto",
+        ]
         with open(os.path.join(self.run_dir, "nonfinite_report.txt"), "w") as f:
-            f.write(message + "\n")
+            f.write("\n".join(lines) + "\n")
 
 
 def _infer_task(ds: Dataset) -> str:
@@ -562,20 +636,30 @@ def _infer_task(ds: Dataset) -> str:
     return "lm" if y.dim() == 1 and not torch.as_tensor(x).is_floating_point() else "classification"
 
 
-def _truncate_metrics(path: str, upto_step: int) -> None:
-    """Drop records written after the checkpoint we resume from (they will be produced again)."""
+def _truncate_metrics(path: str, upto_step: int, upto_epoch: int) -> List[Dict[str, Any]]:
+    """Drop records written after the checkpoint we resume from (they will be produced again).
+
+    Returns the records kept (the run's history so far). An evaluation is logged after its epoch
+    counter advanced, so one with a later epoch than the checkpoint's came after it, even at the
+    same step (a checkpoint saved on an epoch's last step, before that epoch's evaluation).
+    """
     if not os.path.exists(path):
-        return
-    keep = []
+        return []
+    keep, records = [], []
     with open(path) as f:
         for line in f:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a crash
-            if r.get("step", 0) <= upto_step and r.get("kind") != "summary":
-                keep.append(line if line.endswith("\n") else line + "\n")
+            if r.get("kind") == "summary" or r.get("step", 0) > upto_step:
+                continue
+            if r.get("kind") == "eval" and r.get("epoch", 0) > upto_epoch:
+                continue
+            keep.append(line if line.endswith("\n") else line + "\n")
+            records.append(r)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(keep)
     os.replace(tmp, path)
+    return records
