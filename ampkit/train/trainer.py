@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from ..precision import NonFiniteGradientsError, Precision
 from . import checkpoint as ckpt
+from . import distributed as _dist
 from .config import TrainConfig, write_config
 from .evaluate import classification_text, default_loss, evaluate
 from .metrics import MetricsLogger, Progress
@@ -101,11 +102,7 @@ def build_scheduler(optimizer, kind: str, total_steps: int, warmup_steps: int):
 
 
 def _dist_info():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return _dist.rank_and_world()
 
 
 class Trainer:
@@ -150,11 +147,17 @@ class Trainer:
         if len(train_data) == 0:
             raise ValueError("the training set is empty: it needs at least one sample.")
         self.rank, self.world_size = _dist_info()
+        if cfg.strategy not in _dist.STRATEGIES:
+            raise ValueError(f"Unknown strategy {cfg.strategy!r}: use {' or '.join(_dist.STRATEGIES)}.")
+        self._fsdp = cfg.strategy == "fsdp"
+        if self._fsdp and not _dist.is_initialized():
+            raise ValueError("strategy 'fsdp' needs torch.distributed: launch with "
+                             "torchrun --nproc-per-node N -m ampkit train --strategy fsdp ...")
         if isinstance(precision, Precision):
             self.precision = precision
         else:
             self.precision = Precision(
-                precision or cfg.precision, cfg.device,
+                precision or cfg.precision, _dist.default_device(cfg.device),
                 loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
                 max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
             )
@@ -163,14 +166,22 @@ class Trainer:
         self.task = task or _infer_task(train_data)
         self.class_names = list(class_names) if class_names else None
         self.loss_fn = loss_fn or default_loss
-        if optimizer is None:
-            optimizer = build_optimizer(model.to(self.device), cfg.optimizer, cfg.lr, cfg.weight_decay, self.device)
-        self.model, self.optimizer = self.precision.setup(model, optimizer)
+        if self._fsdp:  # shard first: the optimizer must hold the sharded (DTensor) parameters
+            if optimizer is not None:
+                raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
+                                 "optimizer=None and set optimizer/lr/weight_decay in the config.")
+            _dist.mixed_precision_policy(self.precision)  # refuses modes that cast parameters
+            model = _dist.shard_fsdp(self.precision.setup(model, None)[0], self.precision)
+            optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, self.device)
+            self.precision.scaler.register_names(model)
+            self.model, self.optimizer = model, optimizer
+        else:
+            if optimizer is None:
+                optimizer = build_optimizer(model.to(self.device), cfg.optimizer, cfg.lr, cfg.weight_decay, self.device)
+            self.model, self.optimizer = self.precision.setup(model, optimizer)
         self.raw_model = self.model
-        if self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.world_size > 1 and not self._fsdp:
+            self.model = _dist.wrap_model(self.model, self.device)
         if cfg.compile:
             self.model = torch.compile(self.model)
         n_batches = self._batches_per_epoch()
@@ -241,18 +252,45 @@ class Trainer:
             raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): choose another --out.") from e
         return out
 
+    def _prepare_run(self) -> Optional[str]:
+        """Rank 0 checks the run directory and picks the checkpoint to resume; every rank gets its
+        answer (or its error), so no rank waits in a collective for one that gave up."""
+        if self.world_size == 1:
+            self.run_dir = self._prepare_run_dir()
+            return self._resolve_resume()
+        answer = None
+        if self.rank == 0:
+            try:
+                self.run_dir = self._prepare_run_dir()
+                answer = (self._resolve_resume(), None)
+            except Exception as e:
+                _dist.broadcast_object((None, (type(e).__name__, str(e))))
+                raise
+        path, err = _dist.broadcast_object(answer)
+        if err is not None:
+            raise (RunDirError if err[0] == "RunDirError" else RuntimeError)(err[1])
+        self.run_dir = self.config.out
+        return path
+
     def _checkpoint_dir(self) -> Optional[str]:
         return os.path.join(self.run_dir, "checkpoints") if self.run_dir else None
 
     # ------------------------------------------------------------------ checkpoints
+    def _model_optim_state(self):
+        """Full model/optimizer state dicts; under FSDP a collective every rank takes part in."""
+        if self._fsdp:
+            return _dist.full_state(self.raw_model, self.optimizer)
+        return self.raw_model.state_dict(), self.optimizer.state_dict()
+
     def state_dict(self) -> Dict[str, Any]:
+        model_state, optim_state = self._model_optim_state()
         return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "precision": self.precision.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "progress": {"epoch": self.epoch, "batch": self.batch_in_epoch, "global_step": self.global_step,
-                         "attempted_steps": self.attempted_steps},
+                         "attempted_steps": self.attempted_steps, "world_size": self.world_size},
             "rng": ckpt.rng_state(),
             "config": {k: v for k, v in self.config.to_dict().items() if v is not None},
             "model_signature": ckpt.model_signature(self.raw_model),
@@ -260,12 +298,15 @@ class Trainer:
 
     def save_checkpoint(self) -> Optional[str]:
         directory = self._checkpoint_dir()
+        if directory is not None:  # every rank: all must agree on whether the final save is due
+            self._saved_state = (self.epoch, self.batch_in_epoch, self.attempted_steps)
         if directory is None or self.rank != 0:
+            if directory is not None and self._fsdp:
+                self._model_optim_state()  # rank 0 gathers the shards: take part
             self._barrier()
             return None
         path = ckpt.checkpoint_path(directory, self.attempted_steps)
         ckpt.save_checkpoint(self.state_dict(), path)
-        self._saved_state = (self.epoch, self.batch_in_epoch, self.attempted_steps)
         ckpt.prune_checkpoints(directory, self.config.keep_last)
         self.last_checkpoint = path
         self._barrier()
@@ -288,14 +329,19 @@ class Trainer:
             raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
         try:
             self.precision.load_state_dict(ck["precision"])
-            self.raw_model.load_state_dict(ck["model"])
-            self.optimizer.load_state_dict(ck["optimizer"])
+            if self._fsdp:
+                _dist.load_full_state(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
+            else:
+                self.raw_model.load_state_dict(ck["model"])
+                self.optimizer.load_state_dict(ck["optimizer"])
             if self.scheduler is not None and ck.get("scheduler"):
                 self.scheduler.load_state_dict(ck["scheduler"])
         except (KeyError, RuntimeError, ValueError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
         p = ck["progress"]
         self.epoch, self.batch_in_epoch = p["epoch"], p["batch"]
+        if p.get("world_size", 1) != self.world_size and self.batch_in_epoch:
+            self.batch_in_epoch = _dist.rescale_position(self.batch_in_epoch, p.get("world_size", 1), self.world_size, path)
         self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
@@ -336,21 +382,21 @@ class Trainer:
     def fit(self) -> Dict[str, Any]:
         """Train for the configured epochs/steps; returns the summary dict."""
         cfg = self.config
-        self.run_dir = self._prepare_run_dir()
-        resume_path = self._resolve_resume()
+        resume_path = self._prepare_run()
         if resume_path:
             self.load_checkpoint(resume_path)
         else:
             torch.manual_seed(cfg.seed)
         self._check_inputs_finite()
         is_main = self.rank == 0
+        if resume_path and self.run_dir and is_main:  # before the logger opens it: truncation replaces the file
+            _truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.attempted_steps)
         logger = MetricsLogger(
             os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None,
             os.path.join(self.run_dir, "tensorboard") if (self.run_dir and is_main and cfg.tensorboard) else None,
             append=bool(resume_path),
+            reduce=_mean_loss_over_ranks if self.world_size > 1 else None,
         )
-        if resume_path and self.run_dir and is_main:
-            _truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.attempted_steps)
         if self.run_dir and is_main:
             write_config(cfg, os.path.join(self.run_dir, "config.toml"),
                          {"precision (resolved)": self.precision.describe()})
@@ -433,7 +479,7 @@ class Trainer:
                     t_flush, samples_flush = now, 0
                 if cfg.save_every and self.attempted_steps % cfg.save_every == 0:
                     self.save_checkpoint()
-                if self._stop_signal is not None:
+                if self._stop_now(self.attempted_steps % cfg.log_every == 0 or i == n):
                     progress.close()
                     path = self.save_checkpoint()
                     raise TrainingInterrupted(self._stop_signal, path)
@@ -462,15 +508,35 @@ class Trainer:
             self.save_checkpoint()  # the final state, whatever --save-every said
         return samples_seen
 
+    def _stop_now(self, boundary: bool) -> bool:
+        """Stop after a signal. Ranks get signals at different steps, so with several they agree at
+        log boundaries (one tiny collective there) and all stop at the same step."""
+        if self.world_size == 1:
+            return self._stop_signal is not None
+        if not boundary:
+            return False
+        signum = _dist.any_rank(self._stop_signal or 0, self.device)
+        self._stop_signal = signum or None
+        return bool(signum)
+
     def _sync_context(self, last_in_window: bool):
-        """DDP: all-reduce gradients only on the last micro-batch of a window."""
+        """DDP/FSDP: reduce gradients only on the last micro-batch of a window."""
+        if self._fsdp:
+            self.raw_model.set_requires_gradient_sync(last_in_window)
+            return contextlib.nullcontext()
         if not last_in_window and hasattr(self.model, "no_sync"):
             return self.model.no_sync()
         return contextlib.nullcontext()
 
     def _evaluate(self, collect: bool) -> Dict[str, Any]:
         autocast = self.precision.autocast if self.config.eval_precision == "train" else contextlib.nullcontext
-        return evaluate(self.raw_model, self._eval_batches(self.eval_data), self.loss_fn, autocast, self.task, collect)
+        if self.world_size == 1:
+            return evaluate(self.raw_model, self._eval_batches(self.eval_data), self.loss_fn, autocast, self.task, collect)
+        # each rank evaluates its shard; sums (loss, correct, count) are all-reduced
+        shards = _dist.shard_indices(len(self.eval_data), self.rank, self.world_size, self.config.batch_size * 4)
+        batches = (self._fetch(self.eval_data, idx) for idx in shards)
+        result = evaluate(self.raw_model, batches, self.loss_fn, autocast, self.task, collect)
+        return _dist.reduce_eval(result, len(self.eval_data), self.task, collect, self.device)
 
     def _check_inputs_finite(self) -> None:
         """NaN/inf in the training inputs: one clear error naming the first bad sample (and its batch)."""
@@ -511,6 +577,7 @@ class Trainer:
             "samples_per_s": (sorted(rates)[len(rates) // 2] if rates else None),
             "train_time_s": train_time,
             "world_size": self.world_size,
+            "strategy": self.config.strategy if self.world_size > 1 else None,
         }
         if final and "perplexity" in final:
             summary["perplexity"] = final["perplexity"]
@@ -552,6 +619,14 @@ class Trainer:
             return
         with open(os.path.join(self.run_dir, "nonfinite_report.txt"), "w") as f:
             f.write(message + "\n")
+
+
+def _mean_loss_over_ranks(values: torch.Tensor, keys: List[str]) -> torch.Tensor:
+    """MetricsLogger reduce hook: the logged train loss is the mean over ranks (one collective per flush)."""
+    if "loss" in keys:
+        col = keys.index("loss")
+        values[:, col] = _dist.reduce_mean_(values[:, col].contiguous())
+    return values
 
 
 def _infer_task(ds: Dataset) -> str:
