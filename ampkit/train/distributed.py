@@ -25,6 +25,7 @@ __all__ = [
     "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_initialized", "broadcast_object",
     "default_device", "wrap_model", "shard_fsdp", "is_fsdp", "mixed_precision_policy", "shard_indices",
     "reduce_eval", "reduce_mean_", "full_state", "load_full_state", "any_rank", "rescale_position",
+    "keep_implementation", "fsdp_memory_format",
 ]
 
 STRATEGIES = ("ddp", "fsdp")
@@ -158,6 +159,14 @@ def mixed_precision_policy(precision):
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
 
 
+def fsdp_memory_format(precision) -> None:
+    """FSDP shards contiguous parameters only: no channels_last weights (auto turns it off)."""
+    if precision.channels_last:
+        raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
+                         "parameters only): leave channels_last unset, or use strategy 'ddp'.")
+    precision.channels_last = False
+
+
 def _fsdp_units(model: nn.Module) -> List[nn.Module]:
     """Blocks sharded on their own (so only one block is unsharded at a time): the entries of
     every ModuleList (transformer layers and the like); the root takes the rest."""
@@ -258,21 +267,41 @@ def reduce_mean_(values: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- checkpoints
-def rescale_position(batch: int, old_world: int, new_world: int, path: str) -> int:
-    """A mid-epoch position saved with ``old_world`` ranks, in micro-batches of ``new_world`` ranks.
+def rescale_position(batch: int, old_global_batch: int, new_global_batch: int, path: str) -> int:
+    """A mid-epoch position (micro-batches consumed per rank) saved with another global batch
+    (per-rank batch x world size), in micro-batches of this run.
 
-    Micro-batch i on W ranks covers samples [i*b*W, (i+1)*b*W) of the epoch's order (the shards
-    interleave), so the position carries over exactly when the consumed samples divide evenly.
+    Micro-batch i on W ranks of batch b covers samples [i*b*W, (i+1)*b*W) of the epoch's order
+    (the shards interleave), so the position carries over exactly when the consumed samples
+    divide evenly.
     """
-    consumed = batch * old_world
-    if consumed % new_world:
+    consumed = batch * old_global_batch
+    if consumed % new_global_batch:
         from .checkpoint import CheckpointError
 
         raise CheckpointError(
-            f"checkpoint {path!r} stopped mid-epoch after {batch} micro-batches on {old_world} process(es), "
-            f"which is no whole number of micro-batches on {new_world}: resume with {old_world} processes, "
-            "or from a checkpoint saved at an epoch end.")
-    return consumed // new_world
+            f"checkpoint {path!r} stopped mid-epoch after {consumed} samples, which is no whole number of "
+            f"this run's global batches of {new_global_batch} (batch size x processes): resume with the "
+            f"checkpoint's batch size x processes ({old_global_batch}), or from a checkpoint saved at an epoch end.")
+    return consumed // new_global_batch
+
+
+_IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def keep_implementation(optim_state: Dict[str, Any], optimizer) -> Dict[str, Any]:
+    """``optim_state`` with this optimizer's kernel choice (fused/foreach/...) in its param groups.
+
+    ``Optimizer.load_state_dict`` copies every group key, so a checkpoint from a run that could
+    not use the fused kernel (FSDP + SGD) would silently switch a fused optimizer off while it
+    still tells the scaler it unscales inside its kernel. Those keys are not training state.
+    """
+    groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
+    mine = getattr(optimizer, "param_groups", None)
+    if not groups or not mine or len(groups) != len(mine):
+        return optim_state
+    return {**optim_state, "param_groups": [
+        {**g, **{k: m[k] for k in _IMPL_FLAGS if k in m}} for g, m in zip(groups, mine)]}
 
 
 def _param_names_in_order(model: nn.Module, optimizer) -> List[str]:
@@ -311,6 +340,8 @@ def load_full_state(model: nn.Module, optimizer, model_state: Dict[str, Any], op
     if sum(len(g["params"]) for g in groups) != len(names):
         raise ValueError(f"the checkpoint's optimizer has {sum(len(g['params']) for g in groups)} parameters, "
                          f"this one {len(names)}.")
+    optim_state = keep_implementation(optim_state, optimizer)
+    groups = optim_state["param_groups"]
     fqn = {g_i: names[i] for i, g_i in enumerate(p for g in groups for p in g["params"])}
     osd = {
         "state": {fqn[k]: v for k, v in optim_state["state"].items()},

@@ -58,8 +58,10 @@ def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
     return param.dim() <= 1 or name.endswith(".bias") or is_norm(module)
 
 
-def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, device: torch.device):
-    """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it."""
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, device: torch.device,
+                    sharded: bool = False):
+    """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it
+    (for ``sharded`` DTensor parameters, torch has fused Adam/AdamW but no fused SGD: foreach then)."""
     decay, no_decay = [], []
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
@@ -77,7 +79,7 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     if key == "adam":
         return torch.optim.Adam(groups, lr=lr, **fused)
     if key == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **fused)
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **({} if sharded else fused))
     raise ValueError(f"Unknown optimizer {name!r}: use adamw, adam or sgd (or pass your own to Trainer).")
 
 
@@ -171,8 +173,9 @@ class Trainer:
                 raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
                                  "optimizer=None and set optimizer/lr/weight_decay in the config.")
             _dist.mixed_precision_policy(self.precision)  # refuses modes that cast parameters
+            _dist.fsdp_memory_format(self.precision)  # FSDP shards contiguous parameters only
             model = _dist.shard_fsdp(self.precision.setup(model, None)[0], self.precision)
-            optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, self.device)
+            optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, self.device, sharded=True)
             self.precision.scaler.register_names(model)
             self.model, self.optimizer = model, optimizer
         else:
@@ -333,15 +336,17 @@ class Trainer:
                 _dist.load_full_state(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
             else:
                 self.raw_model.load_state_dict(ck["model"])
-                self.optimizer.load_state_dict(ck["optimizer"])
+                self.optimizer.load_state_dict(_dist.keep_implementation(ck["optimizer"], self.optimizer))
             if self.scheduler is not None and ck.get("scheduler"):
                 self.scheduler.load_state_dict(ck["scheduler"])
         except (KeyError, RuntimeError, ValueError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
         p = ck["progress"]
         self.epoch, self.batch_in_epoch = p["epoch"], p["batch"]
-        if p.get("world_size", 1) != self.world_size and self.batch_in_epoch:
-            self.batch_in_epoch = _dist.rescale_position(self.batch_in_epoch, p.get("world_size", 1), self.world_size, path)
+        saved_batch = p.get("world_size", 1) * int(ck.get("config", {}).get("batch_size", self.config.batch_size))
+        if saved_batch != self.world_size * self.config.batch_size and self.batch_in_epoch:
+            self.batch_in_epoch = _dist.rescale_position(
+                self.batch_in_epoch, saved_batch, self.world_size * self.config.batch_size, path)
         self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
@@ -536,6 +541,8 @@ class Trainer:
         shards = _dist.shard_indices(len(self.eval_data), self.rank, self.world_size, self.config.batch_size * 4)
         batches = (self._fetch(self.eval_data, idx) for idx in shards)
         result = evaluate(self.raw_model, batches, self.loss_fn, autocast, self.task, collect)
+        if self._fsdp:  # FSDP's root stays unsharded (compute dtype) after a forward: back to the fp32 shards
+            self.raw_model.reshard()
         return _dist.reduce_eval(result, len(self.eval_data), self.task, collect, self.device)
 
     def _check_inputs_finite(self) -> None:
