@@ -536,10 +536,10 @@ class Trainer:
     def _evaluate(self, collect: bool) -> Dict[str, Any]:
         autocast = self.precision.autocast if self.config.eval_precision == "train" else contextlib.nullcontext
         if self.world_size == 1:
-            return evaluate(self.raw_model, self._eval_batches(self.eval_data), self.loss_fn, autocast, self.task, collect)
-        # each rank evaluates its shard; sums (loss, correct, count) are all-reduced
-        shards = _dist.shard_indices(len(self.eval_data), self.rank, self.world_size, self.config.batch_size * 4)
-        batches = (self._fetch(self.eval_data, idx) for idx in shards)
+            batches = self._eval_batches(self.eval_data)
+        else:  # each rank evaluates its shard; sums (loss, correct, count) are all-reduced
+            shards = _dist.shard_indices(len(self.eval_data), self.rank, self.world_size, self.config.batch_size * 4)
+            batches = (self._fetch(self.eval_data, idx) for idx in shards)
         result = evaluate(self.raw_model, batches, self.loss_fn, autocast, self.task, collect)
         if self._fsdp:  # FSDP's root stays unsharded (compute dtype) after a forward: back to the fp32 shards
             self.raw_model.reshard()
@@ -584,7 +584,7 @@ class Trainer:
             "samples_per_s": (sorted(rates)[len(rates) // 2] if rates else None),
             "train_time_s": train_time,
             "world_size": self.world_size,
-            "strategy": self.config.strategy if self.world_size > 1 else None,
+            "strategy": self.config.strategy if (self.world_size > 1 or self._fsdp) else None,
         }
         if final and "perplexity" in final:
             summary["perplexity"] = final["perplexity"]
