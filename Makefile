@@ -1,6 +1,7 @@
 # One entry point for setting up and running ampkit.
 #   make run    - create .venv if needed, install, train the embedded default (digits CNN)
 #   make test   - create .venv if needed, install with dev deps, run the test suite
+#   make dist-run - the default training on 2 CPU processes (torchrun, gloo, DDP); NPROC=N for more
 # TORCH_SPEC selects the torch build; the default is the CPU wheel that lies on this
 # machine's disk. CUDA users: make test TORCH_SPEC='torch>=2.4'
 PYTHON ?= python3
@@ -27,6 +28,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+NPROC ?= 2
+dist-run: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m ampkit train --no-progress
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/ampkit bench --quick

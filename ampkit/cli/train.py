@@ -56,6 +56,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
     g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--num-threads", type=int, help="torch CPU threads")
+    g.add_argument("--strategy", choices=["ddp", "fsdp"],
+                   help="under torchrun: ddp (default) or fsdp (fully_shard with FSDP's mixed precision); "
+                   "see docs/DISTRIBUTED.md")
 
 
 def _config_from_args(args):
@@ -99,6 +102,28 @@ def _default_out(cfg) -> str:
 
 
 def run(args) -> int:
+    """Under torchrun: set up the process group from its environment first, destroy it at exit."""
+    from ..train.distributed import process_group_from_env
+
+    try:
+        try:
+            device = _config_from_args(args).device
+            with process_group_from_env(device) as env:
+                return _run(args, env)
+        except ValueError as e:  # bad flags, or the process group could not be set up
+            raise UsageError(str(e)) from e
+    except UsageError:
+        if env_is_secondary():
+            return 2  # every rank fails alike on the user's input; rank 0 prints it, once
+        raise
+
+
+def env_is_secondary() -> bool:
+    """True on ranks other than 0 of a torchrun launch (they stay quiet)."""
+    return int(os.environ.get("RANK", "0")) != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _run(args, env) -> int:
     import torch
 
     from ..data import load_data
@@ -108,22 +133,30 @@ def run(args) -> int:
 
     try:
         cfg = _config_from_args(args)
+        if env is not None and env.device:
+            cfg = cfg.updated(device=env.device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         if cfg.out is None:
             if cfg.resume == "auto":
                 raise ValueError("--resume auto needs --out DIR (the run directory to continue).")
-            cfg = cfg.updated(out=_default_out(cfg))
+            cfg = cfg.updated(out=_default_out(cfg) if not env_is_secondary() else None)
+            if env is not None:  # every rank uses rank 0's (time-stamped) choice
+                from ..train.distributed import broadcast_object
+
+                cfg = cfg.updated(out=broadcast_object(cfg.out))
         data = load_data(cfg.data, seed=cfg.seed)
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model or data.default_model, **data.model_kwargs)
         trainer = Trainer(model, data.train, data.test, config=cfg, task=data.task, class_names=data.class_names)
         summary = trainer.fit()
     except TrainingInterrupted as e:
-        print(f"ampkit train: {e}", file=sys.stderr)
+        if not env_is_secondary():
+            print(f"ampkit train: {e}", file=sys.stderr)
         return 128 + int(e.signum)
     except NonFiniteGradientsError as e:
-        print(f"ampkit train: error: training stopped: {e}", file=sys.stderr)
+        if not env_is_secondary():
+            print(f"ampkit train: error: training stopped: {e}", file=sys.stderr)
         return 3
     except (ValueError, CheckpointError, RunDirError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
@@ -131,5 +164,6 @@ def run(args) -> int:
         where = f" ({e.filename})" if e.filename else ""
         raise UsageError(f"{e.strerror or e}{where}; checkpoints already written are intact: fix the cause, "
                          "then continue with --resume auto.") from e
-    print(f"ampkit train: run directory {trainer.run_dir}", file=sys.stderr)
+    if not env_is_secondary():
+        print(f"ampkit train: run directory {trainer.run_dir}", file=sys.stderr)
     return 0

@@ -16,8 +16,11 @@ Extras (all off by default):
   whose gradients are non-finite, instead of skipping forever.
 * telemetry: ``skipped_steps``, ``optimizer_steps``, ``last_skip_step``, ``consecutive_skips``;
   ``step()`` returns whether the optimizer stepped (when the optimizer itself returns None).
-* under an initialised ``torch.distributed`` process group, found-inf is all-reduced so all ranks
-  skip the same steps and keep identical scales.
+* under an initialised ``torch.distributed`` process group, found-inf is all-reduced (MAX, one
+  collective per unscale) so all ranks skip the same steps and keep identical scales, even when
+  only one rank's gradients overflow or gradients are not synchronised (FSDP shards, rank-local
+  parameters, DDP's ``no_sync``). DTensor gradients (FSDP2) are checked and unscaled through
+  their local shards.
 
 Host syncs: one per optimizer step (deciding whether to step), as in torch.
 """
@@ -75,6 +78,17 @@ def parse_loss_scale(value: Union[str, float, int, None]) -> Optional[float]:
             "or a positive finite number (e.g. 1024) for a static scale."
         )
     return value
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor grad (FSDP2's ``fully_shard``, tensor parallel) as this rank's shard, else itself.
+
+    The shard shares storage with the DTensor, so unscaling it in place unscales the gradient;
+    checking only local values keeps the check free of collectives (the one all-reduce of
+    found-inf then covers every rank's shard).
+    """
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad
 
 
 class _PerDevice:
@@ -231,7 +245,7 @@ class LossScaler:
                             param.grad = param.grad.coalesce()
                         g = param.grad._values()
                     else:
-                        g = param.grad
+                        g = _local(param.grad)
                     buckets[g.device][g.dtype].append(g)
             for device, per_dtype in buckets.items():
                 for grads in per_dtype.values():
@@ -242,10 +256,14 @@ class LossScaler:
         if self._use_distributed():
             import torch.distributed as dist
 
-            if not found:  # this rank has no grads: still take part in the collective
-                found = {found_inf.device: found_inf}
+            # One collective per unscale, on the scale's device, whatever devices this rank's
+            # grads live on: ranks that hold grads on different device sets (or none at all,
+            # e.g. an empty FSDP shard) still make the same calls, so nothing hangs.
+            combined = found_inf
             for t in found.values():
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                combined = combined + t.to(found_inf.device, non_blocking=True)
+            dist.all_reduce(combined, op=dist.ReduceOp.MAX)
+            found = {combined.device: combined}
         return found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -444,7 +462,7 @@ class LossScaler:
             for gi, group in enumerate(opt.param_groups):
                 for pi, p in enumerate(group["params"]):
                     g = p.grad
-                    if g is not None and not torch.isfinite(g._values() if g.is_sparse else g).all():
+                    if g is not None and not torch.isfinite(g._values() if g.is_sparse else _local(g)).all():
                         bad.append(self._param_names.get(id(p), f"param_groups[{gi}][{pi}] {tuple(p.shape)}"))
         names = ", ".join(bad[:10]) + (f" (+{len(bad) - 10} more)" if len(bad) > 10 else "")
         return (

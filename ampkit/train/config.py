@@ -42,6 +42,7 @@ class TrainConfig:
     progress: bool = True
     log_every: int = 10
     compile: bool = False
+    strategy: str = "ddp"  # under torchrun: ddp | fsdp (fully_shard + MixedPrecisionPolicy)
     tensorboard: bool = False
     device: Optional[str] = None
     num_threads: Optional[int] = None

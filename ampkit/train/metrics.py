@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -18,8 +18,11 @@ __all__ = ["MetricsLogger", "Progress"]
 
 
 class MetricsLogger:
-    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None, append: bool = False) -> None:
+    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None, append: bool = False,
+                 reduce: Optional[Callable[[torch.Tensor, List[str]], torch.Tensor]] = None) -> None:
+        # reduce(values [records x keys], keys) -> values: e.g. a mean over ranks, before the read-back
         self.path = path
+        self._reduce = reduce
         self._pending: List[Dict[str, Any]] = []
         self._file = open(path, "a" if append else "w") if path else None
         self._tb = None
@@ -40,7 +43,10 @@ class MetricsLogger:
             return []
         keys = [k for k, v in self._pending[0].items() if isinstance(v, torch.Tensor)]
         if keys:
-            stacked = torch.stack([r[k].detach().float().reshape(()) for r in self._pending for k in keys]).tolist()
+            stacked = torch.stack([r[k].detach().float().reshape(()) for r in self._pending for k in keys])
+            if self._reduce is not None:
+                stacked = self._reduce(stacked.reshape(len(self._pending), len(keys)), keys)
+            stacked = stacked.flatten().tolist()
             i = 0
             for r in self._pending:
                 for k in keys:

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from ..precision import NonFiniteGradientsError, Precision
 from . import checkpoint as ckpt
+from . import distributed as _dist
 from .config import TrainConfig, write_config
 from .evaluate import classification_text, default_loss, evaluate
 from .metrics import MetricsLogger, Progress
@@ -61,8 +62,10 @@ def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
     return param.dim() <= 1 or name.endswith(".bias") or is_norm(module)
 
 
-def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, device: torch.device):
-    """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it."""
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, device: torch.device,
+                    sharded: bool = False):
+    """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it
+    (for ``sharded`` DTensor parameters, torch has fused Adam/AdamW but no fused SGD: foreach then)."""
     decay, no_decay = [], []
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
@@ -80,7 +83,7 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     if key == "adam":
         return torch.optim.Adam(groups, lr=lr, **fused)
     if key == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **fused)
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **({} if sharded else fused))
     raise ValueError(f"Unknown optimizer {name!r}: use adamw, adam or sgd (or pass your own to Trainer).")
 
 
@@ -105,11 +108,7 @@ def build_scheduler(optimizer, kind: str, total_steps: int, warmup_steps: int):
 
 
 def _dist_info():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return _dist.rank_and_world()
 
 
 class Trainer:
@@ -154,11 +153,17 @@ class Trainer:
         if len(train_data) == 0:
             raise ValueError("the training set is empty: it needs at least one sample.")
         self.rank, self.world_size = _dist_info()
+        if cfg.strategy not in _dist.STRATEGIES:
+            raise ValueError(f"Unknown strategy {cfg.strategy!r}: use {' or '.join(_dist.STRATEGIES)}.")
+        self._fsdp = cfg.strategy == "fsdp"
+        if self._fsdp and not _dist.is_initialized():
+            raise ValueError("strategy 'fsdp' needs torch.distributed: launch with "
+                             "torchrun --nproc-per-node N -m ampkit train --strategy fsdp ...")
         if isinstance(precision, Precision):
             self.precision = precision
         else:
             self.precision = Precision(
-                precision or cfg.precision, cfg.device,
+                precision or cfg.precision, _dist.default_device(cfg.device),
                 loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
                 max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
             )
@@ -167,14 +172,23 @@ class Trainer:
         self.task = task or _infer_task(train_data)
         self.class_names = list(class_names) if class_names else None
         self.loss_fn = loss_fn or default_loss
-        if optimizer is None:
-            optimizer = build_optimizer(model.to(self.device), cfg.optimizer, cfg.lr, cfg.weight_decay, self.device)
-        self.model, self.optimizer = self.precision.setup(model, optimizer)
+        if self._fsdp:  # shard first: the optimizer must hold the sharded (DTensor) parameters
+            if optimizer is not None:
+                raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
+                                 "optimizer=None and set optimizer/lr/weight_decay in the config.")
+            _dist.mixed_precision_policy(self.precision)  # refuses modes that cast parameters
+            _dist.fsdp_memory_format(self.precision)  # FSDP shards contiguous parameters only
+            model = _dist.shard_fsdp(self.precision.setup(model, None)[0], self.precision)
+            optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, self.device, sharded=True)
+            self.precision.scaler.register_names(model)
+            self.model, self.optimizer = model, optimizer
+        else:
+            if optimizer is None:
+                optimizer = build_optimizer(model.to(self.device), cfg.optimizer, cfg.lr, cfg.weight_decay, self.device)
+            self.model, self.optimizer = self.precision.setup(model, optimizer)
         self.raw_model = self.model
-        if self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.world_size > 1 and not self._fsdp:
+            self.model = _dist.wrap_model(self.model, self.device)
         if cfg.compile:
             self.model = torch.compile(self.model)
         n_batches = self._batches_per_epoch()
@@ -245,18 +259,45 @@ class Trainer:
             raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): choose another --out.") from e
         return out
 
+    def _prepare_run(self) -> Optional[str]:
+        """Rank 0 checks the run directory and picks the checkpoint to resume; every rank gets its
+        answer (or its error), so no rank waits in a collective for one that gave up."""
+        if self.world_size == 1:
+            self.run_dir = self._prepare_run_dir()
+            return self._resolve_resume()
+        answer = None
+        if self.rank == 0:
+            try:
+                self.run_dir = self._prepare_run_dir()
+                answer = (self._resolve_resume(), None)
+            except Exception as e:
+                _dist.broadcast_object((None, (type(e).__name__, str(e))))
+                raise
+        path, err = _dist.broadcast_object(answer)
+        if err is not None:
+            raise (RunDirError if err[0] == "RunDirError" else RuntimeError)(err[1])
+        self.run_dir = self.config.out
+        return path
+
     def _checkpoint_dir(self) -> Optional[str]:
         return os.path.join(self.run_dir, "checkpoints") if self.run_dir else None
 
     # ------------------------------------------------------------------ checkpoints
+    def _model_optim_state(self):
+        """Full model/optimizer state dicts; under FSDP a collective every rank takes part in."""
+        if self._fsdp:
+            return _dist.full_state(self.raw_model, self.optimizer)
+        return self.raw_model.state_dict(), self.optimizer.state_dict()
+
     def state_dict(self) -> Dict[str, Any]:
+        model_state, optim_state = self._model_optim_state()
         return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "precision": self.precision.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "progress": {"epoch": self.epoch, "batch": self.batch_in_epoch, "global_step": self.global_step,
-                         "attempted_steps": self.attempted_steps},
+                         "attempted_steps": self.attempted_steps, "world_size": self.world_size},
             "rng": ckpt.rng_state(),
             "config": {k: v for k, v in self.config.to_dict().items() if v is not None},
             "model_signature": ckpt.model_signature(self.raw_model),
@@ -264,12 +305,15 @@ class Trainer:
 
     def save_checkpoint(self) -> Optional[str]:
         directory = self._checkpoint_dir()
+        if directory is not None:  # every rank: all must agree on whether the final save is due
+            self._saved_state = (self.epoch, self.batch_in_epoch, self.attempted_steps)
         if directory is None or self.rank != 0:
+            if directory is not None and self._fsdp:
+                self._model_optim_state()  # rank 0 gathers the shards: take part
             self._barrier()
             return None
         path = ckpt.checkpoint_path(directory, self.attempted_steps)
         ckpt.save_checkpoint(self.state_dict(), path)
-        self._saved_state = (self.epoch, self.batch_in_epoch, self.attempted_steps)
         ckpt.prune_checkpoints(directory, self.config.keep_last)
         self.last_checkpoint = path
         self._barrier()
@@ -295,7 +339,17 @@ class Trainer:
                       f"checkpoint has {len(theirs)} tensors, model has {len(mine)}")
             raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
         saved = ck.get("config") or {}
+        saved_world = int(ck.get("progress", {}).get("world_size", 1))
         for key in _RESUME_MUST_MATCH:
+            if key == "batch_size" and key in saved:  # the global batch must match; the world size may change
+                theirs, ours = saved[key] * saved_world, self.config.batch_size * self.world_size
+                if theirs != ours:
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {path!r} was written with a global batch of {theirs} (batch_size={saved[key]} x "
+                        f"{saved_world} process(es)), this run has {ours} (batch_size={self.config.batch_size} x "
+                        f"{self.world_size}): its saved position would not match the data. Resume with the run's own "
+                        "options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
+                continue
             if key in saved and saved[key] != getattr(self.config, key):
                 raise ckpt.CheckpointError(
                     f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
@@ -303,14 +357,21 @@ class Trainer:
                     "the run's own options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
         try:
             self.precision.load_state_dict(ck["precision"])
-            self.raw_model.load_state_dict(ck["model"])
-            self.optimizer.load_state_dict(ck["optimizer"])
+            if self._fsdp:
+                _dist.load_full_state(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
+            else:
+                self.raw_model.load_state_dict(ck["model"])
+                self.optimizer.load_state_dict(_dist.keep_implementation(ck["optimizer"], self.optimizer))
             if self.scheduler is not None and ck.get("scheduler"):
                 self.scheduler.load_state_dict(ck["scheduler"])
         except (KeyError, RuntimeError, ValueError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
         p = ck["progress"]
         self.epoch, self.batch_in_epoch = p["epoch"], p["batch"]
+        saved_batch = p.get("world_size", 1) * int(ck.get("config", {}).get("batch_size", self.config.batch_size))
+        if saved_batch != self.world_size * self.config.batch_size and self.batch_in_epoch:
+            self.batch_in_epoch = _dist.rescale_position(
+                self.batch_in_epoch, saved_batch, self.world_size * self.config.batch_size, path)
         self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
@@ -351,8 +412,7 @@ class Trainer:
     def fit(self) -> Dict[str, Any]:
         """Train for the configured epochs/steps; returns the summary dict."""
         cfg = self.config
-        self.run_dir = self._prepare_run_dir()
-        resume_path = self._resolve_resume()
+        resume_path = self._prepare_run()
         if resume_path:
             try:
                 self.load_checkpoint(resume_path)
@@ -376,6 +436,7 @@ class Trainer:
             metrics_path,
             os.path.join(self.run_dir, "tensorboard") if (self.run_dir and is_main and cfg.tensorboard) else None,
             append=bool(resume_path),
+            reduce=_mean_loss_over_ranks if self.world_size > 1 else None,
         )
         if self.run_dir and is_main:
             write_config(cfg, os.path.join(self.run_dir, "config.toml"),
@@ -457,7 +518,10 @@ class Trainer:
                 window_loss = torch.zeros((), device=self.device)
                 log_due = self.attempted_steps % cfg.log_every == 0 or i == n
                 save_due = bool(cfg.save_every) and self.attempted_steps % cfg.save_every == 0
-                if log_due or save_due or self._stop_signal is not None:
+                # a signal is local to a rank: with several, they flush (a collective) and stop only at
+                # log boundaries, where all agree
+                stop_pending = self._stop_signal is not None and self.world_size == 1
+                if log_due or save_due or stop_pending:
                     # metrics reach the file before any checkpoint: a kill never loses logged steps
                     now = time.perf_counter()
                     rate = samples_flush * self.world_size / max(now - t_flush, 1e-9)
@@ -472,7 +536,7 @@ class Trainer:
                     t_flush, samples_flush = now, 0
                 if save_due:
                     self.save_checkpoint()
-                if self._stop_signal is not None:
+                if self._stop_now(log_due):
                     progress.close()
                     path = self.save_checkpoint()
                     raise TrainingInterrupted(self._stop_signal, path)
@@ -510,15 +574,37 @@ class Trainer:
             "skipped": not stepped, "lr": self.optimizer.param_groups[0]["lr"],
         })
 
+    def _stop_now(self, boundary: bool) -> bool:
+        """Stop after a signal. Ranks get signals at different steps, so with several they agree at
+        log boundaries (one tiny collective there) and all stop at the same step."""
+        if self.world_size == 1:
+            return self._stop_signal is not None
+        if not boundary:
+            return False
+        signum = _dist.any_rank(self._stop_signal or 0, self.device)
+        self._stop_signal = signum or None
+        return bool(signum)
+
     def _sync_context(self, last_in_window: bool):
-        """DDP: all-reduce gradients only on the last micro-batch of a window."""
+        """DDP/FSDP: reduce gradients only on the last micro-batch of a window."""
+        if self._fsdp:
+            self.raw_model.set_requires_gradient_sync(last_in_window)
+            return contextlib.nullcontext()
         if not last_in_window and hasattr(self.model, "no_sync"):
             return self.model.no_sync()
         return contextlib.nullcontext()
 
     def _evaluate(self, collect: bool) -> Dict[str, Any]:
         autocast = self.precision.autocast if self.config.eval_precision == "train" else contextlib.nullcontext
-        return evaluate(self.raw_model, self._eval_batches(self.eval_data), self.loss_fn, autocast, self.task, collect)
+        if self.world_size == 1:
+            batches = self._eval_batches(self.eval_data)
+        else:  # each rank evaluates its shard; sums (loss, correct, count) are all-reduced
+            shards = _dist.shard_indices(len(self.eval_data), self.rank, self.world_size, self.config.batch_size * 4)
+            batches = (self._fetch(self.eval_data, idx) for idx in shards)
+        result = evaluate(self.raw_model, batches, self.loss_fn, autocast, self.task, collect)
+        if self._fsdp:  # FSDP's root stays unsharded (compute dtype) after a forward: back to the fp32 shards
+            self.raw_model.reshard()
+        return _dist.reduce_eval(result, len(self.eval_data), self.task, collect, self.device)
 
     def _check_window_inputs(self, window: List[tuple]) -> None:
         """After a skipped step: NaN/inf in that window's inputs or targets is one clear error with the batch index."""
@@ -573,6 +659,7 @@ class Trainer:
             "samples_per_s": (sorted(rates)[len(rates) // 2] if rates else None),
             "train_time_s": train_time,
             "world_size": self.world_size,
+            "strategy": self.config.strategy if (self.world_size > 1 or self._fsdp) else None,
         }
         if final and "perplexity" in final:
             summary["perplexity"] = final["perplexity"]
@@ -626,6 +713,14 @@ class Trainer:
         ]
         with open(os.path.join(self.run_dir, "nonfinite_report.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def _mean_loss_over_ranks(values: torch.Tensor, keys: List[str]) -> torch.Tensor:
+    """MetricsLogger reduce hook: the logged train loss is the mean over ranks (one collective per flush)."""
+    if "loss" in keys:
+        col = keys.index("loss")
+        values[:, col] = _dist.reduce_mean_(values[:, col].contiguous())
+    return values
 
 
 def _infer_task(ds: Dataset) -> str:

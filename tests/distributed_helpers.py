@@ -1,0 +1,34 @@
+"""Run a function on 2 gloo ranks (CPU) for the distributed tests.
+
+Forked from the test process where the OS allows it: torch is already imported there, so a rank
+starts in milliseconds instead of seconds. A deadline turns a hang (ranks out of step in their
+collectives, the bug these tests look for) into a failure instead of a stuck suite.
+"""
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def init_rank(rank: int, tmp: str) -> None:
+    torch.set_num_threads(1)  # 2 ranks on a 2-core machine
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=90))
+
+
+def run_ranks(fn, *args, timeout: float = 150.0) -> None:
+    """Start ``fn(rank, *args)`` on WORLD processes and wait; fail on an error or past ``timeout``."""
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.start_processes(fn, args=args, nprocs=WORLD, start_method=method, join=False)
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"distributed workers still running after {timeout:.0f} s (a hang?)")
