@@ -1,5 +1,5 @@
-"""Speed-aware op policy: the split attention kernel is numerically right, is used only when
-measured faster (or forced), and its verdicts are cached."""
+"""Speed-aware op policy: the split and math attention kernels are numerically right, are used
+only when measured faster (or forced), and their verdicts are cached."""
 import json
 
 import pytest
@@ -86,5 +86,80 @@ def test_measured_verdict_cached_on_disk(monkeypatch, tmp_path):
     assert v1 == v2 and len(measured) == 1
     data = json.load(open(tmp_path / "opspeed.json"))
     (entry,) = data.values()
-    assert {"native_ms", "split_ms", "use_split"} <= set(entry)
-    assert entry["use_split"] == (entry["split_ms"] < 0.95 * entry["native_ms"])
+    assert {"native_ms", "split_ms", "math_ms", "choice"} <= set(entry)
+    best = min(("native", "split", "math"), key=lambda k: entry[f"{k}_ms"])
+    expected = best if entry[f"{best}_ms"] < 0.95 * entry["native_ms"] else "native"
+    assert entry["choice"] == expected == v1
+
+
+def _reference(q, k, v, mask=None, causal=False, dropout_p=0.0):
+    """The math kernel's formula through autograd (same RNG use for the dropout mask)."""
+    scale = q.shape[-1] ** -0.5
+    scores = q @ k.transpose(-2, -1) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, -1)
+    if dropout_p:
+        keep = torch.rand_like(probs.reshape(-1, *probs.shape[2:]), dtype=torch.float32) >= dropout_p
+        probs = probs * keep.view_as(probs) / (1 - dropout_p)
+    return probs @ v
+
+
+@pytest.mark.parametrize("case", ["causal", "full", "mask2d", "mask4d", "cross", "dropout"])
+def test_math_kernel_matches_autograd_of_its_formula(case):
+    g = torch.Generator().manual_seed(1)
+    t, s = 12, (7 if case == "cross" else 12)
+    q = torch.randn(2, 3, t, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, s, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = {"mask2d": torch.randn(t, s, generator=g, dtype=torch.float64),
+            "mask4d": torch.randn(2, 1, t, s, generator=g, dtype=torch.float64)}.get(case)
+    kw = dict(mask=mask, causal=case == "causal", dropout_p=0.25 if case == "dropout" else 0.0)
+    grad = torch.randn(2, 3, t, 8, generator=g, dtype=torch.float64)
+    torch.manual_seed(5)
+    out = speed.sdpa_math(q, k, v, kw["mask"], kw["dropout_p"], kw["causal"])
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    torch.manual_seed(5)
+    ref_out = _reference(q, k, v, **kw)
+    ref = torch.autograd.grad(ref_out, (q, k, v), grad)
+    torch.testing.assert_close(out, ref_out)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    if case != "dropout":  # and the formula is torch's attention
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=kw["causal"]))
+
+
+def test_math_kernel_bf16_close_to_fp64():
+    q, k, v = _qkv(torch.bfloat16, (2, 4, 64, 32))
+    grad = torch.randn(q.shape).to(torch.bfloat16)
+    out = speed.sdpa_math(q, k, v, is_causal=True)
+    out.backward(grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+    ref.backward(grad.double())
+    assert out.dtype == torch.bfloat16
+    for a, b in zip((out, q.grad, k.grad, v.grad), (ref, q64.grad, k64.grad, v64.grad)):
+        assert ((a.double() - b).norm() / b.norm()) < 2e-2
+
+
+def test_policy_math_reroutes_torch_layer_and_keeps_fp16_native(monkeypatch):
+    monkeypatch.setenv("AMPKIT_OP_POLICY", "math")
+    calls = {"n": 0}
+    real = speed.sdpa_math
+    monkeypatch.setattr(speed, "sdpa_math", lambda *a, **k: calls.__setitem__("n", calls["n"] + 1) or real(*a, **k))
+    loss = _transformer_step(Precision("bf16-mixed", "cpu"))
+    assert calls["n"] == 1 and torch.isfinite(loss)
+    q, k, v = _qkv(torch.float16)
+    with speed.OpSpeedPolicy():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)  # fp16 scores could overflow: torch's kernel
+        F.scaled_dot_product_attention(*_qkv(torch.bfloat16), attn_mask=torch.ones(32, 32, dtype=torch.bool))
+    assert calls["n"] == 1
+
+
+def test_math_kernel_only_within_memory_cap(monkeypatch):
+    monkeypatch.setenv("AMPKIT_ATTN_MATH_MAX_MB", "1")
+    assert speed._math_fits(4, 256, 256, torch.bfloat16)  # 0.5 MiB of probabilities
+    assert not speed._math_fits(16, 256, 256, torch.bfloat16)  # 2 MiB
+    assert not speed._math_fits(4, 256, 256, torch.float16)

@@ -55,6 +55,9 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
     from ..train.trainer import build_optimizer
 
     precision = Precision(mode, device)
+    if precision.requested == "auto":  # as the Trainer does: time the candidate modes on this model (cached)
+        inputs, targets = workload.batches[0]
+        precision.tune(workload.model, inputs, targets, workload.loss_fn)
     optimizer = build_optimizer(workload.model, "adamw", lr, 0.01, device)
     model, optimizer = precision.setup(workload.model, optimizer)
     loss_fn = workload.loss_fn

@@ -3,7 +3,8 @@
 Categories (milliseconds of self time, so nothing is counted twice):
 
 - ``gemm``: matmuls and convolutions, forward and backward (what 16-bit units speed up);
-- ``attention_fwd`` / ``attention_bwd``: scaled-dot-product attention kernels;
+- ``attention_fwd`` / ``attention_bwd``: scaled-dot-product attention kernels, including every op
+  inside ampkit's op-policy attention (``_MathSDPA``/``_SplitSDPA``: their GEMMs and softmax);
 - ``cast``: ``aten::copy_`` / ``_to_copy`` / ``_foreach_copy_`` outside the optimizer (autocast
   weight casts, master <-> model copies);
 - ``optimizer``: everything under torch's ``Optimizer.step``/``zero_grad`` ranges;
@@ -27,10 +28,13 @@ _CAST = {"aten::copy_", "aten::_to_copy", "aten::to", "aten::_foreach_copy_"}
 _CHECK = {"aten::_local_scalar_dense", "aten::isfinite", "aten::isinf", "aten::isnan"}
 
 
-def categorize(name: str, under_optimizer: bool = False) -> str:
-    """Category of one profiler op name (``under_optimizer``: it ran inside Optimizer.step)."""
+def categorize(name: str, under_optimizer: bool = False, attention: str = "") -> str:
+    """Category of one profiler op name (``under_optimizer``: it ran inside Optimizer.step;
+    ``attention``: the name of an enclosing op-policy attention range, if any)."""
     if under_optimizer or name.startswith("Optimizer."):
         return "optimizer"
+    if attention:
+        return "attention_bwd" if "backward" in attention.lower() else "attention_fwd"
     low = name.lower()
     if "attention" in low:
         return "attention_bwd" if "backward" in low else "attention_fwd"
@@ -52,6 +56,19 @@ def _under_optimizer(evt) -> bool:
     return False
 
 
+_POLICY_ATTENTION = ("_MathSDPA", "_SplitSDPA")
+
+
+def _policy_attention(evt) -> str:
+    """The enclosing op-policy attention range (autograd Function forward/backward), or ''."""
+    node = evt
+    while node is not None:
+        if node.name.startswith(_POLICY_ATTENTION):
+            return node.name
+        node = getattr(node, "cpu_parent", None)
+    return ""
+
+
 def breakdown(events: Iterable, wall_ms: float, device_type: str = "cpu", top: int = 8) -> Dict:
     """Category totals (ms) and shares of ``wall_ms``, plus the top ops by self time.
 
@@ -67,7 +84,7 @@ def breakdown(events: Iterable, wall_ms: float, device_type: str = "cpu", top: i
         if not us:
             continue
         ms = us / 1000.0
-        cats[categorize(e.name, _under_optimizer(e))] += ms
+        cats[categorize(e.name, _under_optimizer(e), _policy_attention(e))] += ms
         ops[e.name] = ops.get(e.name, 0.0) + ms
     tracked = sum(cats.values())
     cats["untracked"] = max(0.0, wall_ms - tracked)

@@ -8,7 +8,7 @@ import time
 
 from . import UsageError
 
-_BOOL_FLAGS = {"progress", "compile", "tensorboard"}
+_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune"}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="comma-separated module names kept in fp32 (e.g. head,blocks.3.attn)")
     g.add_argument("--max-consecutive-skips", type=int,
                    help="stop with a report after this many non-finite steps in a row (default 50)")
+    g.add_argument("--no-autotune", dest="autotune", action="store_false", default=None,
+                   help="with precision auto: take the device's default mode instead of timing the candidates "
+                   "(bf16-mixed / bf16-master) on this model")
     g.add_argument("--eval-precision", choices=["train", "fp32"], help="evaluate in the training precision or with autocast off")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)

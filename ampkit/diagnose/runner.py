@@ -130,9 +130,9 @@ def prepare(model: nn.Module, name: str, device: torch.device, fp32_modules: Seq
     clone.train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 'fp16 on CPU is slow': known, the check runs anyway
-        # op_policy off: it only moves attention's backward to fp32 where that is faster (timing it
-        # on first use); the check measures plain autocast numerics, never slower or less exact
-        prec = Precision(name, device, fp32_modules=tuple(fp32_modules), channels_last=False, op_policy=False)
+        # the op policy stays as training uses it: its attention kernels (bf16 GEMM attention, fp32
+        # backward) are part of the numerics being judged
+        prec = Precision(name, device, fp32_modules=tuple(fp32_modules), channels_last=False)
     clone, _ = prec.setup(clone, None)
     return clone, prec
 

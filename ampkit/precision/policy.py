@@ -115,6 +115,7 @@ class Precision:
         scaler: Optional[LossScaler] = None,
         compensation: Optional[str] = None,
     ) -> None:
+        self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__")}
         self.device = resolve_device(device)
         requested = resolve(global_policy() if name is None else name)
         self.requested = requested
@@ -169,6 +170,22 @@ class Precision:
             )
         self._scales_loss = self.mode.scaled
         self._setup_done = False
+
+    def tune(self, model: nn.Module, inputs: Any, target: Any, loss_fn, grad_accum: int = 1) -> str:
+        """`auto` only, before ``setup``: pick the fastest candidate mode for this model by timing a
+        few steps of each on copies of it (``ampkit.precision.autotune``; cached per machine and
+        model). Returns the chosen mode's name; a no-op for an explicit mode."""
+        if self.requested != AUTO or self._setup_done:
+            return self.name
+        from .autotune import fastest_mode
+
+        result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum)
+        if result["mode"] != self.name:
+            self.__init__(result["mode"], **self._init_kwargs)
+            self.requested = AUTO
+        self.reason = result["reason"]
+        self.tuned_ms = result["ms"]
+        return self.name
 
     # ------------------------------------------------------------------ checks
     def _check_hardware(self) -> None:

@@ -42,6 +42,7 @@ class TrainConfig:
     progress: bool = True
     log_every: int = 10
     compile: bool = False
+    autotune: bool = True  # precision auto: time the candidate modes on this model (cached) and keep the fastest
     strategy: str = "ddp"  # under torchrun: ddp | fsdp (fully_shard + MixedPrecisionPolicy)
     tensorboard: bool = False
     device: Optional[str] = None

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from ..precision import NonFiniteGradientsError, Precision
+from ..precision.modes import AUTO, MODES
 from . import checkpoint as ckpt
 from . import distributed as _dist
 from .config import TrainConfig, write_config
@@ -172,6 +173,8 @@ class Trainer:
         self.task = task or _infer_task(train_data)
         self.class_names = list(class_names) if class_names else None
         self.loss_fn = loss_fn or default_loss
+        if self.precision.requested == AUTO and not isinstance(precision, Precision):
+            self._tune_auto(model)
         if self._fsdp:  # shard first: the optimizer must hold the sharded (DTensor) parameters
             if optimizer is not None:
                 raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
@@ -206,6 +209,30 @@ class Trainer:
         self._stop_signal: Optional[int] = None
         self.last_checkpoint: Optional[str] = None
         self._saved_state: Optional[tuple] = None
+
+    def _tune_auto(self, model: nn.Module) -> None:
+        """precision auto: a resumed run keeps its checkpoint's mode; otherwise time the candidates
+        on this model and the first batch (``Precision.tune``; cached per machine). Several processes
+        keep the device default (every rank must run the same mode, and timings differ per rank)."""
+        cfg = self.config
+        if cfg.resume:
+            try:
+                path = cfg.resume
+                if path == "auto":
+                    path = ckpt.latest_checkpoint(os.path.join(cfg.out, "checkpoints")) if cfg.out else None
+                saved = ckpt.load_checkpoint(path, map_location="cpu").get("precision", {}).get("name") if path else None
+            except Exception:
+                saved = None  # fit() reports a bad checkpoint with the full message
+            if saved and saved != self.precision.name and saved in MODES:
+                self.precision.__init__(saved, **self.precision._init_kwargs)
+                self.precision.requested = AUTO
+                self.precision.reason = "the resumed run's precision"
+            return
+        if not cfg.autotune or self.world_size > 1 or self._fsdp or cfg.grad_accum < 1:
+            return
+        idx = torch.arange(min(cfg.batch_size, len(self.train_data)))
+        x, y = self._fetch(self.train_data, idx)
+        self.precision.tune(model, x, y, self.loss_fn, grad_accum=cfg.grad_accum)
 
     # ------------------------------------------------------------------ data
     def _batches_per_epoch(self) -> int:

@@ -1,0 +1,176 @@
+"""`auto`, measured: the fastest candidate mode for *this* model, batch and device.
+
+``auto_mode(device)`` knows the device (bf16 units or not, fp16 tensor cores...), not the model.
+Which of the modes that suit the device is fastest depends on the model as well: fp32 master
+weights with bf16 params save autocast's per-forward weight casts and memory, but add a grad copy
+and a master-to-model copy per step, which pays on some models and not on others. So, when a
+model and a batch are at hand (the Trainer has both), `auto` times a few optimizer steps of each
+candidate on deep copies of the model, and keeps the fastest. Verdicts are cached on disk next to
+the op policy's (``$AMPKIT_CACHE_DIR`` or ``~/.cache/ampkit/automode.json``), keyed by device,
+torch version, threads, the model's parameter signature and the batch shapes, so a model is timed
+once per machine.
+
+Candidates never include a mode whose numerics differ in kind: bf16-pure (bf16 weights and
+optimizer state) is opt-in only, and bf16-master is left out when gradients are accumulated over
+micro-batches (the 16-bit model grads would accumulate in bf16).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .device import auto_mode, device_info, resolve_device
+
+__all__ = ["auto_candidates", "time_modes", "fastest_mode", "autotune_cache_path"]
+
+
+def autotune_cache_path() -> str:
+    root = os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
+    return os.path.join(root, "automode.json")
+
+
+def auto_candidates(device: Any = None, grad_accum: int = 1) -> List[str]:
+    """The modes `auto` may pick on this device, the device's default first."""
+    dev = resolve_device(device)
+    first, _ = auto_mode(dev)
+    if first == "fp32":
+        return ["fp32"]
+    info = device_info(dev)
+    low = "bf16" if first.startswith("bf16") else "fp16"
+    out = [first]
+    if grad_accum <= 1 and (low == "bf16" or info.type == "cuda"):
+        out.append(f"{low}-master")
+    return out
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    return batch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_modes(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, modes: Sequence[str],
+               device: Any = None, steps: int = 3, warmup: int = 2, rounds: int = 2,
+               make_optimizer: Optional[Callable] = None) -> Dict[str, float]:
+    """Median ms per optimizer step of each mode, on deep copies of ``model`` (left untouched).
+
+    Rounds alternate the order of the modes, so a drifting machine hits all alike.
+    """
+    from .policy import Precision
+
+    dev = resolve_device(device)
+    inputs, target = _to_device(inputs, dev), _to_device(target, dev)
+    args = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
+    make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7))
+    runs = {}
+    rng = torch.random.get_rng_state()
+    for name in modes:
+        clone = copy.deepcopy(model).to(dev).train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prec = Precision(name, dev)
+        params = [p for p in clone.parameters() if p.requires_grad]
+        clone, opt = prec.setup(clone, make_optimizer(params))
+        runs[name] = (clone, prec, opt)
+
+    def one_step(name: str) -> float:
+        clone, prec, opt = runs[name]
+        _sync(dev)
+        t0 = time.perf_counter()
+        with prec.autocast():
+            loss = loss_fn(clone(*args), target)
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad(set_to_none=True)
+        _sync(dev)
+        return (time.perf_counter() - t0) * 1e3
+
+    times: Dict[str, List[float]] = {name: [] for name in modes}
+    try:
+        for name in modes:
+            for _ in range(warmup):
+                one_step(name)
+        for r in range(rounds):
+            for name in (modes if r % 2 == 0 else list(reversed(modes))):
+                times[name].extend(one_step(name) for _ in range(steps))
+    finally:
+        torch.random.set_rng_state(rng)  # the user's training sees the same random stream
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def _signature(model: nn.Module, inputs: Any, target: Any) -> str:
+    h = hashlib.sha1()
+    h.update(type(model).__name__.encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    for t in (inputs if isinstance(inputs, (list, tuple)) else (inputs,)) + (target,):
+        if isinstance(t, torch.Tensor):
+            h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def _load() -> Dict[str, Any]:
+    try:
+        with open(autotune_cache_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(key: str, value: Dict[str, Any]) -> None:
+    path = autotune_cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = _load()
+        data[key] = value
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measured again next time
+
+
+def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, device: Any = None,
+                 grad_accum: int = 1, **kw) -> Dict[str, Any]:
+    """``{"mode", "reason", "ms": {mode: ms}, "cached"}``: the fastest of :func:`auto_candidates`.
+
+    The device's default mode stays unless another is at least 3% faster (timings on a shared
+    machine wobble by a few percent; a tie keeps the simpler mode).
+    """
+    dev = resolve_device(device)
+    cands = auto_candidates(dev, grad_accum)
+    _, dev_reason = auto_mode(dev)
+    if len(cands) == 1:
+        return {"mode": cands[0], "reason": dev_reason, "ms": {}, "cached": False}
+    from .speed import _cpu_name
+
+    where = _cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
+    key = (f"{where}|torch{torch.__version__}|threads{torch.get_num_threads()}|"
+           f"{_signature(model, inputs, target)}|{','.join(cands)}")
+    hit = _load().get(key)
+    cached = bool(hit and set(hit.get("ms", {})) == set(cands))
+    ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, cands, dev, **kw)
+    if not cached:
+        _store(key, {"ms": ms, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+    best = min(cands, key=ms.get)
+    mode = best if ms[best] < 0.97 * ms[cands[0]] else cands[0]
+    timing = ", ".join(f"{m} {ms[m]:.0f} ms" for m in cands)
+    reason = f"{dev_reason}; fastest here, measured per step ({timing}{', cached' if cached else ''})"
+    return {"mode": mode, "reason": reason, "ms": ms, "cached": cached}

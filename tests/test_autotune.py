@@ -1,0 +1,104 @@
+"""`auto`, measured: candidates per device, the fastest kept (with a margin), cached per model,
+the model and the random stream left untouched, and a resumed run keeps its checkpoint's mode."""
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ampkit import Precision, Trainer
+from ampkit.precision import autotune
+from ampkit.precision.device import device_info
+
+
+def _bf16_cpu(monkeypatch):
+    """Pretend the CPU has bf16 units, so the test does not depend on the machine."""
+    info = device_info("cpu")
+    fast = type(info)(**{**info.__dict__, "bf16_fast": True})
+    monkeypatch.setattr(autotune, "device_info", lambda d=None: fast)
+    monkeypatch.setattr(autotune, "auto_mode", lambda d=None: ("bf16-mixed", "test CPU has bf16"))
+    import ampkit.precision.policy as policy
+
+    monkeypatch.setattr(policy, "auto_mode", lambda d=None: ("bf16-mixed", "test CPU has bf16"))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def test_candidates(monkeypatch):
+    _bf16_cpu(monkeypatch)
+    assert autotune.auto_candidates("cpu") == ["bf16-mixed", "bf16-master"]
+    # accumulating micro-batches in bf16 model grads is a numerics change: not a candidate then
+    assert autotune.auto_candidates("cpu", grad_accum=4) == ["bf16-mixed"]
+    monkeypatch.setattr(autotune, "auto_mode", lambda d=None: ("fp32", "no bf16 units"))
+    assert autotune.auto_candidates("cpu") == ["fp32"]
+
+
+def test_time_modes_leaves_model_and_rng_alone():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 8)
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    ms = autotune.time_modes(model, x, torch.tensor([0, 1, 2, 0]), nn.functional.cross_entropy,
+                             ["fp32", "bf16-mixed"], "cpu", steps=1, warmup=1, rounds=1)
+    assert set(ms) == {"fp32", "bf16-mixed"} and all(v > 0 for v in ms.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(torch.rand(3), expected)
+
+
+def _fake_timings(monkeypatch, ms):
+    calls = []
+    monkeypatch.setattr(autotune, "time_modes", lambda *a, **k: calls.append(a[4]) or dict(ms))
+    return calls
+
+
+def test_fastest_with_margin_and_cache(monkeypatch, tmp_path):
+    _bf16_cpu(monkeypatch)
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 90.0})
+    r = autotune.fastest_mode(_model(), x, y, nn.functional.cross_entropy, "cpu")
+    assert r["mode"] == "bf16-master" and not r["cached"] and "bf16-master 90 ms" in r["reason"]
+    r2 = autotune.fastest_mode(_model(), x, y, nn.functional.cross_entropy, "cpu")
+    assert r2["mode"] == "bf16-master" and r2["cached"] and len(calls) == 1  # timed once per model
+    # another batch shape is another entry; a 1% gain does not move auto off the device default
+    calls2 = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 99.0})
+    r3 = autotune.fastest_mode(_model(), torch.randn(6, 8), torch.zeros(6, dtype=torch.long),
+                               nn.functional.cross_entropy, "cpu")
+    assert r3["mode"] == "bf16-mixed" and len(calls2) == 1
+
+
+def test_precision_tune_keeps_options_and_explicit_modes_alone(monkeypatch, tmp_path):
+    _bf16_cpu(monkeypatch)
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 80.0})
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    p = Precision("auto", "cpu", max_consecutive_skips=7)
+    assert p.tune(_model(), x, y, nn.functional.cross_entropy) == "bf16-master"
+    assert p.requested == "auto" and p.scaler._max_consecutive_skips == 7 and "measured" in p.describe()
+    explicit = Precision("bf16-mixed", "cpu")
+    assert explicit.tune(_model(), x, y, nn.functional.cross_entropy) == "bf16-mixed" and len(calls) == 1
+
+
+def test_trainer_auto_tunes_and_resume_keeps_the_checkpoint_mode(monkeypatch, tmp_path):
+    _bf16_cpu(monkeypatch)
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    kw = dict(epochs=1, batch_size=16, progress=False, device="cpu", out=str(tmp_path / "run"))
+    _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 80.0})
+    first = Trainer(_model(), data, **kw)
+    assert first.precision.name == "bf16-master"
+    first.fit()
+    # the cache is gone and timings changed: the resumed run still trains in its checkpoint's mode
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache2"))
+    calls = _fake_timings(monkeypatch, {"bf16-mixed": 50.0, "bf16-master": 80.0})
+    resumed = Trainer(_model(), data, **{**kw, "epochs": 2}, resume="auto")
+    assert resumed.precision.name == "bf16-master" and not calls
+    resumed.fit()
+    # opting out keeps the device default without timing anything
+    off = Trainer(_model(), data, **{**kw, "out": str(tmp_path / "run2")}, autotune=False)
+    assert off.precision.name == "bf16-mixed" and not calls
