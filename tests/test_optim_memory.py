@@ -79,3 +79,14 @@ def test_grad_none_and_frozen_params():
     model[0].weight.requires_grad_(False)
     out = state_bytes(model)
     assert out["grads"] == 4 * (out["num_params"] - 64 * 64)
+
+
+def test_bench_reports_the_same_bytes_with_compensation():
+    """ampkit bench's table reads this function (keys renamed), Kahan buffers included."""
+    from ampkit.bench.memory import state_bytes as bench_state_bytes
+
+    model, opt = _setup_and_step("bf16-pure")
+    mine, bench = state_bytes(model, opt), bench_state_bytes(model, opt)
+    assert bench == {"params": mine["params"], "grads": mine["grads"], "optimizer": mine["optimizer_state"],
+                     "masters": 0, "compensation": mine["compensation"], "total": mine["total"]}
+    assert bench["compensation"] == bench["params"] and bench["total"] / mine["num_params"] == pytest.approx(10 + STEPS)
