@@ -52,6 +52,7 @@ def _err(capsys, argv):
     (["train", "--config", "nope.toml"], "does not exist"),
     (["train", "--resume", "auto"], "--resume auto needs --out"),
     (["train", "--fp32-modules", "nope"], "not found in the model"),
+    (["train", "--precision", "bf16-mixed", "--compensation", "kahan"], "applies to precision='bf16-pure' only"),
 ])
 def test_bad_input_one_line(capsys, tmp_path, monkeypatch, argv, needle):
     monkeypatch.chdir(tmp_path)
@@ -107,6 +108,26 @@ def test_out_dir_and_checkpoint_errors_keep_files(capsys, tmp_path, monkeypatch)
     assert code == 2 and "different model" in err[-1]
     after = {p: open(p, "rb").read() for p in snapshot}
     assert after == snapshot
+
+
+def test_bf16_pure_stochastic_resumes_bitwise(capsys, tmp_path, monkeypatch):
+    """bf16-pure through the CLI: compensated optimizer chosen for it, 3 steps + resume == 6 steps."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    common = ["train", "--precision", "bf16-pure", "--compensation", "stochastic", "--lr-schedule", "constant",
+              "--save-every", "3"] + FAST
+    assert main(common + ["--max-steps", "6", "--out", "whole"]) == 0
+    assert main(common + ["--max-steps", "3", "--out", "split"]) == 0
+    code, err = _err(capsys, ["train", "--precision", "bf16-pure", "--compensation", "kahan", "--max-steps", "6",
+                              "--out", "split", "--resume", "auto"] + FAST)
+    assert code == 2 and "used compensation='stochastic'" in err[-1]
+    assert main(common + ["--max-steps", "6", "--out", "split", "--resume", "auto"]) == 0
+    a, b = (torch.load(f"{d}/checkpoints/step-00000006.pt", weights_only=True) for d in ("whole", "split"))
+    assert a["model"]["conv1.weight"].dtype == torch.bfloat16
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+    assert a["optimizer"]["param_groups"][0]["compensation"] == "stochastic"
+    assert "stochastic rounding" in open("whole/report.txt").read()
 
 
 def test_config_file_and_written_back(tmp_path, monkeypatch):

@@ -224,6 +224,15 @@ def test_state_dict_round_trip_continues_bitwise(kw):
         assert opt_b.state[b[0]]["exp_avg"].dtype == torch.float32
 
 
+def test_loading_another_compensation_is_refused():
+    w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    opt = AdamW([w], lr=1e-3, compensation="stochastic")
+    _run(opt, [w], [[torch.ones(4, dtype=torch.bfloat16)]])
+    other = AdamW([w.detach().clone().requires_grad_()], lr=1e-3, compensation="kahan")
+    with pytest.raises(ValueError, match="used compensation='stochastic', this one uses 'kahan'"):
+        other.load_state_dict(opt.state_dict())
+
+
 def test_lr_scheduler_drives_the_step():
     w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
     opt = AdamW([w], lr=0.1, weight_decay=0.0)

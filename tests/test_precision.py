@@ -10,7 +10,7 @@ import ampkit
 from ampkit import MasterWeightOptimizer, Precision
 from ampkit.precision import convert_model, modes, resolve
 
-TRAINABLE = ["fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "fp16-pure", "auto"]
+TRAINABLE = ["fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure", "auto"]
 
 
 def _net():

@@ -95,7 +95,8 @@ def _kill_at(k, signum=signal.SIGTERM):
     return loss_fn
 
 
-@pytest.mark.parametrize("precision,accum", [("fp32", 1), ("bf16-master", 2), ("bf16-mixed", 3)])
+@pytest.mark.parametrize("precision,accum", [("fp32", 1), ("bf16-master", 2), ("bf16-mixed", 3),
+                                             ("bf16-pure", 2)])
 def test_stop_by_signal_and_resume_is_bitwise_exact(tmp_path, precision, accum):
     kw = dict(precision=precision, batch_size=8, grad_accum=accum, epochs=3, **{**BASE, "optimizer": "adamw",
               "lr": 1e-2, "lr_schedule": "cosine"})

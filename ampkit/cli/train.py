@@ -34,6 +34,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-autotune", dest="autotune", action="store_false", default=None,
                    help="with precision auto: take the device's default mode instead of timing the candidates "
                    "(bf16-mixed / bf16-master) on this model")
+    g.add_argument("--compensation", choices=["kahan", "stochastic", "none"],
+                   help="bf16-pure only: how updates land in the bf16 weights: kahan (default, a bf16 buffer "
+                   "per weight), stochastic (stochastic rounding, no extra state) or none; see docs/BF16_PURE.md")
     g.add_argument("--eval-precision", choices=["train", "fp32"], help="evaluate in the training precision or with autocast off")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)

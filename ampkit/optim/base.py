@@ -228,6 +228,14 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)
+        # torch would silently take the saved groups' compensation over the one asked for: the run
+        # would then do something other than what it reports
+        for saved, group in zip(state_dict.get("param_groups", []), self.param_groups):
+            if "compensation" in saved and saved["compensation"] != group["compensation"]:
+                raise ValueError(
+                    f"Checkpoint's optimizer used compensation={saved['compensation']!r}, this one uses "
+                    f"{group['compensation']!r}: resume with the same one (ampkit train --compensation "
+                    f"{saved['compensation'] or 'none'}), or start a new run.")
         rng_states = state_dict.pop("rng_states", None)
         super().load_state_dict(state_dict)
         # torch casts every floating state tensor to its param's dtype; fp32 moments of bf16

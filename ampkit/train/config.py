@@ -20,6 +20,7 @@ class TrainConfig:
     loss_scale: Optional[str] = None  # apex convention: dynamic | 0 | N
     init_scale: Optional[float] = None
     max_consecutive_skips: Optional[int] = 50
+    compensation: Optional[str] = None  # bf16-pure only: kahan (default) | stochastic | none
     fp32_modules: List[str] = field(default_factory=list)
     eval_precision: str = "train"  # "train" or "fp32" (autocast off)
     # optimisation

@@ -167,6 +167,7 @@ class Trainer:
                 precision or cfg.precision, _dist.default_device(cfg.device),
                 loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
                 max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
+                compensation=cfg.compensation,
             )
         self.device = self.precision.device
         self.train_data, self.eval_data = train_data, eval_data
