@@ -76,6 +76,11 @@ def _worker(rank, tmp):
     bf16 = Trainer(_model(), TRAIN, EVAL, out=f"{tmp}/fsdp-bf16",
                    **dict(BASE, batch_size=PER_RANK_BATCH, strategy="fsdp", precision="bf16-mixed"))
     out["fsdp_bf16"] = {"summary": bf16.fit(), "params": _params(bf16), "checkpoint": bf16.last_checkpoint}
+    # bf16-pure with stochastic rounding: every rank draws the same random bits, so ranks stay identical
+    pure = Trainer(_model(), TRAIN, **dict(BASE, batch_size=PER_RANK_BATCH, precision="bf16-pure",
+                                           compensation="stochastic", optimizer="adamw", lr=1e-2))
+    pure.fit()
+    out["ddp_bf16_pure"] = _params(pure)
     # a run-directory error found by rank 0 reaches rank 1 too (no rank left waiting in a collective)
     try:
         Trainer(_model(), TRAIN, out=f"{tmp}/ddp-full", **dict(BASE, batch_size=PER_RANK_BATCH)).fit()
@@ -164,6 +169,12 @@ def test_fsdp_mixed_precision_policy_trains(runs):
     assert s0["summary"]["eval_loss"] == pytest.approx(runs["ref_summary"]["eval_loss"], rel=0.05)
 
 
+def test_bf16_pure_stochastic_ranks_stay_identical(runs):
+    p0, p1 = runs["ranks"][0]["ddp_bf16_pure"], runs["ranks"][1]["ddp_bf16_pure"]
+    assert p0[0].dtype == torch.bfloat16 and p0[2].dtype == torch.float32  # the LayerNorm stays fp32
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
 def test_run_dir_error_reaches_every_rank(runs):
     for r in range(2):
         assert "already holds a run" in runs["ranks"][r]["rundir_error"]
@@ -184,3 +195,17 @@ def test_eval_shards_cover_everything_in_equal_batch_counts(n, world):
     seen = torch.cat([torch.cat(s) for s in shards])
     if n >= world:
         assert sorted(seen.tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("name,fix", [("bf16-pure", "use bf16-mixed"), ("fp16-master", "use fp16-mixed")])
+def test_fsdp_refuses_modes_that_cast_parameters(name, fix):
+    import warnings
+
+    from ampkit import Precision
+    from ampkit.train.distributed import mixed_precision_policy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        precision = Precision(name, "cpu")
+    with pytest.raises(ValueError, match=f"casts the model's parameters.*{fix}.*or --strategy ddp"):
+        mixed_precision_policy(precision)
