@@ -1,6 +1,5 @@
 """Precision('bf16-pure') end to end: bf16 weights and state, fp32 norms, compensated optimizer."""
 import io
-import warnings
 
 import pytest
 import torch
@@ -9,46 +8,16 @@ from torch import nn
 import ampkit
 from ampkit import Precision
 from ampkit.optim import SGD, AdamW
+from precision_helpers import data as _data
+from precision_helpers import net as _net
+from precision_helpers import setup
+from precision_helpers import train_steps as _train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def _data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
-
-
-def _train(prec, model, opt, steps, x=None, y=None):
-    if x is None:
-        x, y = _data()
-    losses = []
-    for _ in range(steps):
-        with prec.autocast():
-            loss = nn.functional.cross_entropy(model(x), y)
-        prec.backward(loss)
-        prec.step(opt, max_norm=1.0)
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup(name="bf16-pure", opt_factory=None, **kw):
-    model = _net()
-    opt = (opt_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-4)))(model.parameters())
-    prec = Precision(name, "cpu", **kw)
-    model, opt = prec.setup(model, opt)
-    return prec, model, opt
+    return setup(name, opt_factory, **kw)
 
 
 @pytest.mark.parametrize("kw", [{}, {"compensation": "stochastic"}, {"compensation": "kahan"}])

@@ -1,37 +1,15 @@
 """Compensated Adam/AdamW: torch's rule on fp32, fp32's loss curve on bf16, exact resumes."""
-import io
+import functools
 
 import pytest
 import torch
 
-from ampkit.optim import Adam, AdamW, stochastic_round_
+from ampkit.optim import Adam, AdamW
+from optim_helpers import grads as _grads
+from optim_helpers import (assert_same_params_and_state, land_, reference_target, regression, run,
+                           step_with_reference, stochastic_round_bucket_, through_checkpoint, twin_params)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny tensors: one thread avoids oversubscribing the shared cores (results do not depend on it)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def regression(make_opt, dtype, steps, lr, init_noise, noise=0.1):
-    """Least squares from a perturbed teacher; loss in fp32 so only the optimizer's precision differs."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 32, generator=g)
-    w_true = torch.randn(32, 8, generator=g)
-    y = x @ w_true + noise * torch.randn(256, 8, generator=g)
-    w = (w_true + init_noise * torch.randn(32, 8, generator=g)).to(dtype).requires_grad_()
-    opt = make_opt([w], lr)
-    losses = []
-    for _ in range(steps):
-        loss = ((x @ w.float() - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_plain_bf16_stalls_while_kahan_tracks_fp32():
@@ -71,11 +49,6 @@ def test_bf16_moments_need_stochastic_rounding():
     assert fp32_moments[-1] == pytest.approx(fp32[-1], rel=0.015)
 
 
-def _grads(shapes, steps, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(steps)]
-
-
 @pytest.mark.parametrize("cls,kw", [
     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01)),
     (torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6, maximize=True)),
@@ -87,9 +60,7 @@ def _grads(shapes, steps, dtype=torch.float32, seed=0):
 def test_fp32_params_match_torch_bitwise(cls, kw, compensation):
     """On fp32 params compensation is a no-op and the rule is torch's foreach Adam, bit for bit."""
     shapes = [(5, 3), (7,), (2, 3, 4)]
-    ref = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
-    a = [t.clone().requires_grad_() for t in ref]
-    b = [t.clone().requires_grad_() for t in ref]
+    a, b = twin_params(shapes)
     ta = cls(a, foreach=True, **kw)
     ours = {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam}[cls]
     tb = ours(b, compensation=compensation, **kw)
@@ -110,18 +81,10 @@ def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, 
     beta1, beta2 = betas
     wd = weight_decay
 
-    def sr_(c32_list):  # the bucket rounded as one flat buffer (one random stream), as the optimizer does
-        if not c32_list:
-            return
-        flat = torch.cat([c.reshape(-1) for c in c32_list])
-        stochastic_round_(flat, gen)
-        for c, r in zip(c32_list, flat.split([c.numel() for c in c32_list])):
-            c.copy_(r.view(c.shape))
-
     targets = []
     for p, s in zip(params, states):
         s["step"] += 1
-        t = s["compensation"] if compensation == "kahan" else (p.float() if compensation == "stochastic" else p)
+        t = reference_target(p, s, compensation)
         if compensation == "kahan":
             t.add_(p, alpha=-lr * wd)
         else:
@@ -130,27 +93,18 @@ def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, 
     m32 = []
     for p, s in zip(params, states):
         m32.append(s["exp_avg"].float().mul_(beta1).add_(p.grad, alpha=1 - beta1))
-    sr_(m32)
+    stochastic_round_bucket_(m32, gen)
     v32 = []
     for p, s, m in zip(params, states, m32):
         s["exp_avg"].copy_(m)
         v32.append(s["exp_avg_sq"].float().mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2))
-    sr_(v32)
+    stochastic_round_bucket_(v32, gen)
     for p, s, t, v in zip(params, states, targets, v32):
         s["exp_avg_sq"].copy_(v)
         n = s["step"].item()
         denom = s["exp_avg_sq"].sqrt().div_((1 - beta2 ** n) ** 0.5).add_(eps)  # bf16, as torch's bf16 AdamW
         t.addcdiv_(s["exp_avg"], denom, value=-lr / (1 - beta1 ** n))
-    if compensation == "stochastic":
-        sr_(targets)
-    for p, t in zip(params, targets):
-        if compensation == "kahan":
-            applied = -p
-            p.add_(t)
-            applied.add_(p)
-            t.sub_(applied)
-        elif compensation == "stochastic":
-            p.copy_(t)
+    land_(params, targets, compensation, gen)
 
 
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic", None])
@@ -167,14 +121,9 @@ def test_foreach_path_equals_per_tensor_reference(compensation):
     hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     opt = AdamW(ps, compensation=compensation, seed=123, **hyper)
     gen = torch.Generator().manual_seed(123)
-    for k, gs in enumerate(_grads(shapes, 5, torch.bfloat16)):
-        live = [i for i in range(3) if not (k == 2 and i == 1)]  # param 1 skips a step: mixed step counts
-        for i in range(3):
-            ps[i].grad = gs[i].clone() if i in live else None
-            refs[i].grad = gs[i].clone()
-        opt.step()
-        _reference_step([refs[i] for i in live], [ref_states[i] for i in live], compensation=compensation,
-                        gen=gen, **hyper)
+    reference = functools.partial(_reference_step, compensation=compensation, gen=gen, **hyper)
+    # param 1 sits step 2 out: mixed step counts
+    step_with_reference(opt, ps, refs, ref_states, _grads(shapes, 5, torch.bfloat16), reference, skip=(2, 1))
     for p, r, s in zip(ps, refs, ref_states):
         assert torch.equal(p, r)
         st = opt.state[p]
@@ -187,13 +136,6 @@ def test_foreach_path_equals_per_tensor_reference(compensation):
     assert opt.state[ps[1]]["step"].item() == 4 and opt.state[ps[0]]["step"].item() == 5
 
 
-def _run(opt, params, grads):
-    for gs in grads:
-        for p, g in zip(params, gs):
-            p.grad = g.clone()
-        opt.step()
-
-
 @pytest.mark.parametrize("kw", [dict(compensation="kahan"), dict(compensation="stochastic"),
                                 dict(compensation=None, moment_rounding="nearest"),
                                 dict(compensation="kahan", state_dtype=torch.float32)])
@@ -202,24 +144,16 @@ def test_state_dict_round_trip_continues_bitwise(kw):
     grads = _grads(shapes, 6, torch.bfloat16, seed=3)
     a = [torch.randn(s, generator=torch.Generator().manual_seed(9)).bfloat16().requires_grad_() for s in shapes]
     opt_a = AdamW(a, lr=1e-3, **kw)
-    _run(opt_a, a, grads[:3])
+    run(opt_a, a, grads[:3])
 
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach() for p in a], "opt": opt_a.state_dict()}, buf)
-    buf.seek(0)
-    ck = torch.load(buf, weights_only=True)
-    b = [t.clone().requires_grad_() for t in ck["params"]]
+    b, saved = through_checkpoint(a, opt_a)
     opt_b = AdamW(b, lr=5.0, **kw)  # hyperparameters come from the checkpoint
-    opt_b.load_state_dict(ck["opt"])
+    opt_b.load_state_dict(saved)
     assert opt_b.param_groups[0]["lr"] == 1e-3
 
-    _run(opt_a, a, grads[3:])
-    _run(opt_b, b, grads[3:])
-    for p, q in zip(a, b):
-        assert torch.equal(p, q)
-        for key, value in opt_a.state[p].items():
-            assert value.dtype == opt_b.state[q][key].dtype, key
-            assert torch.equal(value, opt_b.state[q][key]), key
+    run(opt_a, a, grads[3:])
+    run(opt_b, b, grads[3:])
+    assert_same_params_and_state(opt_a, a, opt_b, b)
     if kw.get("state_dtype") is torch.float32:
         assert opt_b.state[b[0]]["exp_avg"].dtype == torch.float32
 
@@ -227,7 +161,7 @@ def test_state_dict_round_trip_continues_bitwise(kw):
 def test_loading_another_compensation_is_refused():
     w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
     opt = AdamW([w], lr=1e-3, compensation="stochastic")
-    _run(opt, [w], [[torch.ones(4, dtype=torch.bfloat16)]])
+    run(opt, [w], [[torch.ones(4, dtype=torch.bfloat16)]])
     other = AdamW([w.detach().clone().requires_grad_()], lr=1e-3, compensation="kahan")
     with pytest.raises(ValueError, match="used compensation='stochastic', this one uses 'kahan'"):
         other.load_state_dict(opt.state_dict())
@@ -327,7 +261,7 @@ def test_batching_does_not_change_deterministic_results():
               for i, s in enumerate(shapes)]
         opt = AdamW(ps, lr=1e-2, moment_rounding="nearest")
         opt.bucket_numel = cap
-        _run(opt, ps, _grads(shapes, 4, torch.bfloat16))
+        run(opt, ps, _grads(shapes, 4, torch.bfloat16))
         runs.append(ps)
     for p, q in zip(*runs):
         assert torch.equal(p, q)

@@ -1,36 +1,19 @@
 """Compensated SGD: torch's rule on fp32, fp32's loss curve on bf16, exact resumes."""
-import io
+import functools
 
 import pytest
 import torch
 
-from ampkit.optim import SGD, stochastic_round_
+from ampkit.optim import SGD
+from optim_helpers import grads as _grads
+from optim_helpers import (assert_same_params_and_state, land_, reference_target, run, step_with_reference,
+                           stochastic_round_bucket_, through_checkpoint, twin_params)
+from optim_helpers import regression as _regression
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def regression(make_opt, dtype, steps=250, lr=2e-4, init_noise=0.5):
-    """Least squares from a perturbed teacher; loss in fp32 so only the optimizer's precision differs."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 32, generator=g)
-    w_true = torch.randn(32, 8, generator=g)
-    y = x @ w_true + 0.1 * torch.randn(256, 8, generator=g)
-    w = (w_true + init_noise * torch.randn(32, 8, generator=g)).to(dtype).requires_grad_()
-    opt = make_opt([w], lr)
-    losses = []
-    for _ in range(steps):
-        loss = ((x @ w.float() - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+# momentum 0.99, small lr: plain bf16 rounding visibly stalls on this task
+regression = functools.partial(_regression, steps=250, lr=2e-4, init_noise=0.5)
 
 
 def test_plain_bf16_stalls_while_kahan_tracks_fp32():
@@ -50,11 +33,6 @@ def test_plain_bf16_stalls_while_kahan_tracks_fp32():
     assert nearest[-1] > 1.15 * fp32[-1]  # measured 1.37x
 
 
-def _grads(shapes, steps, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(steps)]
-
-
 @pytest.mark.parametrize("kw", [
     dict(lr=0.1),
     dict(lr=0.05, momentum=0.9),
@@ -66,9 +44,7 @@ def _grads(shapes, steps, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("compensation", [None, "kahan"])
 def test_fp32_params_match_torch_bitwise(kw, compensation):
     shapes = [(5, 3), (7,)]
-    ref = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
-    a = [t.clone().requires_grad_() for t in ref]
-    b = [t.clone().requires_grad_() for t in ref]
+    a, b = twin_params(shapes)
     ta = torch.optim.SGD(a, foreach=True, **kw)
     tb = SGD(b, compensation=compensation, **kw)
     for gs in _grads(shapes, 5):
@@ -84,20 +60,11 @@ def test_fp32_params_match_torch_bitwise(kw, compensation):
 
 def _reference_step(params, states, lr, momentum, dampening, weight_decay, nesterov, compensation, gen):
     """The documented algorithm per tensor: bf16 params and momentum, SR momentum updates."""
-    def sr_(c32_list):  # the bucket rounded as one flat buffer (one random stream), as the optimizer does
-        if not c32_list:
-            return
-        flat = torch.cat([c.reshape(-1) for c in c32_list])
-        stochastic_round_(flat, gen)
-        for c, r in zip(c32_list, flat.split([c.numel() for c in c32_list])):
-            c.copy_(r.view(c.shape))
-
-    targets = [s["compensation"] if compensation == "kahan" else (p.float() if compensation == "stochastic" else p)
-               for p, s in zip(params, states)]
+    targets = [reference_target(p, s, compensation) for p, s in zip(params, states)]
     grads = [p.grad.add(p, alpha=weight_decay) if weight_decay else p.grad for p in params]
     old = [i for i, s in enumerate(states) if "momentum_buffer" in s]
     copies = [states[i]["momentum_buffer"].float().mul_(momentum).add_(grads[i], alpha=1 - dampening) for i in old]
-    sr_(copies)
+    stochastic_round_bucket_(copies, gen)
     for i, c in zip(old, copies):
         states[i]["momentum_buffer"].copy_(c)
     for i, s in enumerate(states):
@@ -106,16 +73,7 @@ def _reference_step(params, states, lr, momentum, dampening, weight_decay, neste
     for t, g, s in zip(targets, grads, states):
         d = g.add(s["momentum_buffer"], alpha=momentum) if nesterov else s["momentum_buffer"]
         t.add_(d, alpha=-lr)
-    if compensation == "stochastic":
-        sr_(targets)
-    for p, t in zip(params, targets):
-        if compensation == "kahan":
-            applied = -p
-            p.add_(t)
-            applied.add_(p)
-            t.sub_(applied)
-        elif compensation == "stochastic":
-            p.copy_(t)
+    land_(params, targets, compensation, gen)
 
 
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic", None])
@@ -130,14 +88,9 @@ def test_foreach_path_equals_per_tensor_reference(compensation, nesterov):
     hyper = dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=1e-3, nesterov=nesterov)
     opt = SGD(ps, compensation=compensation, seed=7, **hyper)
     gen = torch.Generator().manual_seed(7)
-    for k, gs in enumerate(_grads(shapes, 5, torch.bfloat16)):
-        live = [i for i in range(3) if not (k == 0 and i == 2)]  # param 2 joins a step late
-        for i in range(3):
-            ps[i].grad = gs[i].clone() if i in live else None
-            refs[i].grad = gs[i].clone()
-        opt.step()
-        _reference_step([refs[i] for i in live], [ref_states[i] for i in live], compensation=compensation,
-                        gen=gen, **hyper)
+    reference = functools.partial(_reference_step, compensation=compensation, gen=gen, **hyper)
+    # param 2 joins a step late
+    step_with_reference(opt, ps, refs, ref_states, _grads(shapes, 5, torch.bfloat16), reference, skip=(0, 2))
     for p, r, s in zip(ps, refs, ref_states):
         assert torch.equal(p, r)
         assert torch.equal(opt.state[p]["momentum_buffer"], s["momentum_buffer"])
@@ -151,26 +104,13 @@ def test_state_dict_round_trip_continues_bitwise(compensation):
     grads = _grads(shapes, 6, torch.bfloat16, seed=5)
     a = [torch.randn(s, generator=torch.Generator().manual_seed(2)).bfloat16().requires_grad_() for s in shapes]
     opt_a = SGD(a, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4, compensation=compensation)
-    for gs in grads[:3]:
-        for p, g in zip(a, gs):
-            p.grad = g.clone()
-        opt_a.step()
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach() for p in a], "opt": opt_a.state_dict()}, buf)
-    buf.seek(0)
-    ck = torch.load(buf, weights_only=True)
-    b = [t.clone().requires_grad_() for t in ck["params"]]
-    opt_b = SGD(b, lr=1.0, momentum=0.5, compensation=compensation)
-    opt_b.load_state_dict(ck["opt"])
-    for gs in grads[3:]:
-        for p, q, g in zip(a, b, gs):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt_a.step()
-        opt_b.step()
-    for p, q in zip(a, b):
-        assert torch.equal(p, q)
-        for key in opt_a.state[p]:
-            assert torch.equal(opt_a.state[p][key], opt_b.state[q][key]), key
+    run(opt_a, a, grads[:3])
+    b, saved = through_checkpoint(a, opt_a)
+    opt_b = SGD(b, lr=1.0, momentum=0.5, compensation=compensation)  # hyperparameters come from the checkpoint
+    opt_b.load_state_dict(saved)
+    run(opt_a, a, grads[3:])
+    run(opt_b, b, grads[3:])
+    assert_same_params_and_state(opt_a, a, opt_b, b)
 
 
 def test_errors_are_clear():

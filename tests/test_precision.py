@@ -9,37 +9,16 @@ from torch import nn
 import ampkit
 from ampkit import MasterWeightOptimizer, Precision
 from ampkit.precision import convert_model, modes, resolve
+from precision_helpers import data as _data
+from precision_helpers import net as _net
+from precision_helpers import setup, train_steps
 
 TRAINABLE = ["fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure", "auto"]
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def _data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
-
-
 def _train(name, steps=25, opt_factory=None, **kw):
-    model = _net()
-    opt = (opt_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-4)))(model.parameters())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = Precision(name, "cpu", **kw)
-    model, opt = p.setup(model, opt)
-    x, y = _data()
-    losses = []
-    for _ in range(steps):
-        with p.autocast():
-            loss = nn.functional.cross_entropy(model(x), y)
-        p.backward(loss)
-        p.step(opt, max_norm=1.0)
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return p, model, opt, losses
+    p, model, opt = setup(name, opt_factory, **kw)
+    return p, model, opt, train_steps(p, model, opt, steps)
 
 
 @pytest.mark.parametrize("name", TRAINABLE)
@@ -79,15 +58,8 @@ def test_master_checkpoint_roundtrip_exact(name):
     ck = torch.load(buf, weights_only=True)
 
     # continue the original for 3 steps
-    x, y = _data()
-
     def cont(p, model, opt):
-        for _ in range(3):
-            with p.autocast():
-                loss = nn.functional.cross_entropy(model(x), y)
-            p.backward(loss)
-            p.step(opt, max_norm=1.0)
-            opt.zero_grad()
+        train_steps(p, model, opt, 3)
         return [t.detach().clone() for t in model.parameters()], [m.detach().clone() for m in opt.master_params]
 
     ref_params, ref_masters = cont(p, model, opt)
