@@ -37,6 +37,13 @@ def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
         torch._foreach_copy_(ds, ss)
 
 
+def delegated(name: str) -> property:
+    """A property reading and writing ``self.optimizer.<name>``: wrappers expose the inner
+    optimizer's ``param_groups``/``state``/``defaults``, which LR schedulers look up on them."""
+    return property(lambda self: getattr(self.optimizer, name),
+                    lambda self, value: setattr(self.optimizer, name, value))
+
+
 class MasterWeightOptimizer(torch.optim.Optimizer):
     """Wraps an optimizer built over 16-bit model params; steps fp32 masters instead.
 
@@ -72,29 +79,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks = getattr(optimizer, "_optimizer_step_post_hooks", {})
 
     # delegation: the inner optimizer's groups, state, defaults
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.optimizer.defaults = value
+    param_groups = delegated("param_groups")
+    state = delegated("state")
+    defaults = delegated("defaults")
 
     def __getstate__(self):
         return self.__dict__

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ....precision.master import MasterWeightOptimizer, _foreach_copy
+from ....precision.master import MasterWeightOptimizer, _foreach_copy, delegated
 from ....precision.scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]
@@ -117,21 +117,8 @@ class FP16_Optimizer:
         self._master_grads_ready = False
 
     # ------------------------------------------------------------------ delegation
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
+    param_groups = delegated("param_groups")
+    state = delegated("state")
 
     @property
     def loss_scale(self) -> float:
