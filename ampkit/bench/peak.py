@@ -43,12 +43,40 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, n: int, budget_s: flo
     return 2.0 * n**3 / best
 
 
-def measure_peaks(device: torch.device, dtypes: Iterable[str], n: Optional[int] = None) -> Dict[str, float]:
-    """{"fp32": FLOP/s, "bf16": ...} for the dtypes asked for (GEMM size 2048 on CPU, 8192 on CUDA).
+def _size_for(device: torch.device, dtype: torch.dtype, n_max: int, probe_s: float) -> int:
+    """The largest n <= n_max (doubling from 256) at which one GEMM still takes about ``probe_s``.
 
-    fp16 on CPU is measured at a quarter of the size: torch's CPU fp16 GEMM can be ~10x slower than
-    fp32, and the rate it gets is already clear at 512.
+    A CPU without 16-bit units runs bf16/fp16 GEMMs 50x slower than fp32 (measured on an AVX2 EPYC:
+    ~1 GFLOP/s): a fixed 2048^3 GEMM there takes ~20 s a call. The rate is already clear once one
+    call lasts a few tens of milliseconds, so the size grows only until then. Fast units reach n_max.
     """
-    n = n or (8192 if device.type == "cuda" else 2048)
-    return {name: measure_gemm(device, DTYPES[name], n // 4 if (device.type == "cpu" and name == "fp16") else n)
+    if device.type == "cuda":  # every CUDA dtype the GPU runs is fast enough for n_max
+        return n_max
+    n = min(256, n_max)
+    while n < n_max:
+        t = _time_once(device, dtype, n)
+        if t >= probe_s:
+            break
+        n *= 2
+    return min(n, n_max)
+
+
+def _time_once(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, a)  # first call per shape creates the kernel (oneDNN primitive): not the rate
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    return time.perf_counter() - t0
+
+
+def measure_peaks(device: torch.device, dtypes: Iterable[str], n: Optional[int] = None,
+                  probe_s: float = 0.05) -> Dict[str, float]:
+    """{"fp32": FLOP/s, "bf16": ...} for the dtypes asked for.
+
+    GEMM size: ``n`` if given, else grown per dtype up to 2048 on CPU (8192 on CUDA) while one
+    call takes under ``probe_s`` (see :func:`_size_for`), so a dtype the device has no units for
+    costs a second, not minutes.
+    """
+    n_max = n or (8192 if device.type == "cuda" else 2048)
+    return {name: measure_gemm(device, DTYPES[name], n or _size_for(device, DTYPES[name], n_max, probe_s))
             for name in dtypes}

@@ -144,11 +144,11 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
     mem = [r for r in results if r.get("state_bytes")]
     if mem:
         lines += ["", "## Training state (bytes per parameter, from the tensors)", "",
-                  "| model | precision | runner | params | grads | optimizer | masters | total | peak MB | base RSS MB |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| model | precision | runner | params | grads | optimizer | masters | compensation | total | peak MB | base RSS MB |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in mem:
             sb, n = r["state_bytes"], max(1, r["n_params"])
-            cells = " | ".join(f"{sb.get(k, 0) / n:.1f}" for k in ("params", "grads", "optimizer", "masters", "total"))
+            cells = " | ".join(f"{sb.get(k, 0) / n:.1f}" for k in ("params", "grads", "optimizer", "masters", "compensation", "total"))
             lines.append(f"| {r['model']} | {r['precision']} | {r['runner']} | {cells} | {r['peak_mem_mb']:.0f} "
                          f"| {_f(r.get('rss_base_mb'), '.0f')} |")
     if notes:

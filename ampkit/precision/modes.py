@@ -52,7 +52,7 @@ MODES = {
         Mode("bf16-master", _bf16, _bf16, False, master_weights=True,
              summary="bf16 params (norms fp32), bf16 compute, fp32 master weights, no loss scaling"),
         Mode("bf16-pure", _bf16, _bf16, False, compensated=True,
-             summary="bf16 params (norms fp32) and optimizer state, Kahan-compensated updates, no master copy"),
+             summary="bf16 params (norms fp32) and optimizer state, compensated updates, no master copy"),
         Mode("fp16-pure", _f16, _f16, True,
              summary="fp16 params (norms fp32), fp16 compute, loss scaling, no master copy"),
     ]

@@ -359,9 +359,10 @@ class Precision:
         extra = []
         if self._scales_loss:
             extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler._init_scale:g}")
-        if self.mode.compensated and self.compensation not in (None, "kahan"):
-            extra.append("stochastic rounding instead of Kahan" if self.compensation == "stochastic"
-                         else "no compensation (plain bf16 rounding)")
+        if self.mode.compensated:
+            extra.append({None: "Kahan compensation", "kahan": "Kahan compensation",
+                          "stochastic": "stochastic rounding",
+                          "none": "no compensation (plain bf16 rounding)"}[self.compensation])
         if self.fp32_modules:
             extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
         chosen = f"auto -> {self.name} ({self.reason})" if self.requested == AUTO else self.name
