@@ -224,3 +224,27 @@ def test_describe_and_state_mismatch():
 
 def test_mode_table_complete():
     assert set(modes.MODES) == {"fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure"}
+
+
+def test_fp16_state_needs_a_larger_adam_eps():
+    """fp16-pure keeps Adam's moments in fp16: eps=1e-8 is flagged with the fix; the Trainer builds it right."""
+    from ampkit.train.trainer import build_optimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU
+        pure = [Precision("fp16-pure", "cpu") for _ in range(3)]
+    assert pure[0].min_adam_eps == pytest.approx(1e-4)
+    for name in ("fp32", "fp16-mixed", "fp16-master", "bf16-pure", "bf16-mixed"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert Precision(name, "cpu").min_adam_eps is None
+    with pytest.warns(UserWarning, match=r"eps=1e-08 .* build the optimizer with eps=0.0001"):
+        pure[0].setup(_net(), torch.optim.AdamW(_net().parameters(), lr=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # SGD has no eps, and eps=1e-4 is enough: no warning
+        pure[1].setup(_net(), torch.optim.SGD(_net().parameters(), lr=1e-3))
+        model = _net()
+        opt = build_optimizer(model, "adamw", 1e-3, 0.01, torch.device("cpu"), eps=pure[2].min_adam_eps)
+        pure[2].setup(model, opt)
+    assert {g["eps"] for g in opt.param_groups} == {1e-4}
+    assert {g["eps"] for g in build_optimizer(_net(), "adam", 1e-3, 0.0, torch.device("cpu")).param_groups} == {1e-8}

@@ -95,3 +95,22 @@ def test_cuda_default_disables_without_cuda():
     with pytest.warns(UserWarning, match="CUDA is not available"):
         s = LossScaler()
     assert not s.is_enabled()
+
+
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_foreach_fallback_matches_torchs_kernel(poison):
+    """The bf16 path (torch's CUDA kernel has no bf16) gives torch's CPU kernel's found_inf and grads."""
+    from ampkit.precision.scaler import _foreach_check_and_unscale_
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g).to(torch.bfloat16) * 1e3 for n in (7, 64, 1)]
+    if poison is not None:
+        grads[1][5] = poison
+    theirs = [t.clone() for t in grads]
+    inv = torch.tensor(1 / 1024.0)
+    found_ours, found_theirs = torch.zeros(()), torch.zeros(())
+    _foreach_check_and_unscale_(grads, found_ours, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_theirs, inv)
+    assert found_ours.item() == found_theirs.item() == (0.0 if poison is None else 1.0)
+    for a, b in zip(grads, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

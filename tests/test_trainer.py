@@ -188,3 +188,23 @@ def test_lm_task_trains():
                 **{**BASE, "optimizer": "adamw", "lr": 3e-3})
     s = t.fit()
     assert s["perplexity"] < 32 and s["task"] == "lm"
+
+
+def test_fp16_pure_with_the_trainers_adamw_does_not_diverge():
+    """fp16-pure keeps AdamW's moments in fp16: the Trainer builds AdamW with eps=1e-4 for it (1e-8 diverged
+    to NaN weights on the digits CNN), so training stays finite and matches fp32."""
+    import warnings
+
+    x, y = _data(300).tensors
+    summaries = {}
+    for precision in ("fp32", "fp16-pure"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fp16 on CPU is slow: a warning, not the point here
+            t = Trainer(_model(), TensorDataset(x[:200], y[:200]), TensorDataset(x[200:], y[200:]), precision=precision,
+                        batch_size=16, epochs=4, **{**BASE, "optimizer": "adamw", "lr": 3e-3})
+            summaries[precision] = t.fit()
+    assert {g["eps"] for g in t.optimizer.param_groups} == {1e-4}
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    fp32, pure = summaries["fp32"], summaries["fp16-pure"]
+    assert pure["skipped_steps"] == 0 and pure["accuracy"] >= fp32["accuracy"] - 0.05
+    assert pure["eval_loss"] == pytest.approx(fp32["eval_loss"], rel=0.05)

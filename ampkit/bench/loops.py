@@ -58,7 +58,7 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
     if precision.requested == "auto":  # as the Trainer does: time the candidate modes on this model (cached)
         inputs, targets = workload.batches[0]
         precision.tune(workload.model, inputs, targets, workload.loss_fn)
-    optimizer = build_optimizer(workload.model, "adamw", lr, 0.01, device)
+    optimizer = build_optimizer(workload.model, "adamw", lr, 0.01, device, eps=precision.min_adam_eps)
     model, optimizer = precision.setup(workload.model, optimizer)
     loss_fn = workload.loss_fn
 

@@ -71,14 +71,20 @@ def time_modes(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mo
 
     Rounds alternate the order of the modes, so a drifting machine hits all alike.
     """
-    from .policy import Precision
-
     dev = resolve_device(device)
     inputs, target = _to_device(inputs, dev), _to_device(target, dev)
     args = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
     make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7))
+    # the user's training sees the same random streams (CPU, and this GPU's) as without the timing
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        times = _time_rounds(model, args, target, loss_fn, modes, dev, steps, warmup, rounds, make_optimizer)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def _time_rounds(model, args, target, loss_fn, modes, dev, steps, warmup, rounds, make_optimizer) -> Dict[str, List[float]]:
+    from .policy import Precision
+
     runs = {}
-    rng = torch.random.get_rng_state()
     for name in modes:
         clone = copy.deepcopy(model).to(dev).train()
         with warnings.catch_warnings():
@@ -101,16 +107,13 @@ def time_modes(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mo
         return (time.perf_counter() - t0) * 1e3
 
     times: Dict[str, List[float]] = {name: [] for name in modes}
-    try:
-        for name in modes:
-            for _ in range(warmup):
-                one_step(name)
-        for r in range(rounds):
-            for name in (modes if r % 2 == 0 else list(reversed(modes))):
-                times[name].extend(one_step(name) for _ in range(steps))
-    finally:
-        torch.random.set_rng_state(rng)  # the user's training sees the same random stream
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    for name in modes:
+        for _ in range(warmup):
+            one_step(name)
+    for r in range(rounds):
+        for name in (modes if r % 2 == 0 else list(reversed(modes))):
+            times[name].extend(one_step(name) for _ in range(steps))
+    return times
 
 
 def _signature(model: nn.Module, inputs: Any, target: Any) -> str:

@@ -30,7 +30,7 @@ import inspect
 import warnings
 from collections import abc, defaultdict
 from enum import Enum
-from typing import Any, Dict, Iterable, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
@@ -89,6 +89,20 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     """
     to_local = getattr(grad, "to_local", None)
     return to_local() if to_local is not None else grad
+
+
+def _foreach_check_and_unscale_(grads: List[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` from foreach ops, for grads its kernel lacks.
+
+    torch's CUDA kernel has no bf16 (its CPU kernel does); bf16 grads come from bf16-pure and bf16
+    model params. Same contract, still without a host sync: ``found_inf`` becomes 1.0 when any grad
+    holds inf/NaN (the max-abs norm of such a tensor is inf or NaN), and every grad is multiplied by
+    ``inv_scale``.
+    """
+    max_abs = torch.stack(torch._foreach_norm(grads, float("inf")))
+    bad = torch.logical_not(torch.isfinite(max_abs).all()).to(found_inf.dtype)
+    torch.maximum(found_inf, bad, out=found_inf)
+    torch._foreach_mul_(grads, inv_scale)
 
 
 class _PerDevice:
@@ -248,10 +262,10 @@ class LossScaler:
                         g = _local(param.grad)
                     buckets[g.device][g.dtype].append(g)
             for device, per_dtype in buckets.items():
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        grads, per_device_found.get(device), per_device_inv.get(device)
-                    )
+                for dtype, grads in per_dtype.items():
+                    unscale = (_foreach_check_and_unscale_ if dtype == torch.bfloat16 and device.type != "cpu"
+                               else torch._amp_foreach_non_finite_check_and_unscale_)
+                    unscale(grads, per_device_found.get(device), per_device_inv.get(device))
         found = per_device_found.copies
         if self._use_distributed():
             import torch.distributed as dist

@@ -53,13 +53,17 @@ class CheckpointError(ValueError):
 
 
 def rng_state() -> Dict[str, Any]:
+    """torch's CPU generator, the current CUDA device's (when CUDA is in use), numpy's and Python's."""
     np_state = np.random.get_state()
-    return {
+    state = {
         "torch": torch.get_rng_state(),
         "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
                   "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
         "python": _to_lists(random.getstate()),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout etc. on the GPU draw from it
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def _to_lists(obj):
@@ -75,9 +79,13 @@ def _to_tuples(obj):
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore :func:`rng_state`. The states are CPU byte tensors whatever ``map_location`` moved them to;
+    a CUDA state is restored where CUDA is in use and ignored on a CPU-only resume."""
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     random.setstate(_to_tuples(state["python"]))
 
 

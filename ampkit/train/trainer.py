@@ -64,9 +64,10 @@ def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
 
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, device: torch.device,
-                    sharded: bool = False):
+                    sharded: bool = False, eps: Optional[float] = None):
     """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it
-    (for ``sharded`` DTensor parameters, torch has fused Adam/AdamW but no fused SGD: foreach then)."""
+    (for ``sharded`` DTensor parameters, torch has fused Adam/AdamW but no fused SGD: foreach then).
+    ``eps``: Adam's epsilon (torch's 1e-8 when None; ``Precision.min_adam_eps`` for fp16 optimizer state)."""
     decay, no_decay = [], []
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
@@ -79,10 +80,11 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
         raise ValueError("the model has no trainable parameters.")
     key = name.lower()
     fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
+    adam = {**fused, **({} if eps is None else {"eps": eps})}
     if key == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, **fused)
+        return torch.optim.AdamW(groups, lr=lr, **adam)
     if key == "adam":
-        return torch.optim.Adam(groups, lr=lr, **fused)
+        return torch.optim.Adam(groups, lr=lr, **adam)
     if key == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, **({} if sharded else fused))
     raise ValueError(f"Unknown optimizer {name!r}: use adamw, adam or sgd (or pass your own to Trainer).")
@@ -183,12 +185,14 @@ class Trainer:
             _dist.mixed_precision_policy(self.precision)  # refuses modes that cast parameters
             _dist.fsdp_memory_format(self.precision)  # FSDP shards contiguous parameters only
             model = _dist.shard_fsdp(self.precision.setup(model, None)[0], self.precision)
-            optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, self.device, sharded=True)
+            optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, self.device, sharded=True,
+                                        eps=self.precision.min_adam_eps)
             self.precision.scaler.register_names(model)
             self.model, self.optimizer = model, optimizer
         else:
             if optimizer is None:
-                optimizer = build_optimizer(model.to(self.device), cfg.optimizer, cfg.lr, cfg.weight_decay, self.device)
+                optimizer = build_optimizer(model.to(self.device), cfg.optimizer, cfg.lr, cfg.weight_decay, self.device,
+                                            eps=self.precision.min_adam_eps)
             self.model, self.optimizer = self.precision.setup(model, optimizer)
         self.raw_model = self.model
         if self.world_size > 1 and not self._fsdp:
