@@ -1,7 +1,7 @@
 """Run a function on 2 gloo ranks (CPU) for the distributed tests.
 
-Forked from the test process where the OS allows it: torch is already imported there, so a rank
-starts in milliseconds instead of seconds. A deadline turns a hang (ranks out of step in their
+Forked from the test process where the OS allows it and no GPU is present: torch is already imported
+there, so a rank starts in milliseconds instead of seconds. A deadline turns a hang (ranks out of step in their
 collectives, the bug these tests look for) into a failure instead of a stuck suite.
 """
 import datetime
@@ -23,7 +23,9 @@ def init_rank(rank: int, tmp: str) -> None:
 
 def run_ranks(fn, *args, timeout: float = 150.0) -> None:
     """Start ``fn(rank, *args)`` on WORLD processes and wait; fail on an error or past ``timeout``."""
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    # fork is unsafe once autograd has run on a GPU in this process (an earlier test on a CUDA machine):
+    # torch refuses it there ("Unable to handle autograd's threading in combination with fork")
+    method = "fork" if "fork" in mp.get_all_start_methods() and not torch.cuda.is_available() else "spawn"
     ctx = mp.start_processes(fn, args=args, nprocs=WORLD, start_method=method, join=False)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):

@@ -14,7 +14,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 scaler = GradScaler()
-x = torch.randn(64, 16, device=device)
+x = torch.randn(64, 16).to(device)
 y = x[:, :4].argmax(1)
 losses = []
 for _ in range(20):
@@ -62,9 +62,9 @@ def test_custom_fwd_bwd():
             (x,) = ctx.saved_tensors
             return 2 * x * g
 
-    x = torch.ones(3, requires_grad=True)
+    x = torch.ones(3, device=default_device(), requires_grad=True)  # custom_fwd casts tensors of its device
     with autocast():
         y = Square.apply(x.to(autocast().fast_dtype))
     assert y.dtype == torch.float32
     y.sum().backward()
-    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    assert torch.equal(x.grad, torch.full((3,), 2.0, device=x.device))

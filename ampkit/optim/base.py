@@ -252,4 +252,4 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                         and value.dtype != p.dtype):
                     self.state[p][key] = value.to(device=p.device)
         for key, rng in (rng_states or {}).items():
-            self._generator(torch.device(key)).set_state(rng)
+            self._generator(torch.device(key)).set_state(rng.cpu())  # map_location may have moved it

@@ -96,7 +96,8 @@ def process_group_from_env(device: Optional[str]) -> Iterator[Optional[DistEnv]]
         if dev.index is not None and dev.index != local and world > 1:
             raise ValueError(f"--device {want} under torchrun: each process uses cuda:LOCAL_RANK; pass --device cuda.")
         if local >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s): lower --nproc-per-node.")
+            raise ValueError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s): lower --nproc-per-node "
+                             "to the number of GPUs, or run CPU processes with --device cpu.")
         torch.cuda.set_device(local)
         backend, device_str = "nccl", f"cuda:{local}"
         dist.init_process_group(backend, device_id=torch.device(device_str))
