@@ -196,9 +196,14 @@ def shard_fsdp(model: nn.Module, precision) -> nn.Module:
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
+    # the mesh on the training device: fully_shard's default mesh is CUDA wherever CUDA exists, which
+    # moved the shards of a CPU (gloo) run onto cuda:0 on a GPU machine (seen on an H100: segfault)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(precision.device.type, (dist.get_world_size(),))
     for unit in _fsdp_units(model):
-        fully_shard(unit, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
