@@ -27,9 +27,9 @@ def _model():
 
 def test_candidates(monkeypatch):
     _bf16_cpu(monkeypatch)
-    assert autotune.auto_candidates("cpu") == ["bf16-mixed", "bf16-master"]
+    assert autotune.auto_candidates("cpu") == ["bf16-mixed", "bf16-master", "fp32"]
     # accumulating micro-batches in bf16 model grads is a numerics change: not a candidate then
-    assert autotune.auto_candidates("cpu", grad_accum=4) == ["bf16-mixed"]
+    assert autotune.auto_candidates("cpu", grad_accum=4) == ["bf16-mixed", "fp32"]
     monkeypatch.setattr(autotune, "auto_mode", lambda d=None: ("fp32", "no bf16 units"))
     assert autotune.auto_candidates("cpu") == ["fp32"]
 
@@ -59,22 +59,27 @@ def test_fastest_with_margin_and_cache(monkeypatch, tmp_path):
     _bf16_cpu(monkeypatch)
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
-    calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 90.0})
+    calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 90.0, "fp32": 150.0})
     r = autotune.fastest_mode(_model(), x, y, nn.functional.cross_entropy, "cpu")
     assert r["mode"] == "bf16-master" and not r["cached"] and "bf16-master 90 ms" in r["reason"]
     r2 = autotune.fastest_mode(_model(), x, y, nn.functional.cross_entropy, "cpu")
     assert r2["mode"] == "bf16-master" and r2["cached"] and len(calls) == 1  # timed once per model
     # another batch shape is another entry; a 1% gain does not move auto off the device default
-    calls2 = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 99.0})
+    calls2 = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 99.0, "fp32": 99.5})
     r3 = autotune.fastest_mode(_model(), torch.randn(6, 8), torch.zeros(6, dtype=torch.long),
                                nn.functional.cross_entropy, "cpu")
     assert r3["mode"] == "bf16-mixed" and len(calls2) == 1
+    # overhead-bound: fp32 beats every 16-bit mode by more than the margin, so auto takes fp32
+    calls3 = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 95.0, "fp32": 80.0})
+    r4 = autotune.fastest_mode(_model(), torch.randn(7, 8), torch.zeros(7, dtype=torch.long),
+                               nn.functional.cross_entropy, "cpu")
+    assert r4["mode"] == "fp32" and "fp32 80 ms" in r4["reason"] and len(calls3) == 1
 
 
 def test_precision_tune_keeps_options_and_explicit_modes_alone(monkeypatch, tmp_path):
     _bf16_cpu(monkeypatch)
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 80.0})
+    calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 80.0, "fp32": 200.0})
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     p = Precision("auto", "cpu", max_consecutive_skips=7)
     assert p.tune(_model(), x, y, nn.functional.cross_entropy) == "bf16-master"
@@ -89,13 +94,13 @@ def test_trainer_auto_tunes_and_resume_keeps_the_checkpoint_mode(monkeypatch, tm
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
     kw = dict(epochs=1, batch_size=16, progress=False, device="cpu", out=str(tmp_path / "run"))
-    _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 80.0})
+    _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 80.0, "fp32": 200.0})
     first = Trainer(_model(), data, **kw)
     assert first.precision.name == "bf16-master"
     first.fit()
     # the cache is gone and timings changed: the resumed run still trains in its checkpoint's mode
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache2"))
-    calls = _fake_timings(monkeypatch, {"bf16-mixed": 50.0, "bf16-master": 80.0})
+    calls = _fake_timings(monkeypatch, {"bf16-mixed": 50.0, "bf16-master": 80.0, "fp32": 200.0})
     resumed = Trainer(_model(), data, **{**kw, "epochs": 2}, resume="auto")
     assert resumed.precision.name == "bf16-master" and not calls
     resumed.fit()

@@ -12,7 +12,8 @@ def _keys(cfgs):
     return [(c["model"], c["precision"], c["runner"]) for c in cfgs]
 
 
-def test_default_cpu_plan_skips_fp16_and_says_why():
+def test_default_cpu_plan_skips_fp16_and_says_why(monkeypatch):
+    monkeypatch.setattr(C, "_slow_low_precision", lambda device: None)  # a CPU with bf16 units
     cfgs, notes = plan(Settings(models=["cnn"], device="cpu"))
     modes = {c["precision"] for c in cfgs if c["runner"] == "ampkit"}
     assert {"fp32", "bf16-mixed", "bf16-master"} <= modes
@@ -38,7 +39,20 @@ def test_auto_is_resolved_for_the_loop_baseline():
     assert {c["precision"] for c in cfgs} == {"fp32", baseline_precision(auto_mode("cpu")[0])}
 
 
-def test_quick_preset_and_batch_sizes():
+def test_cpu_without_bf16_units_measures_less_bf16_and_says_why(monkeypatch):
+    monkeypatch.setattr(C, "_slow_low_precision", lambda device: "this CPU has no bf16 units")
+    cfgs, notes = plan(Settings(models=["cnn"], device="cpu"))
+    assert {c["precision"] for c in cfgs} == {"fp32", "bf16-mixed"}
+    assert any("bf16-master and bf16-pure skipped: this CPU has no bf16 units" in n for n in notes)
+    # --quick: the 16-bit rows of the first model show the cost; the GPT's would take minutes a step
+    cfgs, notes = plan(dataclasses.replace(QUICK, device="cpu"))
+    assert _keys(cfgs) == [("cnn", "fp32", "ampkit"), ("cnn", "bf16-mixed", "ampkit"), ("cnn", "fp32", "torch-loop"),
+                           ("cnn", "bf16-mixed", "torch-loop"), ("gpt", "fp32", "ampkit"), ("gpt", "fp32", "torch-loop")]
+    assert any("16-bit rows for cnn only" in n for n in notes)
+
+
+def test_quick_preset_and_batch_sizes(monkeypatch):
+    monkeypatch.setattr(C, "_slow_low_precision", lambda device: None)
     cfgs, _ = plan(dataclasses.replace(QUICK, device="cpu"))
     assert {c["model"] for c in cfgs} == {"cnn", "gpt"}
     assert {c["batch_size"] for c in cfgs if c["model"] == "gpt"} == {4}

@@ -43,6 +43,10 @@ def test_ratios_are_against_fp32_of_same_model_and_runner():
     r = out["cnn", "bf16-mixed", "ampkit"]
     assert r["samples_per_s"] == 640.0 and r["tflops"] == 0.2 and r["utilisation"] == 1.0
     assert out["cnn", "fp32", "ampkit"]["utilisation"] == 1.0  # 2e10 / 0.2 s = 1e11 = fp32 peak
+    # no bf16 units: an emulated bf16 GEMM "peak" below fp32's is not the ceiling, fp32's is
+    slow = finalize(rows(), {**DEV, "peak_flops": {"fp32": DEV["peak_flops"]["fp32"], "bf16": 1e9}})
+    r_slow = next(r for r in slow if (r["model"], r["precision"], r["runner"]) == ("cnn", "bf16-mixed", "ampkit"))
+    assert r_slow["utilisation"] == round(r["tflops"] * 1e12 / DEV["peak_flops"]["fp32"], 4)
     assert out["gpt", "bf16-mixed", "ampkit"]["tokens_per_s"] == round(4096 / 1.1, 1)
     # not faster -> one line why (no profile here: falls back to the no-profile line)
     assert out["gpt", "bf16-mixed", "ampkit"]["explanation"]

@@ -88,9 +88,14 @@ def default_precisions(device: torch.device) -> Tuple[List[str], List[str]]:
         else:
             notes.append(f"bf16 modes skipped: {info.name} does not support bf16.")
     else:
-        modes += ["bf16-mixed", "bf16-master"]
+        slow = _slow_low_precision(device)
+        modes += ["bf16-mixed"] if slow else ["bf16-mixed", "bf16-master"]
         notes.append("fp16 modes skipped on CPU: torch's CPU fp16 kernels run far slower than fp32 "
                      "(ask for them with --precisions fp16-mixed to measure it).")
+        if slow:
+            notes.append(f"bf16-master and bf16-pure skipped: {slow}, so only bf16-mixed is measured, to show "
+                         "the cost (ask for the others with --precisions).")
+            return modes, notes
     if info.bf16_supported or device.type == "cpu":
         if has_compensated_optim():
             modes.append("bf16-pure")
@@ -99,6 +104,17 @@ def default_precisions(device: torch.device) -> Tuple[List[str], List[str]]:
     notes.append("fp16-pure skipped: no master copy and no compensation, small updates underflow "
                  "(ask for it explicitly).")
     return modes, notes
+
+
+def _slow_low_precision(device: torch.device) -> Optional[str]:
+    """Why 16-bit steps are far slower than fp32 here, or None: a CPU without bf16 units (AMX/AVX512-BF16)
+    emulates bf16 (an AVX2 EPYC ran a bf16 GEMM at ~1 GFLOP/s against ~60 in fp32: a GPT step 12 s vs 0.44 s)."""
+    from ..precision.device import device_info
+
+    info = device_info(device)
+    if device.type == "cpu" and not info.bf16_fast:
+        return "this CPU has no bf16 units (AMX/AVX512-BF16): torch emulates bf16 and fp16 there"
+    return None
 
 
 def _check_model(spec: str) -> str:
@@ -163,8 +179,12 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
         key = _check_model(m)
         if key not in models:
             models.append(key)
+    slow_low = _slow_low_precision(device) if s.quick else None
+    if slow_low and len(models) > 1:
+        notes.append(f"--quick on this CPU: 16-bit rows for {models[0]} only. {slow_low}; the other models' 16-bit "
+                     "steps would take minutes each (run without --quick to measure them anyway).")
     configs = []
-    for model in models:
+    for i, model in enumerate(models):
         batch = s.batch_size or s.batch_sizes.get(model) or REFERENCE_MODELS.get(model, {}).get(
             "batch_size", USER_BATCH_SIZE)
         for runner in s.runners:
@@ -173,6 +193,8 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
             else:  # the plain loop: autocast in each asked-for dtype (bf16-master -> bf16-mixed)
                 modes = list(dict.fromkeys(baseline_precision(resolved[p]) for p in precisions))
             for p in modes:
+                if slow_low and i > 0 and MODES[resolved.get(p, p)].low_dtype is not None:
+                    continue
                 configs.append({
                     "model": model, "precision": p, "resolved_precision": resolved.get(p, p), "runner": runner,
                     "batch_size": batch, "steps": s.steps, "warmup": s.warmup, "device": str(device),

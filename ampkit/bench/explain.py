@@ -41,6 +41,10 @@ def _compute_share(profile: Dict) -> float:
     return s["gemm"] + s["attention_fwd"] + s["attention_bwd"]
 
 
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:.2f} TFLOP/s" if flops >= 1e11 else f"{flops / 1e9:.1f} GFLOP/s"
+
+
 def explain(row: Dict, fp32: Optional[Dict], device: Dict) -> Optional[str]:
     """The one-line reason, or None when the mode is faster than fp32 (or is fp32)."""
     low = low_dtype_of(row.get("resolved_precision") or row["precision"])
@@ -49,8 +53,8 @@ def explain(row: Dict, fp32: Optional[Dict], device: Dict) -> Optional[str]:
         return None
     peaks = device.get("peak_flops") or {}
     if peaks.get(low) and peaks.get("fp32") and peaks[low] < PEAK_GAIN * peaks["fp32"]:
-        return (f"no {low} units here: a large {low} GEMM measured {peaks[low] / 1e12:.2f} TFLOP/s against "
-                f"fp32's {peaks['fp32'] / 1e12:.2f}, so 16-bit math cannot be faster")
+        return (f"no {low} units here: a large {low} GEMM measured {_rate(peaks[low])} against "
+                f"fp32's {_rate(peaks['fp32'])}, so 16-bit math cannot be faster")
     if device.get("type") == "cpu" and low == "fp16" and not peaks.get("fp16"):
         return "torch's CPU fp16 kernels are not accelerated (no fp16 matrix units used): fp16 runs slower than fp32"
     if device.get("type") == "cpu" and low == "bf16" and device.get("bf16_fast") is False and not peaks.get("bf16"):

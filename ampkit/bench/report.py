@@ -67,7 +67,10 @@ def finalize(results: List[Dict], device: Dict) -> List[Dict]:
         if r.get("flops_per_step"):
             rate = r["flops_per_step"] * 1000.0 / ms
             r["tflops"] = _sig(rate / 1e12)
-            peak = peaks.get(low_dtype_of(r.get("resolved_precision") or r["precision"]) or "fp32")
+            # against the best rate the mode can reach: its dtype's GEMM peak, or fp32's where that is higher
+            # (no 16-bit units: an emulated bf16 mm ran at ~1 GFLOP/s, below the step's own convs)
+            peak = max(peaks.get(low_dtype_of(r.get("resolved_precision") or r["precision"]) or "fp32", 0.0),
+                       peaks.get("fp32", 0.0))
             r["utilisation"] = _sig(rate / peak) if peak else None
         if r["runner"] == "ampkit":
             loop = by_key.get((r["model"], baseline_precision(r.get("resolved_precision") or r["precision"]),
