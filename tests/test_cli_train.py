@@ -149,3 +149,12 @@ def test_plot_errors(capsys, tmp_path):
     assert code == 2 and "does not exist" in err[-1]
     code, err = _err(capsys, ["plot", str(tmp_path)])
     assert code == 2 and "no metrics.jsonl" in err[-1]
+
+
+def test_tensorboard_missing_is_one_line_and_leaves_no_run_dir(capsys, tmp_path, monkeypatch):
+    """A failed start must not leave a half-made run directory that then blocks the retry."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as without the package
+    code, err = _err(capsys, ["train", "--tensorboard", "--out", "tb"] + FAST)
+    assert code == 2 and len(err) == 1 and "pip install tensorboard" in err[0]
+    assert not (tmp_path / "tb").exists()

@@ -14,7 +14,17 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["MetricsLogger", "Progress"]
+__all__ = ["MetricsLogger", "Progress", "require_tensorboard"]
+
+
+def require_tensorboard():
+    """TensorBoard's SummaryWriter class, or a ValueError naming the fix when the package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except (ImportError, ModuleNotFoundError) as e:
+        raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                         "(or pip install 'ampkit[tensorboard]')") from e
+    return SummaryWriter
 
 
 class MetricsLogger:
@@ -24,14 +34,8 @@ class MetricsLogger:
         self.path = path
         self._reduce = reduce
         self._pending: List[Dict[str, Any]] = []
+        self._tb = require_tensorboard()(tensorboard_dir) if tensorboard_dir else None
         self._file = open(path, "a" if append else "w") if path else None
-        self._tb = None
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except (ImportError, ModuleNotFoundError) as e:
-                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from e
-            self._tb = SummaryWriter(tensorboard_dir)
 
     def step(self, record: Dict[str, Any]) -> None:
         """Queue one step's record; tensor values are resolved at flush()."""

@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from . import distributed as _dist
 from .config import TrainConfig, write_config
 from .evaluate import classification_text, default_loss, evaluate
-from .metrics import MetricsLogger, Progress
+from .metrics import MetricsLogger, Progress, require_tensorboard
 
 __all__ = ["Trainer", "TrainingInterrupted", "RunDirError", "build_optimizer", "build_scheduler"]
 
@@ -155,6 +155,8 @@ class Trainer:
             raise ValueError(f"epochs must be >= 1, got {cfg.epochs}.")
         if len(train_data) == 0:
             raise ValueError("the training set is empty: it needs at least one sample.")
+        if cfg.tensorboard:
+            require_tensorboard()  # before the run directory exists: a failed start leaves nothing behind
         self.rank, self.world_size = _dist_info()
         if cfg.strategy not in _dist.STRATEGIES:
             raise ValueError(f"Unknown strategy {cfg.strategy!r}: use {' or '.join(_dist.STRATEGIES)}.")
