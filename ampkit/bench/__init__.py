@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 from typing import Callable, Dict, List, Optional
 
 from .configs import DEFAULTS, QUICK, RUNNERS, Settings, plan
@@ -18,21 +17,11 @@ from .configs import DEFAULTS, QUICK, RUNNERS, Settings, plan
 __all__ = ["Settings", "DEFAULTS", "QUICK", "RUNNERS", "plan", "run_bench", "device_section", "check_out_dir"]
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_section(device_name: str, precisions: List[str], measure_peak: bool = True) -> Dict:
     """What the results were measured on, with the measured peak GEMM FLOP/s per dtype."""
     import torch
 
+    from ..precision.cache import cpu_name
     from ..precision.device import device_info, resolve_device
     from ..precision.modes import MODES
     from .explain import low_dtype_of
@@ -42,7 +31,7 @@ def device_section(device_name: str, precisions: List[str], measure_peak: bool =
     info = device_info(device)
     dtypes = ["fp32"] + sorted({d for p in precisions if p in MODES for d in [low_dtype_of(p)] if d})
     out = {
-        "type": device.type, "name": _cpu_model() if device.type == "cpu" else info.name, "matrix_units": info.matrix_units, "bf16_fast": info.bf16_fast,
+        "type": device.type, "name": cpu_name() if device.type == "cpu" else info.name, "matrix_units": info.matrix_units, "bf16_fast": info.bf16_fast,
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "python": platform.python_version(), "notes": list(info.notes),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("AMPKIT_") or k == "OMP_NUM_THREADS"},

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
-import os
 import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -28,14 +26,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .cache import cache_file, cpu_name, load_entries, store_entry
 from .device import auto_mode, device_info, resolve_device
 
 __all__ = ["auto_candidates", "time_modes", "fastest_mode", "autotune_cache_path"]
 
 
 def autotune_cache_path() -> str:
-    root = os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
-    return os.path.join(root, "automode.json")
+    return cache_file("automode.json")
 
 
 def auto_candidates(device: Any = None, grad_accum: int = 1) -> List[str]:
@@ -131,29 +129,6 @@ def _signature(model: nn.Module, inputs: Any, target: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _load() -> Dict[str, Any]:
-    try:
-        with open(autotune_cache_path()) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _store(key: str, value: Dict[str, Any]) -> None:
-    path = autotune_cache_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = _load()
-        data[key] = value
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measured again next time
-
-
 def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, device: Any = None,
                  grad_accum: int = 1, **kw) -> Dict[str, Any]:
     """``{"mode", "reason", "ms": {mode: ms}, "cached"}``: the fastest of :func:`auto_candidates`.
@@ -166,16 +141,14 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     _, dev_reason = auto_mode(dev)
     if len(cands) == 1:
         return {"mode": cands[0], "reason": dev_reason, "ms": {}, "cached": False}
-    from .speed import _cpu_name
-
-    where = _cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
+    where = cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
     key = (f"{where}|torch{torch.__version__}|threads{torch.get_num_threads()}|"
            f"{_signature(model, inputs, target)}|{','.join(cands)}")
-    hit = _load().get(key)
+    hit = load_entries(autotune_cache_path()).get(key)
     cached = bool(hit and set(hit.get("ms", {})) == set(cands))
     ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, cands, dev, **kw)
     if not cached:
-        _store(key, {"ms": ms, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+        store_entry(autotune_cache_path(), key, {"ms": ms, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
     best = min(cands, key=ms.get)
     mode = best if ms[best] < 0.97 * ms[cands[0]] else cands[0]
     timing = ", ".join(f"{m} {ms[m]:.0f} ms" for m in cands)

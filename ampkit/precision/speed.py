@@ -25,16 +25,16 @@ code call it, without touching the model. ``AMPKIT_OP_POLICY=off`` disables it; 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import platform
 import threading
 import time
 from typing import Dict, Optional
 
 import torch
 from torch.nn import functional as F
+
+from .cache import cache_file, cpu_name, load_entries, store_entry
 
 __all__ = ["OpSpeedPolicy", "sdpa_split_backward", "sdpa_math", "policy_enabled", "measure_sdpa", "cache_path"]
 
@@ -44,42 +44,7 @@ _MEMO: Dict[str, dict] = {}
 
 
 def cache_path() -> str:
-    root = os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
-    return os.path.join(root, "opspeed.json")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _load_disk() -> Dict[str, dict]:
-    try:
-        with open(cache_path()) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _store_disk(key: str, value: dict) -> None:
-    path = cache_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = _load_disk()
-        data[key] = value
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the in-memory verdict still applies
+    return cache_file("opspeed.json")
 
 
 class _SplitSDPA(torch.autograd.Function):
@@ -263,16 +228,16 @@ def _verdict(dtype: torch.dtype, bh: int, t: int, d: int, causal: bool, *, s: Op
         forced = _FORCED[mode]
         return "native" if (forced == "split" and not plain) else forced
     variant = "" if plain else f"|S{_bucket(s)}|mask{int(masked)}|drop{dropout_p:g}"
-    key = (f"{_cpu_name()}|torch{torch.__version__}|threads{torch.get_num_threads()}|sdpa2|"
+    key = (f"{cpu_name()}|torch{torch.__version__}|threads{torch.get_num_threads()}|sdpa2|"
            f"{str(dtype).replace('torch.', '')}|T{_bucket(t)}|D{d}|causal{int(causal)}{variant}")
     with _LOCK:
         hit = _MEMO.get(key)
         if hit is None:
-            hit = _load_disk().get(key)
+            hit = load_entries(cache_path()).get(key)
             if hit is None or hit.get("choice") not in ("native", "split", "math"):
                 hit = measure_sdpa(dtype, min(_bucket(bh), 32), _bucket(t), d, causal, s=_bucket(s),
                                    masked=masked, dropout_p=dropout_p)
-                _store_disk(key, hit)
+                store_entry(cache_path(), key, hit)
             _MEMO[key] = hit
     return hit["choice"]
 
