@@ -33,7 +33,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="stop with a report after this many non-finite steps in a row (default 50)")
     g.add_argument("--no-autotune", dest="autotune", action="store_false", default=None,
                    help="with precision auto: take the device's default mode instead of timing the candidates "
-                   "(bf16-mixed / bf16-master) on this model")
+                   "(e.g. bf16-mixed / bf16-master / fp32) on this model")
     g.add_argument("--compensation", choices=["kahan", "stochastic", "none"],
                    help="bf16-pure only: how updates land in the bf16 weights: kahan (default, a bf16 buffer "
                    "per weight), stochastic (stochastic rounding, no extra state) or none; see docs/BF16_PURE.md")
