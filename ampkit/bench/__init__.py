@@ -21,8 +21,7 @@ def device_section(device_name: str, precisions: List[str], measure_peak: bool =
     """What the results were measured on, with the measured peak GEMM FLOP/s per dtype."""
     import torch
 
-    from ..precision.cache import cpu_name
-    from ..precision.device import device_info, resolve_device
+    from ..precision.device import cpu_name, device_info, resolve_device
     from ..precision.modes import MODES
     from .explain import low_dtype_of
     from .peak import measure_peaks

@@ -26,8 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .cache import cache_file, cpu_name, load_entries, store_entry
-from .device import auto_mode, device_info, resolve_device
+from .cache import cache_file, load_entries, store_entry
+from .device import auto_mode, cpu_name, device_info, resolve_device
 
 __all__ = ["auto_candidates", "time_modes", "fastest_mode", "autotune_cache_path"]
 

@@ -1,4 +1,4 @@
-"""The on-disk verdict caches (op speed, auto mode) and the CPU name their keys start with.
+"""The on-disk verdict caches (op speed, auto mode).
 
 One JSON object per file under ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), each entry keyed
 by where it was measured. Writes replace the file atomically; a read-only or missing cache only
@@ -6,13 +6,11 @@ means the measurement is taken again.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
-import platform
 from typing import Any, Dict
 
-__all__ = ["cache_file", "load_entries", "store_entry", "cpu_name"]
+__all__ = ["cache_file", "load_entries", "store_entry"]
 
 
 def cache_file(name: str) -> str:
@@ -40,16 +38,3 @@ def store_entry(path: str, key: str, value: Any) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: measured again next time
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform`` where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode"]
+__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode", "cpu_name"]
 
 
 def resolve_device(device: Union[str, torch.device, None] = None) -> torch.device:
@@ -25,15 +25,25 @@ def resolve_device(device: Union[str, torch.device, None] = None) -> torch.devic
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_flags() -> frozenset:
+def _cpuinfo(field: str) -> str:
+    """The value of the first ``field`` line of /proc/cpuinfo, or '' (no such file: not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def _cpu_flags() -> frozenset:
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``platform`` where /proc/cpuinfo has none)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @dataclass
@@ -73,7 +83,7 @@ def _device_info(dev_type: str, index: Optional[int]) -> DeviceInfo:
     if "avx512_fp16" in flags or "amx_fp16" in flags:
         notes.append("fp16 instructions present, but torch's CPU fp16 kernels are far slower than fp32")
     return DeviceInfo(
-        "cpu", platform.processor() or platform.machine(), True,
+        "cpu", cpu_name(), True,
         amx or avx512_bf16 or mkldnn_bf16, False, units, notes,
     )
 

@@ -34,7 +34,8 @@ from typing import Dict, Optional
 import torch
 from torch.nn import functional as F
 
-from .cache import cache_file, cpu_name, load_entries, store_entry
+from .cache import cache_file, load_entries, store_entry
+from .device import cpu_name
 
 __all__ = ["OpSpeedPolicy", "sdpa_split_backward", "sdpa_math", "policy_enabled", "measure_sdpa", "cache_path"]
 
