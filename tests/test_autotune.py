@@ -107,3 +107,40 @@ def test_trainer_auto_tunes_and_resume_keeps_the_checkpoint_mode(monkeypatch, tm
     # opting out keeps the device default without timing anything
     off = Trainer(_model(), data, **{**kw, "out": str(tmp_path / "run2")}, autotune=False)
     assert off.precision.name == "bf16-mixed" and not calls
+
+
+def test_auto_takes_only_modes_that_pass_the_amp_check(monkeypatch, tmp_path):
+    _bf16_cpu(monkeypatch)
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    import ampkit.diagnose.verdict as verdict
+
+    seen = []
+
+    def risky(model, batch, loss_fn, precisions, device):
+        seen.append(list(precisions))
+        return {p: {"verdict": "risky"} for p in precisions}
+
+    monkeypatch.setattr(verdict, "amp_verdicts", risky)
+    calls = _fake_timings(monkeypatch, {"bf16-mixed": 10.0, "bf16-master": 10.0, "fp32": 100.0})
+    r = autotune.fastest_mode(_model(), x, y, nn.functional.cross_entropy, "cpu")
+    # bf16-master is judged by bf16-mixed's check: one check, and nothing left to time but fp32
+    assert seen == [["bf16-mixed"]] and not calls
+    assert r["mode"] == "fp32" and "AMP check: bf16-mixed risky" in r["reason"]
+    again = autotune.fastest_mode(_model(), x, y, nn.functional.cross_entropy, "cpu")
+    assert again["mode"] == "fp32" and len(seen) == 1  # the verdict is cached with the timings
+
+
+def test_real_amp_check_then_timing_leaves_the_random_stream_alone(monkeypatch, tmp_path):
+    _bf16_cpu(monkeypatch)
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 90.0, "fp32": 150.0})
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    r = autotune.fastest_mode(model, x, y, nn.functional.cross_entropy, "cpu")
+    torch.testing.assert_close(torch.rand(3), expected)
+    assert r["checked"] == {"bf16-mixed": "ok"} and r["mode"] == "bf16-master" and "AMP check ok" in r["reason"]
+    assert calls == [["bf16-mixed", "bf16-master", "fp32"]]

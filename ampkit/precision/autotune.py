@@ -11,7 +11,10 @@ torch version, threads, the model's parameter signature and the batch shapes, so
 once per machine.
 
 fp32 is always a candidate (a model too small to be compute-bound runs fastest without casts).
-Candidates never include a mode whose numerics differ in kind: bf16-pure (bf16 weights and
+Before timing, the AMP check (``ampkit.diagnose``: the batch through fp32 and each compute dtype,
+output/loss/gradient errors against thresholds) rules out every mode whose dtype is not "ok" for
+this model, so `auto` is the fastest mode that passes the accuracy check; its verdicts are cached
+with the timings. Candidates never include a mode whose numerics differ in kind: bf16-pure (bf16 weights and
 optimizer state) is opt-in only, and bf16-master is left out when gradients are accumulated over
 micro-batches (the 16-bit model grads would accumulate in bf16).
 """
@@ -28,6 +31,7 @@ from torch import nn
 
 from .cache import cache_file, load_entries, store_entry
 from .device import auto_mode, cpu_name, device_info, resolve_device
+from .modes import MODES
 
 __all__ = ["auto_candidates", "time_modes", "fastest_mode", "autotune_cache_path"]
 
@@ -144,13 +148,59 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     where = cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
     key = (f"{where}|torch{torch.__version__}|threads{torch.get_num_threads()}|"
            f"{_signature(model, inputs, target)}|{','.join(cands)}")
-    hit = load_entries(autotune_cache_path()).get(key)
-    cached = bool(hit and set(hit.get("ms", {})) == set(cands))
-    ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, cands, dev, **kw)
-    if not cached:
-        store_entry(autotune_cache_path(), key, {"ms": ms, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
-    best = min(cands, key=ms.get)
-    mode = best if ms[best] < 0.97 * ms[cands[0]] else cands[0]
-    timing = ", ".join(f"{m} {ms[m]:.0f} ms" for m in cands)
-    reason = f"{dev_reason}; fastest here, measured per step ({timing}{', cached' if cached else ''})"
-    return {"mode": mode, "reason": reason, "ms": ms, "cached": cached}
+    hit = load_entries(autotune_cache_path()).get(key) or {}
+    checked = hit.get("checked")
+    if checked is None:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # dropout draws: not the user's
+            checked = amp_check(model, inputs, target, loss_fn, cands, dev)
+    passed = [c for c in cands if checked.get(_probe(c), "ok") == "ok"]
+    dropped = [f"{p} {v}" for p, v in checked.items() if v != "ok"]
+    check_note = "AMP check ok" if not dropped else f"AMP check: {', '.join(dropped)}, so not a candidate"
+    cached = set(hit.get("ms", {})) == set(passed) and len(passed) > 1
+    if len(passed) == 1:
+        ms = {}
+    else:
+        ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, passed, dev, **kw)
+    if not hit or (len(passed) > 1 and not cached):
+        store_entry(autotune_cache_path(), key, {"ms": ms, "checked": checked,
+                                                 "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+    if len(passed) == 1:
+        return {"mode": passed[0], "reason": f"{dev_reason}; {check_note}", "ms": ms, "cached": bool(hit),
+                "checked": checked}
+    best = min(passed, key=ms.get)
+    mode = best if ms[best] < 0.97 * ms[passed[0]] else passed[0]
+    timing = ", ".join(f"{m} {ms[m]:.0f} ms" for m in passed)
+    reason = (f"{dev_reason}; {check_note}; fastest here, measured per step ({timing}"
+              f"{', cached' if cached else ''})")
+    return {"mode": mode, "reason": reason, "ms": ms, "cached": cached, "checked": checked}
+
+
+def _probe(mode: str) -> str:
+    """The autocast mode whose AMP check speaks for ``mode`` (same compute dtype), or "fp32"."""
+    low = MODES[mode].low_dtype
+    return "fp32" if low is None else ("bf16-mixed" if low == torch.bfloat16 else "fp16-mixed")
+
+
+def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, modes: Sequence[str],
+              device: torch.device) -> Dict[str, str]:
+    """``{autocast mode: "ok" | "risky" | "unsafe"}`` from ``ampkit.diagnose``'s AMP check on this batch,
+    one per compute dtype among ``modes`` (bf16-master is judged by bf16-mixed's forward/backward).
+
+    `auto` keeps only the modes whose check is ok: the fastest mode that passes the accuracy check.
+    A check that cannot run on this model says so and rules nothing out.
+    """
+    from ..diagnose.verdict import amp_verdicts
+
+    probes = sorted({_probe(m) for m in modes} - {"fp32"})
+    if not probes:
+        return {}
+    batch = (inputs, target)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            verdicts = amp_verdicts(model, batch, loss_fn, probes, device)
+    except Exception as e:  # a model the check cannot drive: timing alone decides, and the reason says so
+        warnings.warn(f"precision auto: the AMP check could not run on this model ({type(e).__name__}: {e}); "
+                      "choosing by speed alone.", stacklevel=3)
+        return {}
+    return {p: verdicts[p]["verdict"] for p in probes}
