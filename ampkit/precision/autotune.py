@@ -135,7 +135,8 @@ def _signature(model: nn.Module, inputs: Any, target: Any) -> str:
 
 def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, device: Any = None,
                  grad_accum: int = 1, **kw) -> Dict[str, Any]:
-    """``{"mode", "reason", "ms": {mode: ms}, "cached"}``: the fastest of :func:`auto_candidates`.
+    """``{"mode", "reason", "ms": {mode: ms}, "cached", "checked"}``: the fastest of :func:`auto_candidates`
+    whose compute dtype passes the AMP check (``checked``: :func:`amp_check`'s verdicts).
 
     The device's default mode stays unless another is at least 3% faster (timings on a shared
     machine wobble by a few percent; a tie keeps the simpler mode).
