@@ -145,7 +145,7 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     cands = auto_candidates(dev, grad_accum)
     _, dev_reason = auto_mode(dev)
     if len(cands) == 1:
-        return {"mode": cands[0], "reason": dev_reason, "ms": {}, "cached": False}
+        return {"mode": cands[0], "reason": dev_reason, "ms": {}, "cached": False, "checked": {}}
     where = cpu_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
     key = (f"{where}|torch{torch.__version__}|threads{torch.get_num_threads()}|"
            f"{_signature(model, inputs, target)}|{','.join(cands)}")
