@@ -44,7 +44,8 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, n: int, budget_s: flo
 
 
 def _size_for(device: torch.device, dtype: torch.dtype, n_max: int, probe_s: float) -> int:
-    """The largest n <= n_max (doubling from 256) at which one GEMM still takes about ``probe_s``.
+    """The GEMM size to measure at: doubling from 256, the first n at which one call takes ``probe_s``
+    or longer, else ``n_max``.
 
     A CPU without 16-bit units runs bf16/fp16 GEMMs 50x slower than fp32 (measured on an AVX2 EPYC:
     ~1 GFLOP/s): a fixed 2048^3 GEMM there takes ~20 s a call. The rate is already clear once one

@@ -157,17 +157,20 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     passed = [c for c in cands if checked.get(_probe(c), "ok") == "ok"]
     dropped = [f"{p} {v}" for p, v in checked.items() if v != "ok"]
     check_note = "AMP check ok" if not dropped else f"AMP check: {', '.join(dropped)}, so not a candidate"
-    cached = set(hit.get("ms", {})) == set(passed) and len(passed) > 1
-    if len(passed) == 1:
-        ms = {}
-    else:
-        ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, passed, dev, **kw)
-    if not hit or (len(passed) > 1 and not cached):
+
+    def remember(ms: Dict[str, float]) -> None:
         store_entry(autotune_cache_path(), key, {"ms": ms, "checked": checked,
                                                  "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
-    if len(passed) == 1:
-        return {"mode": passed[0], "reason": f"{dev_reason}; {check_note}", "ms": ms, "cached": bool(hit),
+
+    if len(passed) == 1:  # nothing left to time
+        if not hit:
+            remember({})
+        return {"mode": passed[0], "reason": f"{dev_reason}; {check_note}", "ms": {}, "cached": bool(hit),
                 "checked": checked}
+    cached = set(hit.get("ms", {})) == set(passed)
+    ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, passed, dev, **kw)
+    if not cached:
+        remember(ms)
     best = min(passed, key=ms.get)
     mode = best if ms[best] < 0.97 * ms[passed[0]] else passed[0]
     timing = ", ".join(f"{m} {ms[m]:.0f} ms" for m in passed)

@@ -282,9 +282,10 @@ class Precision:
 
     def _check_eps(self, optimizer: torch.optim.Optimizer) -> None:
         low = self.min_adam_eps
-        small = sorted({g["eps"] for g in optimizer.param_groups
-                        if low is not None and isinstance(g.get("eps"), float) and g["eps"] < low})
-        if small and "Adam" in type(optimizer).__name__:
+        if low is None or "Adam" not in type(optimizer).__name__:
+            return
+        small = sorted({g["eps"] for g in optimizer.param_groups if isinstance(g.get("eps"), float) and g["eps"] < low})
+        if small:
             warnings.warn(
                 f"precision={self.name!r} keeps Adam's moments in fp16, where eps={small[0]:g} lets a gradient "
                 f"whose square underflows take a huge step (then inf weights): build the optimizer with "
