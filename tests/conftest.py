@@ -16,3 +16,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """The op-speed / auto-mode / layout verdict caches of this test session, not the user's ~/.cache:
+    a run of the suite neither depends on nor changes what earlier runs measured."""
+    import os
+
+    old = os.environ.get("AMPKIT_CACHE_DIR")
+    os.environ["AMPKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("ampkit-cache"))
+    yield
+    if old is None:
+        os.environ.pop("AMPKIT_CACHE_DIR", None)
+    else:
+        os.environ["AMPKIT_CACHE_DIR"] = old

@@ -61,7 +61,7 @@ def test_fastest_with_margin_and_cache(monkeypatch, tmp_path):
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 90.0, "fp32": 150.0})
     r = autotune.fastest_mode(_model(), x, y, nn.functional.cross_entropy, "cpu")
-    assert r["mode"] == "bf16-master" and not r["cached"] and "bf16-master 90 ms" in r["reason"]
+    assert r["mode"] == "bf16-master" and not r["cached"] and "bf16-master 90.0 ms" in r["reason"]
     r2 = autotune.fastest_mode(_model(), x, y, nn.functional.cross_entropy, "cpu")
     assert r2["mode"] == "bf16-master" and r2["cached"] and len(calls) == 1  # timed once per model
     # another batch shape is another entry; a 1% gain does not move auto off the device default
@@ -73,7 +73,7 @@ def test_fastest_with_margin_and_cache(monkeypatch, tmp_path):
     calls3 = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 95.0, "fp32": 80.0})
     r4 = autotune.fastest_mode(_model(), torch.randn(7, 8), torch.zeros(7, dtype=torch.long),
                                nn.functional.cross_entropy, "cpu")
-    assert r4["mode"] == "fp32" and "fp32 80 ms" in r4["reason"] and len(calls3) == 1
+    assert r4["mode"] == "fp32" and "fp32 80.0 ms" in r4["reason"] and len(calls3) == 1
 
 
 def test_precision_tune_keeps_options_and_explicit_modes_alone(monkeypatch, tmp_path):

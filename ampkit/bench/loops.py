@@ -55,9 +55,10 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
     from ..train.trainer import build_optimizer
 
     precision = Precision(mode, device)
-    if precision.requested == "auto":  # as the Trainer does: time the candidate modes on this model (cached)
-        inputs, targets = workload.batches[0]
-        precision.tune(workload.model, inputs, targets, workload.loss_fn)
+    # as the Trainer does: measure what is left open on this model (auto's mode, a conv model's memory
+    # format; cached per machine), before the timed steps
+    inputs, targets = workload.batches[0]
+    precision.tune(workload.model, inputs, targets, workload.loss_fn)
     optimizer = build_optimizer(workload.model, "adamw", lr, 0.01, device, eps=precision.min_adam_eps)
     model, optimizer = precision.setup(workload.model, optimizer)
     loss_fn = workload.loss_fn
@@ -73,6 +74,8 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
     use_policy = getattr(precision, "_use_op_policy", None)
     policy = "" if precision.mode.autocast_dtype is None or use_policy is None else (
         ", op policy " + ("on" if use_policy() else "off"))
+    if precision._use_channels_last(model):
+        policy += ", channels_last"
     step = Step(model, optimizer, fn, f"ampkit Precision({precision.name!r}) hooks{policy}, Trainer's fused AdamW")
     step.precision = precision
     return step

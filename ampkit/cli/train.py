@@ -31,9 +31,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="comma-separated module names kept in fp32 (e.g. head,blocks.3.attn)")
     g.add_argument("--max-consecutive-skips", type=int,
                    help="stop with a report after this many non-finite steps in a row (default 50)")
+    g.add_argument("--memory-format", choices=["auto", "channels_last", "contiguous"],
+                   help="conv models: auto (default) times both layouts on the first batch and keeps the faster "
+                   "(cached per machine); or force one")
     g.add_argument("--no-autotune", dest="autotune", action="store_false", default=None,
-                   help="with precision auto: take the device's default mode instead of timing the candidates "
-                   "(e.g. bf16-mixed / bf16-master / fp32) on this model")
+                   help="take the defaults instead of timing on this model: the device's default mode for "
+                   "precision auto (not the fastest of e.g. bf16-mixed / bf16-master / fp32), the rule for "
+                   "the memory format")
     g.add_argument("--compensation", choices=["kahan", "stochastic", "none"],
                    help="bf16-pure only: how updates land in the bf16 weights: kahan (default, a bf16 buffer "
                    "per weight), stochastic (stochastic rounding, no extra state) or none; see docs/BF16_PURE.md")

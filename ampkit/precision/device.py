@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode", "cpu_name"]
+__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode", "cpu_name", "measured_on"]
 
 
 def resolve_device(device: Union[str, torch.device, None] = None) -> torch.device:
@@ -44,6 +44,18 @@ def _cpu_flags() -> frozenset:
 def cpu_name() -> str:
     """The CPU's model name (``platform`` where /proc/cpuinfo has none)."""
     return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def measured_on(device: torch.device) -> str:
+    """What a cached speed verdict depends on: the CPU's name and its widest matrix/vector units, or the
+    GPU's name. Model names alone are not enough ("AMD EPYC" has named both an AVX2-only and an
+    AVX512-BF16 machine here, where bf16 speeds differ by ~100x)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    flags = _cpu_flags()
+    isa = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), platform.machine())
+    return f"{cpu_name()} [{isa}]"
 
 
 @dataclass

@@ -88,7 +88,9 @@ class Precision:
             loss is computed in fp32 (default True).
         skip_nonfinite: skip (and count) steps whose gradients are non-finite, in every mode.
         channels_last: convert 4-D conv models to channels_last memory format in ``setup``;
-            None = where it is measured to pay (CPU with bf16 compute and conv layers).
+            None = measured: ``tune`` (given a batch: the Trainer, the bench) times both layouts on
+            this model and keeps the faster (``ampkit.precision.layout``); without ``tune``, on for
+            CPU 16-bit compute with conv layers.
         op_policy: speed-aware per-op dtype choice inside ``autocast()`` (``ampkit.precision.speed``:
             e.g. attention backward in fp32 where this CPU runs it faster); None = on for CPU
             16-bit compute unless ``AMPKIT_OP_POLICY=off``.
@@ -134,6 +136,7 @@ class Precision:
         self.keep_norm_fp32 = keep_norm_fp32
         self.cast_outputs = cast_outputs
         self.channels_last = channels_last
+        self.layout_reason: Optional[str] = None  # set when tune() measured the memory format
         self.op_policy = op_policy
         self._check_hardware()
         if compensation is not None and not self.mode.compensated:
@@ -177,20 +180,38 @@ class Precision:
         self._scales_loss = self.mode.scaled
         self._setup_done = False
 
-    def tune(self, model: nn.Module, inputs: Any, target: Any, loss_fn, grad_accum: int = 1) -> str:
-        """`auto` only, before ``setup``: pick the fastest candidate mode for this model by timing a
-        few steps of each on copies of it (``ampkit.precision.autotune``; cached per machine and
-        model). Returns the chosen mode's name; a no-op for an explicit mode."""
-        if self.requested != AUTO or self._setup_done:
-            return self.name
-        from .autotune import fastest_mode
+    def tune(self, model: nn.Module, inputs: Any, target: Any, loss_fn, grad_accum: int = 1,
+             modes: bool = True) -> str:
+        """Before ``setup``, measure on this model and batch what was left open (cached per machine):
 
-        result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum)
-        if result["mode"] != self.name:
-            self.__init__(result["mode"], **self._init_kwargs)
-            self.requested = AUTO
-        self.reason = result["reason"]
-        self.tuned_ms = result["ms"]
+        * ``auto`` (and ``modes``): the fastest candidate mode that passes the AMP check
+          (``ampkit.precision.autotune``, timed on copies of the model);
+        * ``channels_last=None`` on a model with 2-D convolutions: the faster memory format in the
+          chosen mode (``ampkit.precision.layout``).
+
+        Returns the mode's name; a no-op once ``setup`` ran.
+        """
+        if self._setup_done:
+            return self.name
+        if self.requested == AUTO and modes:
+            from .autotune import fastest_mode
+
+            result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum)
+            if result["mode"] != self.name:
+                self.__init__(result["mode"], **self._init_kwargs)
+                self.requested = AUTO
+            self.reason = result["reason"]
+            self.tuned_ms = result["ms"]
+        if self.channels_last is None:
+            from .layout import faster_layout, has_conv2d
+
+            if has_conv2d(model):
+                kept = ("fp32_modules", "keep_norm_fp32", "cast_outputs", "op_policy", "compensation",
+                        "loss_scale", "init_scale")
+                result = faster_layout(model, inputs, target, loss_fn, self.name, self.device,
+                                       **{k: self._init_kwargs[k] for k in kept})
+                self.channels_last = result["channels_last"]
+                self.layout_reason = result["reason"]
         return self.name
 
     # ------------------------------------------------------------------ checks
@@ -392,6 +413,8 @@ class Precision:
                           "none": "no compensation (plain bf16 rounding)"}[self.compensation])
         if self.fp32_modules:
             extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
+        if self.layout_reason:
+            extra.append(f"memory format {self.layout_reason}")
         chosen = f"auto -> {self.name} ({self.reason})" if self.requested == AUTO else self.name
         return f"{chosen}: {self.mode.summary} on {self.device}" + (f"; {'; '.join(extra)}" if extra else "")
 

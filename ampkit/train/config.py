@@ -22,6 +22,7 @@ class TrainConfig:
     max_consecutive_skips: Optional[int] = 50
     compensation: Optional[str] = None  # bf16-pure only: kahan (default) | stochastic | none
     fp32_modules: List[str] = field(default_factory=list)
+    memory_format: str = "auto"  # conv models: auto (measured, the faster) | channels_last | contiguous
     eval_precision: str = "train"  # "train" or "fp32" (autocast off)
     # optimisation
     epochs: int = 20
@@ -43,7 +44,7 @@ class TrainConfig:
     progress: bool = True
     log_every: int = 10
     compile: bool = False
-    autotune: bool = True  # precision auto: time the candidate modes on this model (cached) and keep the fastest
+    autotune: bool = True  # time what is left open on this model (cached): auto's mode, a conv model's memory format
     strategy: str = "ddp"  # under torchrun: ddp | fsdp (fully_shard + MixedPrecisionPolicy)
     tensorboard: bool = False
     device: Optional[str] = None

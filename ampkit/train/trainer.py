@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from ..precision import NonFiniteGradientsError, Precision
+from ..precision.layout import has_conv2d
 from ..precision.modes import AUTO, MODES
 from . import checkpoint as ckpt
 from . import distributed as _dist
@@ -55,6 +56,10 @@ _RESUME_MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
 
 class RunDirError(ValueError):
     """The output directory cannot be used (holds another run, not writable...)."""
+
+
+# TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (Precision.tune)
+_MEMORY_FORMATS = {"auto": None, "channels_last": True, "contiguous": False}
 
 
 def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
@@ -164,6 +169,8 @@ class Trainer:
         if self._fsdp and not _dist.is_initialized():
             raise ValueError("strategy 'fsdp' needs torch.distributed: launch with "
                              "torchrun --nproc-per-node N -m ampkit train --strategy fsdp ...")
+        if cfg.memory_format not in _MEMORY_FORMATS:
+            raise ValueError(f"Unknown memory_format {cfg.memory_format!r}: use {', '.join(_MEMORY_FORMATS)}.")
         if isinstance(precision, Precision):
             self.precision = precision
         else:
@@ -171,15 +178,15 @@ class Trainer:
                 precision or cfg.precision, _dist.default_device(cfg.device),
                 loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
                 max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
-                compensation=cfg.compensation,
+                compensation=cfg.compensation, channels_last=_MEMORY_FORMATS[cfg.memory_format],
             )
         self.device = self.precision.device
         self.train_data, self.eval_data = train_data, eval_data
         self.task = task or _infer_task(train_data)
         self.class_names = list(class_names) if class_names else None
         self.loss_fn = loss_fn or default_loss
-        if self.precision.requested == AUTO and not isinstance(precision, Precision):
-            self._tune_auto(model)
+        if not isinstance(precision, Precision):
+            self._tune(model)
         if self._fsdp:  # shard first: the optimizer must hold the sharded (DTensor) parameters
             if optimizer is not None:
                 raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
@@ -217,12 +224,14 @@ class Trainer:
         self.last_checkpoint: Optional[str] = None
         self._saved_state: Optional[tuple] = None
 
-    def _tune_auto(self, model: nn.Module) -> None:
-        """precision auto: a resumed run keeps its checkpoint's mode; otherwise time the candidates
-        on this model and the first batch (``Precision.tune``; cached per machine). Several processes
-        keep the device default (every rank must run the same mode, and timings differ per rank)."""
-        cfg = self.config
-        if cfg.resume:
+    def _tune(self, model: nn.Module) -> None:
+        """Measure what the run left open on this model and its first batch (``Precision.tune``; cached
+        per machine): the mode for precision auto, the memory format of a conv model. A resumed auto
+        run keeps its checkpoint's mode. Several processes keep the defaults (every rank must run the
+        same mode and layout, and timings differ per rank)."""
+        cfg, prec = self.config, self.precision
+        modes = prec.requested == AUTO
+        if modes and cfg.resume:
             try:
                 path = cfg.resume
                 if path == "auto":
@@ -230,16 +239,17 @@ class Trainer:
                 saved = ckpt.load_checkpoint(path, map_location="cpu").get("precision", {}).get("name") if path else None
             except Exception:
                 saved = None  # fit() reports a bad checkpoint with the full message
-            if saved and saved != self.precision.name and saved in MODES:
-                self.precision.__init__(saved, **self.precision._init_kwargs)
-                self.precision.requested = AUTO
-                self.precision.reason = "the resumed run's precision"
-            return
-        if not cfg.autotune or self.world_size > 1 or self._fsdp or cfg.grad_accum < 1:
+            if saved and saved != prec.name and saved in MODES:
+                prec.__init__(saved, **prec._init_kwargs)
+                prec.requested = AUTO
+                prec.reason = "the resumed run's precision"
+            modes = False
+        layout = prec.channels_last is None and has_conv2d(model)
+        if not (modes or layout) or not cfg.autotune or self.world_size > 1 or self._fsdp:
             return
         idx = torch.arange(min(cfg.batch_size, len(self.train_data)))
         x, y = self._fetch(self.train_data, idx)
-        self.precision.tune(model, x, y, self.loss_fn, grad_accum=cfg.grad_accum)
+        prec.tune(model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes)
 
     # ------------------------------------------------------------------ data
     def _batches_per_epoch(self) -> int:
