@@ -16,7 +16,7 @@ def rec(model, precision, runner, ms, loss, **kw):
 
 def rows():
     return [
-        rec("cnn", "fp32", "ampkit", 200.0, 2.00),
+        rec("cnn", "fp32", "ampkit", 200.0, 2.00, loop="ampkit Precision('fp32') hooks, channels_last"),
         rec("cnn", "bf16-mixed", "ampkit", 100.0, 2.02),
         rec("cnn", "bf16-master", "ampkit", 80.0, 1.98),
         rec("cnn", "fp32", "torch-loop", 400.0, 2.50),  # a different fp32 per runner
@@ -64,6 +64,7 @@ def test_outputs(tmp_path):
     md = markdown(DEV, res, settings, ["a note"])
     assert "| cnn | bf16-master | ampkit | 80.0 | 1.0 | 2.50x | 1.50 |" in md
     assert "| gpt | bf16-master | ampkit | failed: timed out after 9 s |" in md
+    assert "- cnn fp32 (ampkit): ampkit Precision('fp32') hooks, channels_last" in md  # what the row ran
     assert "## Not faster than fp32: why" in md and "- a note" in md and "`ampkit bench --quick`" in md
     write_markdown(str(tmp_path / "bench.md"), DEV, res, settings, [])
     png = write_png(str(tmp_path / "bench.png"), res, DEV)

@@ -130,6 +130,10 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
                   "not reliable: re-run on a quiet machine."]
     if any((r.get("utilisation") or 0) > 1 for r in results):
         lines += ["", "Utilisation above 100% means the peak GEMM measurement itself was slowed by other jobs."]
+    ran = [r for r in results if r.get("loop")]
+    if ran:  # what each row's step was: the ampkit runner's layout / op policy are measured choices
+        lines += ["", "## What each row ran", ""]
+        lines += [f"- {r['model']} {r['precision']} ({r['runner']}): {r['loop']}" for r in ran]
     why = [r for r in results if r.get("explanation")]
     if why:
         lines += ["", "## Not faster than fp32: why", ""]
