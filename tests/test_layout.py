@@ -130,3 +130,20 @@ def test_cli_refuses_bad_memory_format(tmp_path, capsys):
 def test_cache_key_names_the_units():
     key = measured_on(torch.device("cpu"))
     assert key.endswith("]") and "[" in key  # e.g. "AMD EPYC [avx2]": same model name, other units, other key
+
+
+def test_timing_failure_falls_back_to_the_rule(monkeypatch, tmp_path):
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    import ampkit.precision.autotune as autotune
+    import pytest
+
+    def boom(*a, **k):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(autotune, "time_precisions", boom)
+    p = Precision("fp32", "cpu")
+    with pytest.warns(UserWarning, match="could not time both layouts.*out of memory.*--memory-format"):
+        p.tune(_conv(), *_batch(), nn.functional.cross_entropy)
+    assert p.channels_last is None and p.layout_reason is None
+    model, _ = p.setup(_conv())
+    assert not _is_cl(model)  # the rule: fp32 keeps NCHW

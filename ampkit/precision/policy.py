@@ -208,10 +208,16 @@ class Precision:
             if has_conv2d(model):
                 kept = ("fp32_modules", "keep_norm_fp32", "cast_outputs", "op_policy", "compensation",
                         "loss_scale", "init_scale")
-                result = faster_layout(model, inputs, target, loss_fn, self.name, self.device,
-                                       **{k: self._init_kwargs[k] for k in kept})
-                self.channels_last = result["channels_last"]
-                self.layout_reason = result["reason"]
+                try:
+                    result = faster_layout(model, inputs, target, loss_fn, self.name, self.device,
+                                           **{k: self._init_kwargs[k] for k in kept})
+                except Exception as e:  # e.g. out of memory for two more copies: the rule decides
+                    warnings.warn(f"memory format: could not time both layouts on this model ({type(e).__name__}: "
+                                  f"{e}); using the default rule. Pass channels_last=True/False (--memory-format) "
+                                  "to choose.", stacklevel=2)
+                else:
+                    self.channels_last = result["channels_last"]
+                    self.layout_reason = result["reason"]
         return self.name
 
     # ------------------------------------------------------------------ checks
