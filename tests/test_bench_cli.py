@@ -69,6 +69,7 @@ def test_bench_writes_json_md_png_through_worker_processes(tmp_path):
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--runners", "ampkit,jax"], "Unknown runner 'jax'"),
     (["--out", "afile.txt"], "is an existing file"),
+    (["--paired", "--runners", "ampkit"], "--paired compares ampkit with the plain loop"),
 ])
 def test_bad_input_one_line_exit_2(capsys, tmp_path, monkeypatch, argv, needle):
     monkeypatch.chdir(tmp_path)
@@ -89,3 +90,27 @@ def test_paired_script_runs_every_variant(tmp_path):
     assert "2 paired steps" in lines[0]
     assert [ln.split()[0] for ln in lines[1:]] == ["ampkit", "torch-loop", "ampkit-unguarded"]
     assert "loop/this 1.000" in lines[2]  # the loop against itself
+
+
+def test_paired_rows_measure_both_steps_in_one_process(tmp_path):
+    """--paired: one more worker per ampkit row, running ampkit and the plain loop alternately; its ratio
+    lands on the ampkit row and in its own bench.md section, and no 'paired' row is left in the results."""
+    (tmp_path / "tinybench.py").write_text(TINY)
+    env = {**os.environ, "PYTHONPATH": ROOT, "AMPKIT_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "ampkit", "bench", "--models", "tinybench:make", "--precisions",
+                        "fp32,bf16-master", "--steps", "3", "--warmup", "1", "--repeats", "2", "--batch-size", "8",
+                        "--device", "cpu", "--paired", "--out", "out"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.load(open(tmp_path / "out" / "bench.json"))
+    assert {x["runner"] for x in data["results"]} == {"ampkit", "torch-loop"}
+    ampkit = {x["precision"]: x for x in data["results"] if x["runner"] == "ampkit"}
+    for prec, loop in (("fp32", "fp32"), ("bf16-master", "bf16-mixed")):
+        row = ampkit[prec]
+        assert row["vs_torch_loop_paired"] > 0 and row["paired_ratio_iqr"] >= 0
+        assert len(row["paired_rep_ratios"]) == 2 and row["paired_loop_precision"] == loop
+        assert row["paired_ms"] > 0 and row["paired_loop_ms"] > 0
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "## ampkit vs the plain loop, paired in one process (`--paired`)" in md
+    assert "| tinybench:make | bf16-master | bf16-mixed |" in md and "--paired" in data["settings"]["command"]
+    assert "paired (round 2/2)" in r.stderr

@@ -114,3 +114,47 @@ def test_foreach_fallback_matches_torchs_kernel(poison):
     assert found_ours.item() == found_theirs.item() == (0.0 if poison is None else 1.0)
     for a, b in zip(grads, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fused_protocol_old_grad_scaler_kwarg_and_no_leak():
+    """An optimizer with torch's old protocol (step(..., grad_scaler=)) is handed the scaler on every step
+    (the signature lookup is cached per step function), and the cache keeps no optimizer alive."""
+    import gc
+    import weakref
+
+    class OldFused(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            self.seen.append(grad_scaler)
+            grad_scaler._check_inf_per_device(self)  # the old protocol: the optimizer records found-inf
+            inv = grad_scaler._get_scale_async().double().reciprocal().float()
+            for p in self.param_groups[0]["params"]:
+                p.grad.mul_(inv)
+            return super().step()
+
+    model = nn.Linear(4, 2)
+    opt = OldFused(model.parameters(), lr=0.1)
+    opt.seen = []
+    scaler = LossScaler("cpu", init_scale=4.0)
+    for _ in range(3):
+        scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+        with pytest.warns(FutureWarning, match="stop passing itself"):
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert opt.seen == [scaler] * 3
+
+    def make():  # a step wrapper closing over its optimizer, as user code does
+        o = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.1, fused=True)
+        plain = o.step
+        o.step = lambda closure=None: plain(closure)
+        s = LossScaler("cpu")
+        m = o.param_groups[0]["params"][0]
+        s.scale((m.sum() * 1.0)).backward()
+        s.step(o)
+        return weakref.ref(o)
+
+    ref = make()
+    gc.collect()
+    assert ref() is None

@@ -58,7 +58,7 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
     """Plan, measure, report. Returns {"device", "results", "notes", "paths"}."""
     import torch
 
-    from .report import finalize, write_json, write_markdown, write_png
+    from .report import attach_paired, finalize, write_json, write_markdown, write_png
     from .runner import run_all, run_worker
 
     check_out_dir(out)
@@ -79,6 +79,7 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
         end = measure_peaks(resolve_device(settings.device), list(start))
         device["peak_flops_measured"] = {"start": start, "end": end}
         device["peak_flops"] = {k: max(start[k], end[k]) for k in start}
+    results = attach_paired(results)
     finalize(results, device)
     sdict = settings.as_dict()
     sdict["command"] = settings_command(settings)
@@ -101,4 +102,6 @@ def settings_command(s: Settings) -> str:
         parts += ["--batch-size", str(s.batch_size)]
     if s.compile:
         parts.append("--compile")
+    if s.paired:
+        parts.append("--paired")
     return " ".join(parts)

@@ -49,6 +49,7 @@ class Settings:
     seed: int = 0
     timeout_s: float = 900.0  # per worker process
     quick: bool = False
+    paired: bool = False  # also time each ampkit mode against its plain loop in one process, alternating
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -200,6 +201,13 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
                     "batch_size": batch, "steps": s.steps, "warmup": s.warmup, "device": str(device),
                     "compile": bool(s.compile), "lr": s.lr, "seed": s.seed,
                 })
+    if s.paired:
+        if set(s.runners) != set(RUNNERS):
+            raise ValueError("--paired compares ampkit with the plain loop: it needs both runners (leave --runners "
+                             "out, or pass --runners ampkit,torch-loop).")
+        # one more configuration per ampkit row: both steps in one process, alternating step by step
+        configs += [{**c, "runner": "paired", "loop_precision": baseline_precision(c["resolved_precision"])}
+                    for c in list(configs) if c["runner"] == "ampkit"]
     if "torch-loop" in s.runners and any(baseline_precision(resolved[p]) != p for p in precisions):
         notes.append("torch-loop rows use plain autocast in the same dtype as the ampkit modes it is the "
                      "baseline for (bf16-master/bf16-pure -> bf16-mixed): that is what a user writes by hand.")

@@ -18,7 +18,7 @@ from .profile import CATEGORIES
 #: above half the median) mark the row noisy: another job shared the cores
 NOISY_REPS, NOISY_IQR = 1.5, 0.5
 
-__all__ = ["NOISY_REPS", "NOISY_IQR", "is_noisy", "finalize", "write_json", "write_markdown", "write_png", "markdown",
+__all__ = ["NOISY_REPS", "NOISY_IQR", "is_noisy", "attach_paired", "finalize", "write_json", "write_markdown", "write_png", "markdown",
            "OUTPUTS"]
 
 OUTPUTS = ("bench.json", "bench.md", "bench.png")
@@ -31,6 +31,26 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def _sig(x: float, digits: int = 4) -> float:
     """Round to significant digits (a tiny model's TFLOP/s must not round to 0)."""
     return float(f"{x:.{digits}g}")
+
+
+def attach_paired(results: List[Dict]) -> List[Dict]:
+    """The rows without the ``paired`` ones (``--paired``), whose ratios move onto their ampkit row:
+    ``vs_torch_loop_paired`` (median loop/ampkit over steps timed side by side in one process),
+    ``paired_ratio_iqr``, ``paired_rep_ratios``, ``paired_loop_ms`` (the loop's median there), or
+    ``paired_error``."""
+    rows = [r for r in results if r.get("runner") != "paired"]
+    by_key = {(r["model"], r["precision"]): r for r in rows if r.get("runner") == "ampkit"}
+    for p in (r for r in results if r.get("runner") == "paired"):
+        row = by_key.get((p["model"], p["precision"]))
+        if row is None:
+            continue
+        if p.get("vs_torch_loop_paired") is None:
+            row["paired_error"] = p.get("error", "no paired steps")
+            continue
+        row.update(vs_torch_loop_paired=p["vs_torch_loop_paired"], paired_ratio_iqr=p["paired_ratio_iqr"],
+                   paired_rep_ratios=p["paired_rep_ratios"], paired_loop_ms=p["loop_ms_per_step"],
+                   paired_ms=p["ms_per_step"], paired_loop_precision=p.get("loop_precision"))
+    return rows
 
 
 def is_noisy(r: Dict) -> bool:
@@ -130,6 +150,22 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
                   "not reliable: re-run on a quiet machine."]
     if any((r.get("utilisation") or 0) > 1 for r in results):
         lines += ["", "Utilisation above 100% means the peak GEMM measurement itself was slowed by other jobs."]
+    paired = [r for r in results if r.get("vs_torch_loop_paired") is not None or r.get("paired_error")]
+    if paired:
+        lines += ["", "## ampkit vs the plain loop, paired in one process (`--paired`)", "",
+                  "Both steps built over identical seeded workloads in one process and timed alternately, step by "
+                  "step: the ratio holds even where separate processes land in different speed regimes.", "",
+                  "| model | precision | plain loop | ampkit ms | loop ms | loop/ampkit (median) | IQR | per repetition "
+                  "| per-process vs torch-loop |",
+                  "|---|---|---|---:|---:|---:|---:|---|---:|"]
+        for r in paired:
+            if r.get("paired_error"):
+                lines.append(f"| {r['model']} | {r['precision']} | failed: {r['paired_error']} |" + " |" * 6)
+                continue
+            reps = ", ".join(f"{x:.3f}" for x in r["paired_rep_ratios"])
+            lines.append(f"| {r['model']} | {r['precision']} | {r['paired_loop_precision']} | {r['paired_ms']:.1f} "
+                         f"| {r['paired_loop_ms']:.1f} | {r['vs_torch_loop_paired']:.3f} | {r['paired_ratio_iqr']:.3f} "
+                         f"| {reps} | {_f(r.get('vs_torch_loop'), '.2f')} |")
     ran = [r for r in results if r.get("loop")]
     if ran:  # what each row's step was: the ampkit runner's layout / op policy are measured choices
         lines += ["", "## What each row ran", ""]

@@ -74,10 +74,18 @@ def aggregate(reps: List[Dict]) -> Dict:
         ms_per_step_spread=round(q3 - q1, 3),
         rep_ms=[round(statistics.median(r["step_ms"]), 3) for r in ok],
         repeats=len(ok),
-        peak_mem_mb=max(r["peak_mem_mb"] for r in ok),
+        peak_mem_mb=max((r["peak_mem_mb"] for r in ok if r.get("peak_mem_mb") is not None), default=None),
         flops_per_step=next((r["flops_per_step"] for r in ok if r.get("flops_per_step")), None),
         profile=next((r["profile"] for r in reversed(ok) if r.get("profile")), None),
     )
+    if "ratios" in ok[0]:  # a paired row: loop/ampkit per step, pooled over the repetitions
+        ratios = [x for r in ok for x in r["ratios"]]
+        r1, r3 = _quartiles(ratios)
+        out.update(vs_torch_loop_paired=round(statistics.median(ratios), 4), paired_ratio_iqr=round(r3 - r1, 4),
+                   paired_rep_ratios=[round(statistics.median(r["ratios"]), 4) for r in ok],
+                   loop_ms_per_step=round(statistics.median([t for r in ok for t in r["loop_step_ms"]]), 3))
+        out.pop("ratios", None)
+        out.pop("loop_step_ms", None)
     out["final_losses"] = [r["final_loss"] for r in ok]
     failed = [r["error"] for r in reps if "error" in r]
     if failed:

@@ -18,7 +18,7 @@ from typing import Dict, List
 
 import torch
 
-__all__ = ["measure", "main"]
+__all__ = ["measure", "measure_paired", "main"]
 
 
 def _timed_steps(step, batches, start: int, n: int, device: torch.device):
@@ -102,6 +102,56 @@ def measure(cfg: Dict) -> Dict:
     return record
 
 
+def measure_paired(cfg: Dict) -> Dict:
+    """ampkit's step and the plain loop's, built over identical seeded workloads in this one process,
+    warmed up alike, then timed alternately (A B | B A | ...): the ratio of each loop step to the
+    ampkit step beside it is immune to the speed regime a process happens to land in.
+
+    ``step_ms`` holds ampkit's times, ``loop_step_ms`` the loop's, ``ratios`` loop/ampkit (> 1: ampkit
+    faster). Peak memory covers both models, so it is not reported for this row.
+    """
+    from .loops import make_step
+    from .workload import build_workload
+
+    threads = cfg.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    device = torch.device(cfg["device"])
+    steps, warmup = int(cfg["steps"]), int(cfg["warmup"])
+    n_batches = min(8, steps + warmup)
+    pair = {}
+    for runner, mode in (("ampkit", cfg["precision"]), ("torch-loop", cfg["loop_precision"])):
+        wl = build_workload(cfg["model"], int(cfg["batch_size"]), n_batches, int(cfg["seed"]), device)
+        pair[runner] = (make_step(runner, mode, wl, device, float(cfg["lr"])), wl)
+    t_start = time.perf_counter()
+    for i in range(max(1, warmup)):
+        for step, wl in pair.values():
+            step(*wl.batches[i % len(wl.batches)])
+            if i == 0 and cfg.get("compile"):
+                step.compile()
+    times: Dict[str, List[float]] = {"ampkit": [], "torch-loop": []}
+    loss = None
+    for i in range(steps):
+        order = ("ampkit", "torch-loop") if i % 2 == 0 else ("torch-loop", "ampkit")
+        for runner in order:
+            step, wl = pair[runner]
+            t, out = _timed_steps(step, wl.batches, warmup + i, 1, device)
+            times[runner] += t
+            if runner == "ampkit":
+                loss = out
+    a_step = pair["ampkit"][0]
+    return {
+        "model": cfg["model"], "precision": cfg["precision"], "runner": "paired",
+        "resolved_precision": a_step.precision.name if a_step.precision is not None else cfg["precision"],
+        "loop_precision": cfg["loop_precision"], "device": str(device), "threads": torch.get_num_threads(),
+        "warmup": warmup, "steps": steps, "step_ms": [round(t, 3) for t in times["ampkit"]],
+        "loop_step_ms": [round(t, 3) for t in times["torch-loop"]],
+        "ratios": [round(b / a, 4) for a, b in zip(times["ampkit"], times["torch-loop"])],
+        "final_loss": float(loss), "peak_mem_mb": None, "loop": a_step.describe,
+        "wall_s": round(time.perf_counter() - t_start, 2),
+    }
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -109,7 +159,7 @@ def main(argv=None) -> int:
         return 2
     try:
         cfg = json.loads(argv[0])
-        record = measure(cfg)
+        record = measure_paired(cfg) if cfg.get("runner") == "paired" else measure(cfg)
     except Exception as e:  # reported as one record so the run goes on with the other configurations
         traceback.print_exc(file=sys.stderr)
         cfg = cfg if isinstance(locals().get("cfg"), dict) else {}

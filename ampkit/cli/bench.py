@@ -31,6 +31,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "(compile time is spent in warm-up, not timed)")
     p.add_argument("--quick", action="store_true", help="cnn + gpt, fp32 vs bf16-mixed, both runners, 3 steps x 2 "
                    "repeats: a few minutes on a 2-core CPU")
+    p.add_argument("--paired", action="store_true", help="also run each ampkit mode and its plain loop in one "
+                   "process, alternating step by step, and report the paired ratio: robust where processes land in "
+                   "different speed regimes (adds one process per ampkit row)")
     p.add_argument("--out", help="directory for bench.json, bench.md, bench.png (default runs/bench-<time>); "
                    "existing results are never overwritten")
 
@@ -47,6 +50,7 @@ def settings_from_args(args):
     }.items() if v is not None}
     over["device"] = str(resolve_device(args.device))
     over["compile"] = bool(args.compile)
+    over["paired"] = bool(args.paired)
     return dataclasses.replace(base, **over)
 
 
