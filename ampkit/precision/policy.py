@@ -211,7 +211,8 @@ class Precision:
                 try:
                     result = faster_layout(model, inputs, target, loss_fn, self.name, self.device,
                                            **{k: self._init_kwargs[k] for k in kept})
-                except Exception as e:  # e.g. out of memory for two more copies: the rule decides
+                except RuntimeError as e:  # e.g. out of memory for two more copies: the rule decides
+                    # (a ValueError/TypeError is a configuration error: it surfaces as itself, now)
                     warnings.warn(f"memory format: could not time both layouts on this model ({type(e).__name__}: "
                                   f"{e}); using the default rule. Pass channels_last=True/False (--memory-format) "
                                   "to choose.", stacklevel=2)
