@@ -131,14 +131,29 @@ def measure_paired(cfg: Dict) -> Dict:
                 step.compile()
     times: Dict[str, List[float]] = {"ampkit": [], "torch-loop": []}
     loss = None
-    for i in range(steps):
-        order = ("ampkit", "torch-loop") if i % 2 == 0 else ("torch-loop", "ampkit")
-        for runner in order:
-            step, wl = pair[runner]
-            t, out = _timed_steps(step, wl.batches, warmup + i, 1, device)
-            times[runner] += t
-            if runner == "ampkit":
-                loss = out
+    # CUDA: events between the steps and one sync at the end, as in the ordinary rows (a sync per step
+    # would charge the plain loop the host sync it never makes, hiding ampkit's)
+    cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * steps + 1)] if cuda else []
+    if cuda:
+        events[0].record()
+    order = [r for i in range(steps) for r in (("ampkit", "torch-loop") if i % 2 == 0 else ("torch-loop", "ampkit"))]
+    host: List[float] = []
+    for k, runner in enumerate(order):
+        step, wl = pair[runner]
+        t0 = time.perf_counter()
+        out = step(*wl.batches[(warmup + k // 2) % len(wl.batches)])
+        if cuda:
+            events[k + 1].record()
+        else:
+            host.append((time.perf_counter() - t0) * 1000.0)
+        if runner == "ampkit":
+            loss = out
+    if cuda:
+        torch.cuda.synchronize(device)
+        host = [events[k].elapsed_time(events[k + 1]) for k in range(len(order))]
+    for runner, t in zip(order, host):
+        times[runner].append(t)
     a_step = pair["ampkit"][0]
     return {
         "model": cfg["model"], "precision": cfg["precision"], "runner": "paired",
