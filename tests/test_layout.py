@@ -95,7 +95,7 @@ def test_precision_tune_measures_only_what_is_left_open(monkeypatch, tmp_path):
     assert Precision("fp32", "cpu").layout_reason is None
 
 
-def test_trainer_memory_format(monkeypatch, tmp_path):
+def test_trainer_memory_format(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
     x, y = _batch(32)
     data = TensorDataset(x, y)
@@ -103,7 +103,10 @@ def test_trainer_memory_format(monkeypatch, tmp_path):
     calls = _fake(monkeypatch, {"contiguous": 100.0, "channels_last": 60.0})
     t = Trainer(_conv(), data, **kw, out=str(tmp_path / "a"))
     assert t.precision.channels_last is True and _is_cl(t.model) and len(calls) == 1
+    assert capsys.readouterr().err.count("timing NCHW vs channels_last in fp32") == 1  # told, before timing
     t.fit()
+    Trainer(_conv(), data, **kw)  # cached: nothing timed, nothing said
+    assert len(calls) == 1 and "timing NCHW" not in capsys.readouterr().err
     for fmt, cl in (("contiguous", False), ("channels_last", True)):
         t2 = Trainer(_conv(), data, **kw, memory_format=fmt)
         assert _is_cl(t2.model) is cl

@@ -152,7 +152,7 @@ def signature(model: nn.Module, inputs: Any, target: Any) -> str:
 
 
 def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, device: Any = None,
-                 grad_accum: int = 1, **kw) -> Dict[str, Any]:
+                 grad_accum: int = 1, log: Optional[Callable[[str], None]] = None, **kw) -> Dict[str, Any]:
     """``{"mode", "reason", "ms": {mode: ms}, "cached", "checked"}``: the fastest of :func:`auto_candidates`
     whose compute dtype passes the AMP check (``checked``: :func:`amp_check`'s verdicts).
 
@@ -186,6 +186,9 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
         return {"mode": passed[0], "reason": f"{dev_reason}; {check_note}", "ms": {}, "cached": bool(hit),
                 "checked": checked}
     cached = set(hit.get("ms", {})) == set(passed)
+    if not cached and log:
+        log(f"precision auto: timing {', '.join(passed)} on the first batch (once per model on this machine; "
+            "--no-autotune skips it)")
     ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, passed, dev, **kw)
     if not cached:
         remember(ms)

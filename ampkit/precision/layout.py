@@ -17,7 +17,7 @@ Without a batch (``Precision.setup`` called alone) the rule stays: channels_last
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -40,7 +40,8 @@ def has_conv2d(model: nn.Module) -> bool:
 
 
 def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mode: str, device: Any = None,
-                  steps: int = 1, warmup: int = 1, rounds: int = 6, **precision_kwargs: Any) -> Dict[str, Any]:
+                  steps: int = 1, warmup: int = 1, rounds: int = 6, log: Optional[Callable[[str], None]] = None,
+                  **precision_kwargs: Any) -> Dict[str, Any]:
     """``{"channels_last": bool, "ms": {"contiguous", "channels_last"}, "cached": bool, "reason": str}``
     for training ``model`` on this batch in ``mode``; ``model`` itself is left untouched.
 
@@ -49,7 +50,8 @@ def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
     such burst once made channels_last look 2.2x slower (846 vs 386 ms) on a ResNet where it is
     1.2x faster.
 
-    ``precision_kwargs`` are the rest of the ``Precision`` settings the run uses (fp32 modules...).
+    ``precision_kwargs`` are the rest of the ``Precision`` settings the run uses (fp32 modules...);
+    ``log`` is told once before a measurement is taken (not when the verdict is cached).
     """
     from .autotune import fmt_ms, signature, time_precisions
 
@@ -61,6 +63,9 @@ def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
     if cached:
         ms = hit["ms"]
     else:
+        if log:
+            log(f"timing NCHW vs channels_last in {mode} on the first batch ({2 * (warmup + steps * rounds)} steps, "
+                "once per model on this machine; --memory-format skips it)")
         kwargs = {k: v for k, v in precision_kwargs.items() if k != "channels_last"}
         ms = time_precisions(model, inputs, target, loss_fn,
                              {"contiguous": {"name": mode, "channels_last": False, **kwargs},

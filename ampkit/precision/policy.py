@@ -181,7 +181,7 @@ class Precision:
         self._setup_done = False
 
     def tune(self, model: nn.Module, inputs: Any, target: Any, loss_fn, grad_accum: int = 1,
-             modes: bool = True) -> str:
+             modes: bool = True, log=None) -> str:
         """Before ``setup``, measure on this model and batch what was left open (cached per machine):
 
         * ``auto`` (and ``modes``): the fastest candidate mode that passes the AMP check
@@ -189,6 +189,7 @@ class Precision:
         * ``channels_last=None`` on a model with 2-D convolutions: the faster memory format in the
           chosen mode (``ampkit.precision.layout``).
 
+        ``log(message)`` is called before each measurement actually taken (cached verdicts are silent).
         Returns the mode's name; a no-op once ``setup`` ran.
         """
         if self._setup_done:
@@ -196,7 +197,7 @@ class Precision:
         if self.requested == AUTO and modes:
             from .autotune import fastest_mode
 
-            result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum)
+            result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum, log=log)
             if result["mode"] != self.name:
                 self.__init__(result["mode"], **self._init_kwargs)
                 self.requested = AUTO
@@ -209,7 +210,7 @@ class Precision:
                 kept = ("fp32_modules", "keep_norm_fp32", "cast_outputs", "op_policy", "compensation",
                         "loss_scale", "init_scale")
                 try:
-                    result = faster_layout(model, inputs, target, loss_fn, self.name, self.device,
+                    result = faster_layout(model, inputs, target, loss_fn, self.name, self.device, log=log,
                                            **{k: self._init_kwargs[k] for k in kept})
                 except RuntimeError as e:  # e.g. out of memory for two more copies: the rule decides
                     # (a ValueError/TypeError is a configuration error: it surfaces as itself, now)

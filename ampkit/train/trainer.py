@@ -249,7 +249,8 @@ class Trainer:
             return
         idx = torch.arange(min(cfg.batch_size, len(self.train_data)))
         x, y = self._fetch(self.train_data, idx)
-        prec.tune(model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes)
+        prec.tune(model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes,
+                  log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
 
     # ------------------------------------------------------------------ data
     def _batches_per_epoch(self) -> int:
