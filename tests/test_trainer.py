@@ -208,3 +208,22 @@ def test_fp16_pure_with_the_trainers_adamw_does_not_diverge():
     fp32, pure = summaries["fp32"], summaries["fp16-pure"]
     assert pure["skipped_steps"] == 0 and pure["accuracy"] >= fp32["accuracy"] - 0.05
     assert pure["eval_loss"] == pytest.approx(fp32["eval_loss"], rel=0.05)
+
+
+def test_resume_with_other_schedule_options_says_what_changes(tmp_path):
+    """More epochs stretch a cosine schedule mid-run and --lr is overridden by the checkpoint: a resume
+    says so (and trains on); with the run's own options it says nothing."""
+    import warnings
+
+    out = str(tmp_path / "run")
+    kw = {**BASE, "lr_schedule": "cosine"}
+    Trainer(_model(), _data(), out=out, epochs=1, **kw).fit()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(_model(), _data(), out=out, resume="auto", epochs=1, **kw).fit()
+    assert not [w for w in caught if "learning-rate" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"cosine schedule now spans 8 optimizer steps, not 4.*--lr 0\.05 does not "
+                                         r"apply: the checkpoint's lr 0\.1 continues.*--config RUN_DIR/config.toml"):
+        t = Trainer(_model(), _data(), out=out, resume="auto", epochs=2, **{**kw, "lr": 0.05})
+        t.fit()
+    assert t.global_step == 8

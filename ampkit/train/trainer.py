@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -211,6 +212,7 @@ class Trainer:
         n_batches = self._batches_per_epoch()
         self.steps_per_epoch = math.ceil(n_batches / cfg.grad_accum)
         total = cfg.max_steps or self.steps_per_epoch * cfg.epochs
+        self._own_schedule = scheduler is None  # built from the config (then a resume can say what changed)
         self.scheduler = scheduler if scheduler is not None else build_scheduler(
             self.optimizer, cfg.lr_schedule, total, cfg.warmup_steps)
         # progress counters
@@ -400,6 +402,9 @@ class Trainer:
                     f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
                     f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume with "
                     "the run's own options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
+        note = self._schedule_change(saved) if self._own_schedule and saved else None
+        if note:
+            warnings.warn(note, stacklevel=2)
         try:
             self.precision.load_state_dict(ck["precision"])
             if self._fsdp:
@@ -420,6 +425,31 @@ class Trainer:
         self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
+
+    def _schedule_change(self, saved: Dict[str, Any]) -> Optional[str]:
+        """What a resume with other schedule options changes, in one sentence, or None.
+
+        The schedule's length comes from epochs/max_steps, so resuming with more epochs stretches a
+        cosine/linear curve mid-run; the checkpoint's lr (optimizer and scheduler state) wins over --lr.
+        """
+        cfg = self.config
+        changes = []
+        for key in ("lr_schedule", "warmup_steps"):
+            if key in saved and saved[key] != getattr(cfg, key):
+                changes.append(f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}")
+        if cfg.lr_schedule != "constant" and ("epochs" in saved or "max_steps" in saved):
+            before = saved.get("max_steps") or self.steps_per_epoch * int(saved.get("epochs", cfg.epochs))
+            now = cfg.max_steps or self.steps_per_epoch * cfg.epochs
+            if before != now:
+                changes.append(f"the {cfg.lr_schedule} schedule now spans {now} optimizer steps, not {before} "
+                               "(its length comes from --epochs/--max-steps)")
+        if "lr" in saved and saved["lr"] != cfg.lr:
+            changes.append(f"--lr {cfg.lr:g} does not apply: the checkpoint's lr {saved['lr']:g} continues")
+        if not changes:
+            return None
+        return ("resuming with other learning-rate options: " + "; ".join(changes) + ". The learning rate will "
+                "differ from the uninterrupted run's; resume with the run's own options (ampkit train --config "
+                "RUN_DIR/config.toml --resume auto) to keep it.")
 
     def _resolve_resume(self) -> Optional[str]:
         spec = self.config.resume
