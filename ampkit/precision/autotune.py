@@ -76,19 +76,20 @@ def _sync(device: torch.device) -> None:
 
 
 def time_modes(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, modes: Sequence[str],
-               device: Any = None, steps: int = 3, warmup: int = 2, rounds: int = 2,
+               device: Any = None, steps: int = 1, warmup: int = 2, rounds: int = 6,
                make_optimizer: Optional[Callable] = None) -> Dict[str, float]:
     """Median ms per optimizer step of each mode, on deep copies of ``model`` (left untouched).
 
-    Rounds alternate the order of the modes, so a drifting machine hits all alike.
+    Rounds alternate the order of the modes (A B C | C B A | ...), one step each by default, so a
+    drifting machine or a burst of other work hits all alike.
     """
     return time_precisions(model, inputs, target, loss_fn, {m: {"name": m} for m in modes}, device,
                            steps=steps, warmup=warmup, rounds=rounds, make_optimizer=make_optimizer)
 
 
 def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
-                    candidates: Dict[str, Dict[str, Any]], device: Any = None, steps: int = 3, warmup: int = 2,
-                    rounds: int = 2, make_optimizer: Optional[Callable] = None) -> Dict[str, float]:
+                    candidates: Dict[str, Dict[str, Any]], device: Any = None, steps: int = 1, warmup: int = 2,
+                    rounds: int = 6, make_optimizer: Optional[Callable] = None) -> Dict[str, float]:
     """:func:`time_modes` for any ``Precision`` settings: ``{label: Precision kwargs (name included)}``
     -> ``{label: median ms per optimizer step}``, each on its own deep copy of ``model``."""
     dev = resolve_device(device)
