@@ -80,3 +80,23 @@ def test_noisy_rows_are_flagged_and_marked():
     assert out[1]["explanation"] is None  # 2x faster: nothing to explain, noisy or not
     md = markdown(DEV, out, {}, [])
     assert "| cnn | bf16-mixed | ampkit | 100.0* |" in md and "\\* noisy" in md
+
+
+def test_paired_ratios_attach_to_ampkit_rows_and_disagreement_is_called_out():
+    from ampkit.bench.report import attach_paired
+
+    paired = {"model": "cnn", "precision": "bf16-master", "runner": "paired", "vs_torch_loop_paired": 1.02,
+              "paired_ratio_iqr": 0.01, "paired_rep_ratios": [1.01, 1.03], "loop_ms_per_step": 120.0,
+              "ms_per_step": 118.0, "loop_precision": "bf16-mixed"}
+    failed = {"model": "cnn", "precision": "bf16-mixed", "runner": "paired", "error": "timed out after 9 s"}
+    everything = rows() + [paired, failed]
+    kept = attach_paired(everything)
+    assert len(kept) == len(everything) - 2 and all(r["runner"] != "paired" for r in kept)
+    res = finalize(kept, DEV)
+    master = next(r for r in res if (r["model"], r["precision"], r["runner"]) == ("cnn", "bf16-master", "ampkit"))
+    assert master["vs_torch_loop_paired"] == 1.02 and master["paired_loop_ms"] == 120.0
+    md = markdown(DEV, res, {"steps": 3}, [])
+    assert "| cnn | bf16-master | bf16-mixed | 118.0 | 120.0 | 1.020 | 0.010 | 1.010, 1.030 | 1.50 |" in md
+    assert "| cnn | bf16-mixed | failed: timed out after 9 s |" in md
+    # per process 1.50x, paired 1.02x: the report says which to read
+    assert "differ by more than 10% for cnn bf16-master" in md

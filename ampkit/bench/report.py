@@ -17,6 +17,8 @@ from .profile import CATEGORIES
 #: repetitions of one configuration whose medians differ by more than this factor (or an IQR
 #: above half the median) mark the row noisy: another job shared the cores
 NOISY_REPS, NOISY_IQR = 1.5, 0.5
+#: a per-process ampkit/loop ratio this far from the paired one is called out under the paired table
+PAIRED_DISAGREE = 0.10
 
 __all__ = ["NOISY_REPS", "NOISY_IQR", "is_noisy", "attach_paired", "finalize", "write_json", "write_markdown", "write_png", "markdown",
            "OUTPUTS"]
@@ -166,6 +168,13 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
             lines.append(f"| {r['model']} | {r['precision']} | {r['paired_loop_precision']} | {r['paired_ms']:.1f} "
                          f"| {r['paired_loop_ms']:.1f} | {r['vs_torch_loop_paired']:.3f} | {r['paired_ratio_iqr']:.3f} "
                          f"| {reps} | {_f(r.get('vs_torch_loop'), '.2f')} |")
+        apart = [r for r in paired if r.get("vs_torch_loop") and r.get("vs_torch_loop_paired")
+                 and abs(r["vs_torch_loop"] / r["vs_torch_loop_paired"] - 1) > PAIRED_DISAGREE]
+        if apart:
+            lines += ["", "Per-process and paired ratios differ by more than "
+                      f"{PAIRED_DISAGREE:.0%} for " + ", ".join(f"{r['model']} {r['precision']}" for r in apart)
+                      + ": their processes ran at different speeds for the same work; the paired ratio is the one "
+                      "to read."]
     ran = [r for r in results if r.get("loop")]
     if ran:  # what each row's step was: the ampkit runner's layout / op policy are measured choices
         lines += ["", "## What each row ran", ""]
