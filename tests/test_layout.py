@@ -150,3 +150,36 @@ def test_timing_failure_falls_back_to_the_rule(monkeypatch, tmp_path):
     assert p.channels_last is None and p.layout_reason is None
     model, _ = p.setup(_conv())
     assert not _is_cl(model)  # the rule: fp32 keeps NCHW
+
+
+class _Uncopyable(nn.Module):
+    """A conv model holding a lock: copy.deepcopy refuses it (TypeError), so nothing can be timed."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.body = _conv()
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_a_model_that_cannot_be_copied_trains_with_the_defaults(monkeypatch, tmp_path):
+    import pytest
+
+    from tests.test_autotune import _bf16_cpu
+
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    x, y = _batch(16)
+    with pytest.warns(UserWarning, match="could not time both layouts.*cannot be deep-copied"):
+        t = Trainer(_Uncopyable(), TensorDataset(x, y), epochs=1, batch_size=8, progress=False, device="cpu",
+                    precision="fp32")
+    assert not _is_cl(t.model)
+    t.fit()
+    _bf16_cpu(monkeypatch)  # auto would time bf16-mixed / bf16-master / fp32: it keeps the default instead
+    p = Precision("auto", "cpu", channels_last=False)
+    with pytest.warns(UserWarning, match="precision auto: the model cannot be deep-copied.*keeping the device's "
+                                         "default, 'bf16-mixed'"):
+        assert p.tune(_Uncopyable(), x, y, nn.functional.cross_entropy) == "bf16-mixed"

@@ -33,7 +33,11 @@ from .cache import cache_file, load_entries, store_entry
 from .device import auto_mode, device_info, measured_on, resolve_device
 from .modes import MODES
 
-__all__ = ["auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
+__all__ = ["CannotTime", "auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
+
+
+class CannotTime(RuntimeError):
+    """Timing candidates needs copies of the model, and this one cannot be copied."""
 
 
 def autotune_cache_path() -> str:
@@ -108,7 +112,11 @@ def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, r
 
     runs = {}
     for label, kwargs in candidates.items():
-        clone = copy.deepcopy(model).to(dev).train()
+        try:
+            clone = copy.deepcopy(model)
+        except Exception as e:  # a lock, a file handle, a non-leaf tensor attribute...
+            raise CannotTime(f"the model cannot be deep-copied for timing ({type(e).__name__}: {e})") from e
+        clone = clone.to(dev).train()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             prec = Precision(device=dev, **kwargs)

@@ -195,14 +195,19 @@ class Precision:
         if self._setup_done:
             return self.name
         if self.requested == AUTO and modes:
-            from .autotune import fastest_mode
+            from .autotune import CannotTime, fastest_mode
 
-            result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum, log=log)
-            if result["mode"] != self.name:
-                self.__init__(result["mode"], **self._init_kwargs)
-                self.requested = AUTO
-            self.reason = result["reason"]
-            self.tuned_ms = result["ms"]
+            try:
+                result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum, log=log)
+            except CannotTime as e:
+                warnings.warn(f"precision auto: {e}; keeping the device's default, {self.name!r}. Pass a mode "
+                              "(--precision) to choose.", stacklevel=2)
+            else:
+                if result["mode"] != self.name:
+                    self.__init__(result["mode"], **self._init_kwargs)
+                    self.requested = AUTO
+                self.reason = result["reason"]
+                self.tuned_ms = result["ms"]
         if self.channels_last is None:
             from .layout import faster_layout, has_conv2d
 
