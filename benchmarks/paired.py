@@ -10,8 +10,10 @@ step to the loop's step next to it is paired, and its median is what it reports.
     python benchmarks/paired.py resnet --precision fp32 --rounds 16
 
 Variants: ``ampkit`` (the bench's ampkit runner: `Precision` hooks, measured memory format, the
-Trainer's fused AdamW), ``torch-loop`` (the bench's plain loop), and ``ampkit-unguarded`` (ampkit
-with ``skip_nonfinite=False`` and NCHW: the fp32 non-finite guard's and the layout's share).
+Trainer's fused AdamW), ``torch-loop`` (the bench's plain loop), ``ampkit-unguarded`` (ampkit
+with ``skip_nonfinite=False`` and NCHW: the fp32 non-finite guard's and the layout's share), and
+with ``--compile`` also ``ampkit-compiled`` (the ampkit step over ``torch.compile(model)``,
+compiled before timing: what ``ampkit train --compile`` buys on this model).
 Run it alone on the machine (``flock /tmp/ampkit-bench.lock ...``), as the bench.
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed | fp16-mixed (modes the plain loop has)")
     ap.add_argument("--batch-size", type=int, default=None, help="default: the bench's (64 images, 16 sequences)")
     ap.add_argument("--rounds", type=int, default=16, help="steps per variant (the first 2 are warm-up)")
+    ap.add_argument("--compile", action="store_true", help="add the ampkit step over torch.compile(model)")
     args = ap.parse_args()
     dev = torch.device("cpu")
     bs = args.batch_size or (16 if args.model == "gpt" else 64)
@@ -58,6 +61,13 @@ def main() -> None:
         w = build_workload(args.model, bs, 4, 0, dev)
         variants[runner] = (make_step(runner, args.precision, w, dev, 1e-3), w)
     variants["ampkit-unguarded"] = _unguarded(args.model, args.precision, bs, dev)
+    if args.compile:
+        w = build_workload(args.model, bs, 4, 0, dev)
+        step = make_step("ampkit", args.precision, w, dev, 1e-3)
+        step(*w.batches[0])  # eager first step, then compile (as the bench does); compiling is not timed
+        step.compile()
+        step(*w.batches[1])
+        variants["ampkit-compiled"] = (step, w)
     names = list(variants)
     times = {k: [] for k in names}
     for i in range(args.rounds):
