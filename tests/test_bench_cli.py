@@ -84,11 +84,11 @@ def test_paired_script_runs_every_variant(tmp_path):
     """benchmarks/paired.py (the in-process A/B behind benchmarks/README.md's overhead figures) still runs."""
     env = {**os.environ, "PYTHONPATH": ROOT, "AMPKIT_CACHE_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "paired.py"), "mlp", "--batch-size", "4",
-                        "--rounds", "4"], capture_output=True, text=True, env=env, timeout=300)
+                        "--rounds", "4", "--compile"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "2 paired steps" in lines[0]
-    assert [ln.split()[0] for ln in lines[1:]] == ["ampkit", "torch-loop", "ampkit-unguarded"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["ampkit", "torch-loop", "ampkit-unguarded", "ampkit-compiled"]
     assert "loop/this 1.000" in lines[2]  # the loop against itself
 
 

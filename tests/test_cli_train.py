@@ -158,3 +158,18 @@ def test_tensorboard_missing_is_one_line_and_leaves_no_run_dir(capsys, tmp_path,
     code, err = _err(capsys, ["train", "--tensorboard", "--out", "tb"] + FAST)
     assert code == 2 and len(err) == 1 and "pip install tensorboard" in err[0]
     assert not (tmp_path / "tb").exists()
+
+
+def test_compile_trains_and_resumes(capsys, tmp_path, monkeypatch):
+    """--compile: the compiled model trains, its checkpoints hold the plain module's keys, and a resumed
+    compiled run continues from them: 3 + 3 steps == 6 steps, bit for bit, compiled both times."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    common = ["train", "--compile", "--precision", "fp32", "--lr-schedule", "constant", "--save-every", "3"] + FAST
+    assert main(common + ["--max-steps", "6", "--out", "whole"]) == 0
+    assert main(common + ["--max-steps", "3", "--out", "split"]) == 0
+    assert main(common + ["--max-steps", "6", "--out", "split", "--resume", "auto"]) == 0
+    a, b = (torch.load(f"{d}/checkpoints/step-00000006.pt", weights_only=True) for d in ("whole", "split"))
+    assert "conv1.weight" in a["model"] and not any(k.startswith("_orig_mod") for k in a["model"])
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
