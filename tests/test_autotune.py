@@ -144,3 +144,26 @@ def test_real_amp_check_then_timing_leaves_the_random_stream_alone(monkeypatch, 
     torch.testing.assert_close(torch.rand(3), expected)
     assert r["checked"] == {"bf16-mixed": "ok"} and r["mode"] == "bf16-master" and "AMP check ok" in r["reason"]
     assert calls == [["bf16-mixed", "bf16-master", "fp32"]]
+
+
+def test_slow_steps_get_fewer_rounds():
+    """A model whose steps are slow (a big model on a CPU) is timed in fewer rounds (never under 2)."""
+    import time as _time
+
+    class Slow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            _time.sleep(0.02)
+            return self.fc(x)
+
+    args, y = (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0])
+    cands = {"a": {"name": "fp32"}, "b": {"name": "fp32", "skip_nonfinite": False}}
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.0)  # noqa: E731
+    quick = autotune._time_rounds(Slow(), args, y, nn.functional.cross_entropy, cands, torch.device("cpu"),
+                                  1, 1, 6, opt, budget_s=None)
+    capped = autotune._time_rounds(Slow(), args, y, nn.functional.cross_entropy, cands, torch.device("cpu"),
+                                   1, 1, 6, opt, budget_s=0.05)  # rounds of >= 40 ms: the floor of 2
+    assert [len(v) for v in quick.values()] == [6, 6] and [len(v) for v in capped.values()] == [2, 2]

@@ -93,21 +93,26 @@ def time_modes(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mo
 
 def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
                     candidates: Dict[str, Dict[str, Any]], device: Any = None, steps: int = 1, warmup: int = 2,
-                    rounds: int = 6, make_optimizer: Optional[Callable] = None) -> Dict[str, float]:
+                    rounds: int = 6, make_optimizer: Optional[Callable] = None,
+                    budget_s: Optional[float] = 30.0) -> Dict[str, float]:
     """:func:`time_modes` for any ``Precision`` settings: ``{label: Precision kwargs (name included)}``
-    -> ``{label: median ms per optimizer step}``, each on its own deep copy of ``model``."""
+    -> ``{label: median ms per optimizer step}``, each on its own deep copy of ``model``.
+
+    ``budget_s``: where the warm-up steps say the rounds would take longer than this, fewer rounds
+    are timed (never fewer than 2), so a big model on a CPU waits seconds, not minutes."""
     dev = resolve_device(device)
     inputs, target = _to_device(inputs, dev), _to_device(target, dev)
     args = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
     make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7))
     # the user's training sees the same random streams (CPU, and this GPU's) as without the timing
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        times = _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds, make_optimizer)
+        times = _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds, make_optimizer,
+                             budget_s)
     return {label: sorted(t)[len(t) // 2] for label, t in times.items()}
 
 
 def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds,
-                 make_optimizer) -> Dict[str, List[float]]:
+                 make_optimizer, budget_s=None) -> Dict[str, List[float]]:
     from .policy import Precision
 
     runs = {}
@@ -138,9 +143,13 @@ def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, r
 
     labels = list(candidates)
     times: Dict[str, List[float]] = {label: [] for label in labels}
+    last = {}
     for label in labels:
         for _ in range(warmup):
-            one_step(label)
+            last[label] = one_step(label)
+    if budget_s and last:  # slow steps (a big model on a CPU): fewer rounds, at least 2
+        per_round = sum(last.values()) * steps / 1e3
+        rounds = max(min(2, rounds), min(rounds, int(budget_s / max(per_round, 1e-9))))
     for r in range(rounds):
         for label in (labels if r % 2 == 0 else list(reversed(labels))):
             times[label].extend(one_step(label) for _ in range(steps))

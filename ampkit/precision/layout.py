@@ -64,8 +64,8 @@ def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
         ms = hit["ms"]
     else:
         if log:
-            log(f"timing NCHW vs channels_last in {mode} on the first batch ({2 * (warmup + steps * rounds)} steps, "
-                "once per model on this machine; --memory-format skips it)")
+            log(f"timing NCHW vs channels_last in {mode} on the first batch (at most {2 * (warmup + steps * rounds)} "
+                "steps, once per model on this machine; --memory-format skips it)")
         kwargs = {k: v for k, v in precision_kwargs.items() if k != "channels_last"}
         ms = time_precisions(model, inputs, target, loss_fn,
                              {"contiguous": {"name": mode, "channels_last": False, **kwargs},
