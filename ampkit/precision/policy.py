@@ -195,37 +195,44 @@ class Precision:
         if self._setup_done:
             return self.name
         if self.requested == AUTO and modes:
-            from .autotune import CannotTime, fastest_mode
-
-            try:
-                result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum, log=log)
-            except CannotTime as e:
-                warnings.warn(f"precision auto: {e}; keeping the device's default, {self.name!r}. Pass a mode "
-                              "(--precision) to choose.", stacklevel=2)
-            else:
-                if result["mode"] != self.name:
-                    self.__init__(result["mode"], **self._init_kwargs)
-                    self.requested = AUTO
-                self.reason = result["reason"]
-                self.tuned_ms = result["ms"]
+            self._tune_mode(model, inputs, target, loss_fn, grad_accum, log)
         if self.channels_last is None:
-            from .layout import faster_layout, has_conv2d
-
-            if has_conv2d(model):
-                kept = ("fp32_modules", "keep_norm_fp32", "cast_outputs", "op_policy", "compensation",
-                        "loss_scale", "init_scale")
-                try:
-                    result = faster_layout(model, inputs, target, loss_fn, self.name, self.device, log=log,
-                                           **{k: self._init_kwargs[k] for k in kept})
-                except RuntimeError as e:  # e.g. out of memory for two more copies: the rule decides
-                    # (a ValueError/TypeError is a configuration error: it surfaces as itself, now)
-                    warnings.warn(f"memory format: could not time both layouts on this model ({type(e).__name__}: "
-                                  f"{e}); using the default rule. Pass channels_last=True/False (--memory-format) "
-                                  "to choose.", stacklevel=2)
-                else:
-                    self.channels_last = result["channels_last"]
-                    self.layout_reason = result["reason"]
+            self._tune_layout(model, inputs, target, loss_fn, log)
         return self.name
+
+    def _tune_mode(self, model, inputs, target, loss_fn, grad_accum: int, log) -> None:
+        from .autotune import CannotTime, fastest_mode
+
+        try:
+            result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum, log=log)
+        except CannotTime as e:
+            warnings.warn(f"precision auto: {e}; keeping the device's default, {self.name!r}. Pass a mode "
+                          "(--precision) to choose.", stacklevel=3)
+            return
+        if result["mode"] != self.name:
+            self.__init__(result["mode"], **self._init_kwargs)
+            self.requested = AUTO
+        self.reason = result["reason"]
+        self.tuned_ms = result["ms"]
+
+    def _tune_layout(self, model, inputs, target, loss_fn, log) -> None:
+        from .layout import faster_layout, has_conv2d
+
+        if not has_conv2d(model):
+            return
+        kept = ("fp32_modules", "keep_norm_fp32", "cast_outputs", "op_policy", "compensation", "loss_scale",
+                "init_scale")
+        try:
+            result = faster_layout(model, inputs, target, loss_fn, self.name, self.device, log=log,
+                                   **{k: self._init_kwargs[k] for k in kept})
+        except RuntimeError as e:  # e.g. out of memory for two more copies: the rule decides
+            # (a ValueError/TypeError is a configuration error: it surfaces as itself, now)
+            warnings.warn(f"memory format: could not time both layouts on this model ({type(e).__name__}: {e}); "
+                          "using the default rule. Pass channels_last=True/False (--memory-format) to choose.",
+                          stacklevel=3)
+            return
+        self.channels_last = result["channels_last"]
+        self.layout_reason = result["reason"]
 
     # ------------------------------------------------------------------ checks
     def _check_hardware(self) -> None:
