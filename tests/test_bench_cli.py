@@ -114,3 +114,36 @@ def test_paired_rows_measure_both_steps_in_one_process(tmp_path):
     assert "## ampkit vs the plain loop, paired in one process (`--paired`)" in md
     assert "| tinybench:make | bf16-master | bf16-mixed |" in md and "--paired" in data["settings"]["command"]
     assert "paired (round 1/1)" in r.stderr
+
+
+TINY_CONV = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def make():
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(8, 4))
+
+    def example_batch(batch_size):
+        return torch.randn(batch_size, 3, 16, 16), torch.randint(0, 4, (batch_size,))
+""")
+
+
+def test_layout_is_tuned_in_its_own_process_before_the_measured_ones(tmp_path):
+    """A conv model's memory format is timed once, by a 'tune' process that fills the cache, so no
+    measuring worker's peak RSS holds the copies made for timing; the rows say what was chosen."""
+    (tmp_path / "tinyconv.py").write_text(TINY_CONV)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": ROOT, "AMPKIT_CACHE_DIR": str(cache)}
+    r = subprocess.run([sys.executable, "-m", "ampkit", "bench", "--models", "tinyconv:make", "--precisions", "fp32",
+                        "--runners", "ampkit", "--steps", "2", "--warmup", "1", "--repeats", "2", "--batch-size", "8",
+                        "--device", "cpu", "--out", "out"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    tune_lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[tune]")]
+    assert len(tune_lines) == 1 and "tinyconv:make fp32: memory format" in tune_lines[0]
+    assert r.stderr.index("[tune]") < r.stderr.index("[1/2]")
+    assert len(json.load(open(cache / "layout.json"))) == 1
+    row = json.load(open(tmp_path / "out" / "bench.json"))["results"][0]
+    chose_cl = tune_lines[0].split("memory format ")[1].startswith("channels_last")
+    assert ("channels_last" in row["loop"]) == chose_cl

@@ -59,7 +59,7 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
     import torch
 
     from .report import attach_paired, finalize, write_json, write_markdown, write_png
-    from .runner import run_all, run_worker
+    from .runner import pretune, run_all, run_worker
 
     check_out_dir(out)
     configs, notes = plan(settings)
@@ -70,6 +70,8 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
             "measuring peak GEMM rate ...")
     precisions = sorted({c["resolved_precision"] for c in configs})
     device = device_section(settings.device, precisions, measure_peak)
+    if worker is None:  # auto's mode and conv layouts measured first, in processes of their own (cached)
+        pretune(configs, settings.timeout_s, threads, log)
     results = run_all(configs, settings.repeats, settings.timeout_s, threads, log, worker or run_worker)
     if measure_peak:  # again at the end: the better of the two, in case other jobs slowed the first
         from ..precision.device import resolve_device

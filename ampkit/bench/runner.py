@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["schedule", "run_worker", "run_all", "aggregate"]
+__all__ = ["schedule", "run_worker", "pretune", "run_all", "aggregate"]
 
 
 def schedule(n_configs: int, repeats: int) -> List[Tuple[int, int]]:
@@ -92,6 +92,28 @@ def aggregate(reps: List[Dict]) -> Dict:
         out["failed_repeats"] = failed
     out.pop("step_ms", None)
     out["step_ms_all"] = pooled
+    return out
+
+
+def pretune(configs: List[Dict], timeout_s: float, threads: int, log: Optional[Callable[[str], None]] = None,
+            worker: Callable[[Dict, float], Dict] = None) -> List[Dict]:
+    """One ``tune`` worker per (model, mode) the ampkit runner measures, before any measured run: the
+    mode and layout timings copy the model, and a measuring worker's peak RSS must not include them."""
+    worker = worker or run_worker
+    seen, out = set(), []
+    for cfg in configs:
+        key = (cfg["model"], cfg["precision"])
+        if cfg["runner"] != "ampkit" or key in seen:
+            continue
+        seen.add(key)
+        rec = worker({**cfg, "runner": "tune", "threads": threads}, timeout_s)
+        out.append(rec)
+        if log and "error" not in rec and (rec.get("reason") or rec.get("resolved") != cfg["precision"]):
+            what = [f"-> {rec['resolved']}"] if rec.get("resolved") != cfg["precision"] else []
+            what += [f"memory format {rec['reason']}"] if rec.get("reason") else []
+            log(f"[tune] {cfg['model']} {cfg['precision']}: {'; '.join(what)} ({rec.get('wall_s')} s)")
+        elif log and "error" in rec:
+            log(f"[tune] {cfg['model']} {cfg['precision']}: failed ({rec['error']}); the measuring workers will tune")
     return out
 
 

@@ -18,7 +18,7 @@ from typing import Dict, List
 
 import torch
 
-__all__ = ["measure", "measure_paired", "main"]
+__all__ = ["measure", "measure_paired", "tune_only", "main"]
 
 
 def _timed_steps(step, batches, start: int, n: int, device: torch.device):
@@ -167,6 +167,28 @@ def measure_paired(cfg: Dict) -> Dict:
     }
 
 
+def tune_only(cfg: Dict) -> Dict:
+    """What ``Precision.tune`` measures for this model and mode (auto's mode, a conv model's memory
+    format), in a process of its own before the measured ones: its verdicts land in the on-disk cache,
+    so the measuring workers find them there and their peak memory (RSS never goes down) holds no
+    copies made for timing."""
+    from ..precision import Precision
+    from .workload import build_workload
+
+    threads = cfg.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    device = torch.device(cfg["device"])
+    wl = build_workload(cfg["model"], int(cfg["batch_size"]), 1, int(cfg["seed"]), device)
+    precision = Precision(cfg["precision"], device)
+    inputs, targets = wl.batches[0]
+    t0 = time.perf_counter()
+    precision.tune(wl.model, inputs, targets, wl.loss_fn)
+    return {"model": cfg["model"], "precision": cfg["precision"], "runner": "tune", "resolved": precision.name,
+            "channels_last": precision.channels_last, "reason": precision.layout_reason,
+            "wall_s": round(time.perf_counter() - t0, 2)}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -174,7 +196,9 @@ def main(argv=None) -> int:
         return 2
     try:
         cfg = json.loads(argv[0])
-        record = measure_paired(cfg) if cfg.get("runner") == "paired" else measure(cfg)
+        runner = cfg.get("runner")
+        record = (measure_paired(cfg) if runner == "paired" else tune_only(cfg) if runner == "tune"
+                  else measure(cfg))
     except Exception as e:  # reported as one record so the run goes on with the other configurations
         traceback.print_exc(file=sys.stderr)
         cfg = cfg if isinstance(locals().get("cfg"), dict) else {}
