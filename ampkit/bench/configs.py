@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .cache import cache_file, load_entries, store_entry
-from .device import auto_mode, device_info, measured_on, resolve_device
+from .device import auto_mode, device_info, machine_key, resolve_device
 from .modes import MODES
 
 __all__ = ["CannotTime", "auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
@@ -182,9 +182,7 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     _, dev_reason = auto_mode(dev)
     if len(cands) == 1:
         return {"mode": cands[0], "reason": dev_reason, "ms": {}, "cached": False, "checked": {}}
-    where = measured_on(dev)
-    key = (f"{where}|torch{torch.__version__}|threads{torch.get_num_threads()}|"
-           f"{signature(model, inputs, target)}|{','.join(cands)}")
+    key = f"{machine_key(dev)}|{signature(model, inputs, target)}|{','.join(cands)}"
     hit = load_entries(autotune_cache_path()).get(key) or {}
     checked = hit.get("checked")
     if checked is None:

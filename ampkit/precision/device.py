@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode", "cpu_name", "measured_on"]
+__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode", "cpu_name", "measured_on", "machine_key"]
 
 
 def resolve_device(device: Union[str, torch.device, None] = None) -> torch.device:
@@ -56,6 +56,12 @@ def measured_on(device: torch.device) -> str:
     flags = _cpu_flags()
     isa = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), platform.machine())
     return f"{cpu_name()} [{isa}]"
+
+
+def machine_key(device: torch.device) -> str:
+    """The prefix of every cached speed verdict: where it was measured, with which torch, on how many
+    threads (``"AMD EPYC [avx2]|torch2.13.0+cpu|threads2"``)."""
+    return f"{measured_on(device)}|torch{torch.__version__}|threads{torch.get_num_threads()}"
 
 
 @dataclass

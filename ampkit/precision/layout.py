@@ -19,11 +19,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Optional
 
-import torch
 from torch import nn
 
 from .cache import cache_file, load_entries, store_entry
-from .device import measured_on, resolve_device
+from .device import machine_key, resolve_device
 
 __all__ = ["has_conv2d", "faster_layout", "layout_cache_path", "MARGIN"]
 
@@ -56,8 +55,7 @@ def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
     from .autotune import fmt_ms, signature, time_precisions
 
     dev = resolve_device(device)
-    where = measured_on(dev)
-    key = f"{where}|torch{torch.__version__}|threads{torch.get_num_threads()}|{mode}|{signature(model, inputs, target)}"
+    key = f"{machine_key(dev)}|{mode}|{signature(model, inputs, target)}"
     hit = load_entries(layout_cache_path()).get(key)
     cached = bool(hit and {"contiguous", "channels_last"} <= set(hit.get("ms", {})))
     if cached:

@@ -17,7 +17,7 @@ restores the exact weights (the 16-bit model weights are a rounding of the maste
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterable, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn

@@ -35,7 +35,7 @@ import torch
 from torch.nn import functional as F
 
 from .cache import cache_file, load_entries, store_entry
-from .device import measured_on
+from .device import machine_key
 
 __all__ = ["OpSpeedPolicy", "sdpa_split_backward", "sdpa_math", "policy_enabled", "measure_sdpa", "cache_path"]
 
@@ -229,7 +229,7 @@ def _verdict(dtype: torch.dtype, bh: int, t: int, d: int, causal: bool, *, s: Op
         forced = _FORCED[mode]
         return "native" if (forced == "split" and not plain) else forced
     variant = "" if plain else f"|S{_bucket(s)}|mask{int(masked)}|drop{dropout_p:g}"
-    key = (f"{measured_on(torch.device('cpu'))}|torch{torch.__version__}|threads{torch.get_num_threads()}|sdpa2|"
+    key = (f"{machine_key(torch.device('cpu'))}|sdpa2|"
            f"{str(dtype).replace('torch.', '')}|T{_bucket(t)}|D{d}|causal{int(causal)}{variant}")
     with _LOCK:
         hit = _MEMO.get(key)
