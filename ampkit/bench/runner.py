@@ -108,12 +108,15 @@ def pretune(configs: List[Dict], timeout_s: float, threads: int, log: Optional[C
         seen.add(key)
         rec = worker({**cfg, "runner": "tune", "threads": threads}, timeout_s)
         out.append(rec)
-        if log and "error" not in rec and (rec.get("reason") or rec.get("resolved") != cfg["precision"]):
-            what = [f"-> {rec['resolved']}"] if rec.get("resolved") != cfg["precision"] else []
-            what += [f"memory format {rec['reason']}"] if rec.get("reason") else []
-            log(f"[tune] {cfg['model']} {cfg['precision']}: {'; '.join(what)} ({rec.get('wall_s')} s)")
-        elif log and "error" in rec:
+        if not log:
+            continue
+        if "error" in rec:
             log(f"[tune] {cfg['model']} {cfg['precision']}: failed ({rec['error']}); the measuring workers will tune")
+            continue
+        what = [f"-> {rec['resolved']}"] if rec["resolved"] != cfg["precision"] else []
+        what += [f"memory format {rec['reason']}"] if rec["reason"] else []
+        if what:
+            log(f"[tune] {cfg['model']} {cfg['precision']}: {'; '.join(what)} ({rec['wall_s']} s)")
     return out
 
 

@@ -41,6 +41,14 @@ def _timed_steps(step, batches, start: int, n: int, device: torch.device):
     return times, loss
 
 
+def _prepare(cfg: Dict) -> torch.device:
+    """This process's thread count (as the bench's parent) and the configuration's device."""
+    threads = cfg.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    return torch.device(cfg["device"])
+
+
 def measure(cfg: Dict) -> Dict:
     from .flops import count_flops
     from .loops import make_step
@@ -48,10 +56,7 @@ def measure(cfg: Dict) -> Dict:
     from .profile import profile_step
     from .workload import build_workload
 
-    threads = cfg.get("threads")
-    if threads:
-        torch.set_num_threads(int(threads))
-    device = torch.device(cfg["device"])
+    device = _prepare(cfg)
     rss_base = peak_rss_mb()
     steps, warmup = int(cfg["steps"]), int(cfg["warmup"])
     wl = build_workload(cfg["model"], int(cfg["batch_size"]), min(8, steps + warmup), int(cfg["seed"]), device)
@@ -113,10 +118,7 @@ def measure_paired(cfg: Dict) -> Dict:
     from .loops import make_step
     from .workload import build_workload
 
-    threads = cfg.get("threads")
-    if threads:
-        torch.set_num_threads(int(threads))
-    device = torch.device(cfg["device"])
+    device = _prepare(cfg)
     steps, warmup = int(cfg["steps"]), int(cfg["warmup"])
     n_batches = min(8, steps + warmup)
     pair = {}
@@ -175,10 +177,7 @@ def tune_only(cfg: Dict) -> Dict:
     from ..precision import Precision
     from .workload import build_workload
 
-    threads = cfg.get("threads")
-    if threads:
-        torch.set_num_threads(int(threads))
-    device = torch.device(cfg["device"])
+    device = _prepare(cfg)
     wl = build_workload(cfg["model"], int(cfg["batch_size"]), 1, int(cfg["seed"]), device)
     precision = Precision(cfg["precision"], device)
     inputs, targets = wl.batches[0]
