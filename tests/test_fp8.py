@@ -251,3 +251,59 @@ def test_check_api_and_cli_report_fp8(capsys):
     rep.to_json()
     assert main(["check", "--precision", "fp8-rowwise,fp8-bogus"]) == 2
     assert "Unknown precision 'fp8-bogus'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ DDP, FSDP, bench
+def _ddp_rank(rank, tmp):
+    from tests.distributed_helpers import init_rank
+
+    init_rank(rank, tmp)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    prec = ampkit.Precision("fp8-delayed", "cpu", op_policy=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = prec.setup(model, opt)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    for step in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 10 + step)) * (1 + 3 * rank)
+        with prec.autocast():
+            loss = ddp(x).float().pow(2).mean() * (1 + rank)
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+    torch.save({k: v for k, v in model.state_dict().items()}, f"{tmp}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_reduces_amax_so_ranks_scale_alike(tmp_path):
+    from tests.distributed_helpers import run_ranks
+
+    run_ranks(_ddp_rank, str(tmp_path))
+    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert a["2.amax_history_input"][:2].gt(0).all() and a["2.amax_history_grad_output"][:2].gt(0).all()
+    for k in a:  # histories (max over ranks) and weights identical on both ranks
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_fsdp_refused_with_a_clear_error():
+    from ampkit.train.distributed import mixed_precision_policy
+
+    with pytest.raises(ValueError, match="fp8.*--strategy ddp"):
+        mixed_precision_policy(ampkit.Precision("fp8-delayed", "cpu"))
+
+
+def test_bench_row_marked_emulated(tmp_path, monkeypatch):
+    from ampkit.bench.worker import measure
+
+    (tmp_path / "fp8_bench_mod.py").write_text(
+        "from torch import nn\n"
+        "def make():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4))\n"
+        "def example_batch(batch_size):\n    import torch\n"
+        "    return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = measure({"model": "fp8_bench_mod:make", "precision": "fp8-tensorwise", "runner": "ampkit", "batch_size": 16,
+                 "steps": 1, "warmup": 1, "device": "cpu", "lr": 1e-3, "seed": 0, "count_flops": False,
+                 "profile": False})
+    sys.modules.pop("fp8_bench_mod", None)
+    assert r["emulated"] == "emulated: numerics only, not a speed claim"
+    assert "1 Linear(s) in fp8" in r["loop"] and r["resolved_precision"] == "fp8-tensorwise"
