@@ -307,3 +307,25 @@ def test_bench_row_marked_emulated(tmp_path, monkeypatch):
     sys.modules.pop("fp8_bench_mod", None)
     assert r["emulated"] == "emulated: numerics only, not a speed claim"
     assert "1 Linear(s) in fp8" in r["loop"] and r["resolved_precision"] == "fp8-tensorwise"
+
+
+def test_cli_train_fp8_and_resume_exactly(tmp_path, monkeypatch, capsys):
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fp8_cli_mod.py").write_text(
+        "from ampkit.data import sequences\nfrom ampkit.models import GPT\n"
+        "def data(seed=0):\n    return sequences(n=48, seq_len=16, vocab=64, seed=seed)\n"
+        "def make(**kw):\n    return GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["train", "--data", "fp8_cli_mod:data", "--model", "fp8_cli_mod:make", "--precision", "fp8-delayed",
+              "--no-progress", "--batch-size", "8", "--lr-schedule", "constant", "--save-every", "2"]
+    assert main(common + ["--max-steps", "4", "--out", "whole"]) == 0
+    assert main(common + ["--max-steps", "2", "--out", "split"]) == 0
+    assert main(common + ["--max-steps", "4", "--out", "split", "--resume", "auto"]) == 0
+    sys.modules.pop("fp8_cli_mod", None)
+    a, b = (torch.load(f"{d}/checkpoints/step-00000004.pt", weights_only=True) for d in ("whole", "split"))
+    hist = "blocks.layers.1.linear1.amax_history_input"
+    assert a["model"][hist][:4].gt(0).all() and a["model"][hist][4:].eq(0).all()  # one entry per step so far
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+    assert "emulated: numerics only" in open("whole/report.txt").read()
