@@ -59,6 +59,9 @@ def test_precision_fp8_options_errors():
         ampkit.Precision("fp8-delayed", "cpu", fp8_skip=["nope"]).setup(_tiny_gpt())
     with pytest.raises(ValueError, match="both kept"):
         Fp8Filter(("a",), ("a",))
+    saved = ampkit.Precision("fp8-delayed", "cpu").state_dict()
+    with pytest.raises(ValueError, match="fp8 recipe"):
+        ampkit.Precision("fp8-delayed", "cpu", fp8_recipe=DelayedScaling(margin=2)).load_state_dict(saved)
 
 
 def test_filter_plan_dims_ends_and_names():

@@ -208,4 +208,4 @@ def _recommend(recipes: Dict[str, Dict[str, Any]], chosen: List[str]) -> Dict[st
 
 
 def is_fp8(name: str) -> bool:
-    return MODES[name].fp8 is not None
+    return name in MODES and MODES[name].fp8 is not None

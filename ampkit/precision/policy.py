@@ -423,7 +423,10 @@ class Precision:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "scaler": self.scaler.state_dict()}
+        state = {"name": self.name, "scaler": self.scaler.state_dict()}
+        if self.fp8 is not None:
+            state["fp8"] = self.fp8.state_dict()
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state.get("name")
@@ -432,6 +435,8 @@ class Precision:
                 f"Checkpoint was trained with precision={saved!r}, this run uses {self.name!r}: "
                 f"resume with --precision {saved}, or start a new run."
             )
+        if self.fp8 is not None:
+            self.fp8.check_state(state.get("fp8"))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 

@@ -5,6 +5,7 @@ line in ``describe``); ``Precision`` holds one when its mode is fp8. See docs/FP
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Optional, Sequence
 
@@ -37,15 +38,25 @@ class Fp8Plan:
         self.emulated: Optional[bool] = None
 
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
-        self.emulated = not has_fp8_gemm(device)
+        self.emulated = not has_fp8_gemm(device, self.recipe.rowwise)
         if self.emulated and torch.device(device).type == "cuda":
-            warnings.warn("fp8: this GPU has no fp8 tensor cores (compute capability 8.9+ needed): the fp8 GEMMs "
+            warnings.warn("fp8: this GPU has no fp8 tensor cores for this recipe (compute capability 8.9+, 9.0+ for "
+                          "row-wise): the fp8 GEMMs "
                           "are emulated (same numerics, slower than bf16-mixed). Use bf16-mixed for speed.",
                           stacklevel=3)
         if not fp8_layers(model):  # setup twice (resume, tune) swaps once
             model = convert_to_fp8(model, self.recipe, self.filter, device)
         self.layers = fp8_layers(model)
         return model
+
+    def state_dict(self) -> dict:
+        """The recipe, so a resume can refuse another one (the amax histories live in the model's state_dict)."""
+        return {"recipe": type(self.recipe).__name__, **dataclasses.asdict(self.recipe)}
+
+    def check_state(self, state: Optional[dict]) -> None:
+        if state and state != self.state_dict():
+            raise ValueError(f"Checkpoint was trained with fp8 recipe {state}, this run uses {self.state_dict()}: "
+                             "resume with the run's own fp8_recipe, or start a new run.")
 
     def describe(self) -> str:
         r = self.recipe

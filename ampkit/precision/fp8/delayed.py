@@ -28,12 +28,13 @@ from .recipes import E4M3, DelayedScaling
 __all__ = ["DelayedScalingLinear", "has_fp8_gemm"]
 
 
-def has_fp8_gemm(device: torch.device) -> bool:
-    """True where ``torch._scaled_mm`` runs on fp8 tensor cores: CUDA compute capability 8.9+ (Ada, Hopper...)."""
+def has_fp8_gemm(device: torch.device, rowwise: bool = False) -> bool:
+    """True where ``torch._scaled_mm`` runs on fp8 tensor cores: CUDA compute capability 8.9+ (Ada, Hopper...);
+    row-wise scales need 9.0+ (torch's row-wise ``_scaled_mm`` is an sm90 kernel)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return torch.cuda.get_device_capability(device) >= ((9, 0) if rowwise else (8, 9))
 
 
 def _reduce_max(a: torch.Tensor) -> torch.Tensor:

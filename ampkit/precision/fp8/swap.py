@@ -80,7 +80,7 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Fp8Filter = Fp8Filter
         raise ValueError("fp8: the model is a single Linear (its first and last layer): wrap it in a module, "
                          "or use a bf16 mode.")
     dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
-    emulate = not has_fp8_gemm(dev)
+    emulate = not has_fp8_gemm(dev, recipe.rowwise)
     keep = lambda m, name: name in chosen  # noqa: E731
     if isinstance(recipe, DelayedScaling):
         for name in chosen:
