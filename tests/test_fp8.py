@@ -246,7 +246,9 @@ def test_check_api_and_cli_report_fp8(capsys):
 
     torch.manual_seed(0)
     rep = ampkit.check(Encoder(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))),
-                       precisions=["fp8-delayed"], device="cpu", audit=False)
+                       precisions=["fp8-delayed"], device="cpu")
+    fp8_rows = [e for e in rep["audit"]["fp8-delayed"] if e["type"] == "DelayedScalingLinear"]
+    assert len(fp8_rows) == 4 and all("fp8 GEMM, emulated" in " ".join(e["flags"]) for e in fp8_rows)
     assert set(rep["fp8"]["recipes"]) == {"fp8-tensorwise", "fp8-rowwise", "fp8-delayed"}
     assert "fp8-delayed" in rep["verdicts"]
     text = str(rep)
