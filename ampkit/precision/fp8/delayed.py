@@ -57,7 +57,7 @@ def _use(t: torch.Tensor, hist: torch.Tensor, dtype: torch.dtype, recipe: Delaye
          reduce: bool):
     """Quantise ``t`` with the history's scale and (when recording) push its amax: (fp8 tensor, scale)."""
     current = amax(t)
-    if reduce and recipe.reduce_amax:
+    if reduce and record and recipe.reduce_amax:  # training only: an eval pass need not run on every rank
         current = _reduce_max(current)
     s = _scale(hist, current, dtype, recipe)
     if record:
