@@ -378,6 +378,8 @@ class Precision:
         """Make the optimizer's grads real (unscaled, fp32 master grads) before inspecting them."""
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()
+        if self.scaler.is_enabled() and self.scaler._scale is None:  # backward() was not called through us
+            self.scaler._lazy_init_scale_growth_tracker(self.device)
         self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None, norm_type: float = 2.0) -> bool:
