@@ -121,3 +121,39 @@ def test_check_runs_on_hf_models(arch):
     for p in ("fp16-mixed", "bf16-mixed"):
         assert report["verdicts"][p]["verdict"] in ("ok", "risky", "unsafe")
     assert "verdict" in str(report).lower()
+
+
+def test_cli_trains_a_model_factory_on_dict_data_factory(tmp_path, monkeypatch, capsys):
+    """`ampkit train --model pkg:make_model --data pkg:make_data` where the data yields dicts (a DataLoader
+    with its own collate_fn too) and the model returns its own loss; `ampkit check` on the same."""
+    import json
+
+    from ampkit.cli import main
+
+    (tmp_path / "hfmods.py").write_text(
+        "import torch, sys\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "from hf_models import DictDataset, build\n"
+        "def make_model():\n    return build('bert')\n"
+        "def make_data():\n    return DictDataset('bert', 16), DictDataset('bert', 8, seed=1)\n"
+        "def make_loaders():\n"
+        "    collate = lambda s: {k: torch.stack([x[k] for x in s]) for k in s[0]}\n"
+        "    return (torch.utils.data.DataLoader(DictDataset('bert', 16), batch_size=8, collate_fn=collate),\n"
+        "            torch.utils.data.DataLoader(DictDataset('bert', 8, seed=1), batch_size=8, collate_fn=collate))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    fast = ["--no-autotune", "--no-progress", "--epochs", "2", "--lr", "3e-3"]
+    assert main(["train", "--model", "hfmods:make_model", "--data", "hfmods:make_data", "--precision", "bf16-pure",
+                 "--batch-size", "4", "--out", "a"] + fast) == 0
+    summary = json.load(open(tmp_path / "a" / "summary.json"))
+    assert summary["optimizer_steps"] == 8 and summary["task"] == "classification" and summary["accuracy"] is not None
+    assert main(["train", "--model", "hfmods:make_model", "--data", "hfmods:make_loaders", "--precision", "fp16-master",
+                 "--out", "b"] + fast) == 0
+    assert json.load(open(tmp_path / "b" / "summary.json"))["optimizer_steps"] == 4  # the loader's batch_size 8
+    capsys.readouterr()
+    assert main(["train", "--data", "hfmods:make_data", "--out", "c"] + fast) == 2
+    assert "pass the model for them with --model" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    assert main(["check", "--model", "hfmods:make_model", "--data", "hfmods:make_data", "--precision", "bf16",
+                 "--batch-size", "4"]) == 0
+    assert "bf16-mixed" in capsys.readouterr().out
