@@ -157,3 +157,14 @@ def test_cli_trains_a_model_factory_on_dict_data_factory(tmp_path, monkeypatch, 
     assert main(["check", "--model", "hfmods:make_model", "--data", "hfmods:make_data", "--precision", "bf16",
                  "--batch-size", "4"]) == 0
     assert "bf16-mixed" in capsys.readouterr().out
+
+
+def test_auto_timing_drives_dict_batches():
+    """precision auto's timing (and the Trainer's tune) calls model(**batch) and trains on the model's loss."""
+    from ampkit.precision.autotune import time_modes
+    from ampkit.train.evaluate import default_loss
+
+    batch = BATCHES["gpt2"](0)
+    ms = time_modes(build("gpt2"), batch, batch["labels"], default_loss, ["fp32", "bf16-mixed"], "cpu",
+                    warmup=0, rounds=1)
+    assert set(ms) == {"fp32", "bf16-mixed"} and all(v > 0 for v in ms.values())
