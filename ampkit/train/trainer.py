@@ -130,7 +130,7 @@ class Trainer:
     Args:
         model: any nn.Module. A sample that is a dict (Hugging Face style: ``input_ids``,
             ``attention_mask``, ``labels``...) is passed as ``model(**batch)``; an ``(x, y)`` sample as
-            ``model(x)``.
+            ``model(x)`` (``model(*x)`` where x is a tuple of inputs).
         train_data: a Dataset (TensorDatasets are indexed directly, others collated), or a DataLoader:
             its dataset, ``collate_fn`` and ``batch_size`` (unless ``batch_size=`` is given) are used; the
             order stays the Trainer's own (seeded per epoch, so a resume is exact).
