@@ -98,11 +98,11 @@ class _Core:
     # -- optimizer
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer ampkit steps for ``optimizer``: fp32 masters or the compensated version (made once)."""
-        if isinstance(optimizer, MasterWeightOptimizer) or id(optimizer) in self._prepared.values():
-            return optimizer
         made = self._prepared.get(id(optimizer))
         if made is not None:
             return made
+        if isinstance(optimizer, MasterWeightOptimizer) or any(o is optimizer for o in self._prepared.values()):
+            return optimizer  # already the one ampkit steps
         if self.ampkit.mode.master_weights:
             made = MasterWeightOptimizer(optimizer)
             with torch.no_grad():
