@@ -126,6 +126,8 @@ def test_trainer_trains_and_checkpoints(tmp_path, mode, kwargs):
     assert module.net[0].weight.dtype == plugin.ampkit.param_dtype
     opt = trainer.optimizers[0]
     assert isinstance(opt, MasterWeightOptimizer) == plugin.ampkit.mode.master_weights
+    assert isinstance(opt, CompensatedOptimizer) == plugin.ampkit.mode.compensated
+    assert plugin.prepare_optimizer(opt) is opt  # prepared once, when the Trainer connected it
     ckpt = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)
     assert ckpt["AmpkitPrecision"]["name"] == plugin.ampkit.name  # the scaler and its counters travel along
     if plugin.ampkit.mode.master_weights:
