@@ -13,7 +13,7 @@ from ampkit.precision.master import MasterWeightOptimizer  # noqa: E402
 from ampkit.optim.base import CompensatedOptimizer  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
-MODES = ["fp32", "16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-true", "16-true"]
+MODES = ["fp32", "16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-true", "16-true", "fp8-delayed"]
 
 
 def _data(n=64, seed=0):
@@ -25,7 +25,7 @@ def _data(n=64, seed=0):
 
 def _net(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 2))
+    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 2))
 
 
 def test_lightning_precision_strings_map_to_ampkit_modes():
@@ -62,6 +62,8 @@ def test_fabric_trains_in_every_mode(mode):
     if plugin.ampkit.mode.compensated:
         assert isinstance(prepared, CompensatedOptimizer)
     assert model.module[0].weight.dtype == plugin.ampkit.param_dtype
+    if mode.startswith("fp8"):  # the inner Linear now runs its GEMMs in fp8
+        assert type(model.module[3]) is not nn.Linear
     assert not torch.equal(first_weight, model.module[0].weight.detach().float())
 
 
