@@ -97,7 +97,7 @@ def test_preset_trains_and_reports_mfu_at_a_tiny_size(monkeypatch):
     assert row["mfu"] == pytest.approx(r["model_flops_per_step"] * 100 / 2e12, rel=1e-3)
     assert row["mfu"] < row["utilisation"]
     md = markdown(device, [row], {"steps": 2, "warmup": 1, "repeats": 1, "command": "ampkit bench --models gpt2"}, [])
-    assert "## Model FLOPs utilisation" in md and f"| gpt2 | bf16-mixed | ampkit | 6400 |" in md
+    assert "## Model FLOPs utilisation" in md and "| gpt2 | bf16-mixed | ampkit | 6400 |" in md
     assert configs.REFERENCE_MODELS["gpt2"]["what"].startswith("GPT-2 small (124M)")
 
 
