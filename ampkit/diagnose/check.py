@@ -155,6 +155,9 @@ def check(
 
     # 5. recommendation
     auto = choose_auto(verdicts, dev)
+    if ref.nonfinite is not None:  # no precision is the safe choice for a model that fails in fp32
+        auto["reason"] = ("the model is non-finite in fp32 already (see reference.first_nonfinite): no precision "
+                          "is safe until the model, its init or the data is fixed")
     grads = _gradient_summary(scanned, loss_scale)
     scale = recommend_init_scale(grads["max"], scanned["histogram"])
     rec_modules = auto["fp32_modules"] or []

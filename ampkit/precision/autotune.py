@@ -103,7 +103,7 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
     dev = resolve_device(device)
     inputs, target = _to_device(inputs, dev), _to_device(target, dev)
     args = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
-    make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7))
+    make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7, eps=1e-4))
     # the user's training sees the same random streams (CPU, and this GPU's) as without the timing
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         times = _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds, make_optimizer,
@@ -199,7 +199,7 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     if len(passed) == 1:  # nothing left to time
         if not hit:
             remember({})
-        return {"mode": passed[0], "reason": f"{dev_reason}; {check_note}", "ms": {}, "cached": bool(hit),
+        return {"mode": passed[0], "reason": _why(passed[0], cands[0], dev_reason, check_note), "ms": {}, "cached": bool(hit),
                 "checked": checked}
     cached = set(hit.get("ms", {})) == set(passed)
     if not cached and log:
@@ -211,9 +211,16 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     best = min(passed, key=ms.get)
     mode = best if ms[best] < 0.97 * ms[passed[0]] else passed[0]
     timing = ", ".join(f"{m} {fmt_ms(ms[m])}" for m in passed)
-    reason = (f"{dev_reason}; {check_note}; fastest here, measured per step ({timing}"
-              f"{', cached' if cached else ''})")
+    reason = _why(mode, cands[0], dev_reason, f"{check_note}; {mode} fastest here, measured per step ({timing}"
+                                              f"{', cached' if cached else ''})")
     return {"mode": mode, "reason": reason, "ms": ms, "cached": cached, "checked": checked}
+
+
+def _why(mode: str, device_choice: str, dev_reason: str, measured: str) -> str:
+    """The reason line: the device's own argument only where it is the mode that was kept."""
+    if mode == device_choice:
+        return f"{dev_reason}; {measured}"
+    return f"{measured}; the device alone suggested {device_choice} ({dev_reason})"
 
 
 def _probe(mode: str) -> str:

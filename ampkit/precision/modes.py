@@ -44,11 +44,11 @@ MODES = {
     for m in [
         Mode("fp32", _f32, None, False, summary="fp32 params and compute, no loss scaling"),
         Mode("fp16-mixed", _f32, _f16, True,
-             summary="fp32 params, autocast fp16 compute, dynamic loss scaling"),
+             summary="fp32 params, autocast fp16 compute, loss scaling"),
         Mode("bf16-mixed", _f32, _bf16, False,
              summary="fp32 params, autocast bf16 compute, no loss scaling"),
         Mode("fp16-master", _f16, _f16, True, master_weights=True,
-             summary="fp16 params (norms fp32), fp16 compute, dynamic loss scaling, fp32 master weights"),
+             summary="fp16 params (norms fp32), fp16 compute, loss scaling, fp32 master weights"),
         Mode("bf16-master", _bf16, _bf16, False, master_weights=True,
              summary="bf16 params (norms fp32), bf16 compute, fp32 master weights, no loss scaling"),
         Mode("bf16-pure", _bf16, _bf16, False, compensated=True,

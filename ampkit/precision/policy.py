@@ -149,7 +149,7 @@ class Precision:
         self.compensation = None if compensation is None else str(compensation).lower()
 
         static = parse_loss_scale(loss_scale)
-        if not self.mode.scaled and (static is not None or scaler is not None or init_scale is not None):
+        if not self.mode.scaled and (loss_scale is not None or scaler is not None or init_scale is not None):
             what = "a scaler" if scaler is not None else f"loss scale {loss_scale if loss_scale is not None else init_scale!r}"
             raise ValueError(
                 f"precision={self.name!r} does not use loss scaling, found {what}. "
@@ -317,22 +317,36 @@ class Precision:
             else:
                 optimizer = compensated_from(optimizer, None if self.compensation == "none" else self.compensation)
         self.scaler.register_names(model)
+        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.scaler._param_names.update({id(m): names[id(p)] for p, m in
+                                             zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
         self.model = model
         self._setup_done = True
         return model, optimizer
 
-    def _check_eps(self, optimizer: torch.optim.Optimizer) -> None:
+    def _check_eps(self, optimizer: Any) -> None:
+        """fp16 optimizer state (fp16-pure, apex O3): an Adam ``eps`` below ``min_adam_eps`` is raised to it,
+        with one warning. fp16 cannot hold sqrt(v) below ~2.4e-4, so eps=1e-8 turns a gradient whose square
+        underflows into a step of m / 1e-8: inf weights on the first step (measured: the README loop with
+        torch's AdamW(lr=1e-2))."""
         low = self.min_adam_eps
-        if low is None or "Adam" not in type(optimizer).__name__:
+        if low is None or optimizer is None:
             return
-        small = sorted({g["eps"] for g in optimizer.param_groups if isinstance(g.get("eps"), float) and g["eps"] < low})
-        if small:
-            warnings.warn(
-                f"precision={self.name!r} keeps Adam's moments in fp16, where eps={small[0]:g} lets a gradient "
-                f"whose square underflows take a huge step (then inf weights): build the optimizer with "
-                f"eps={low:g}, or use 'fp16-master' (fp32 master weights and state).",
-                stacklevel=3,
-            )
+        groups = [g for g in getattr(optimizer, "param_groups", ())
+                  if isinstance(g.get("eps"), float) and g["eps"] < low
+                  and any(p.dtype == torch.float16 for p in g["params"])]
+        if not groups:
+            return
+        small = min(g["eps"] for g in groups)
+        for g in groups:
+            g["eps"] = low
+        warnings.warn(
+            f"precision={self.name!r} keeps the optimizer state in fp16, where eps={small:g} turns a gradient "
+            f"whose square underflows into a huge step (inf weights): eps raised to {low:g}. Build the optimizer "
+            f"with eps={low:g} to silence this, or use 'fp16-master' (fp32 master weights and state).",
+            stacklevel=3,
+        )
 
     def _use_channels_last(self, model: nn.Module) -> bool:
         if self.channels_last is not None:

@@ -52,6 +52,13 @@ def _fresh_state() -> Dict[str, Any]:
     return {"stage": _OptState.READY, "found_inf_per_device": {}, "optimizer": None, "stepped": None}
 
 
+def _positive_finite(value: Any) -> bool:
+    try:
+        return 0 < float(value) < float("inf")
+    except (TypeError, ValueError):
+        return False
+
+
 def parse_loss_scale(value: Union[str, float, int, None]) -> Optional[float]:
     """apex's convention: None/'dynamic'/0 -> None (dynamic); a positive number -> static scale.
 
@@ -170,6 +177,9 @@ class LossScaler:
         if static is not None:
             init_scale, dynamic = static, False
         self._dynamic = bool(dynamic)
+        if enabled and not _positive_finite(init_scale):
+            raise ValueError(f"init_scale must be a positive finite number (e.g. 65536), got {init_scale!r}: "
+                             "a scale of 0 zeroes every gradient, so no step would ever be judged non-finite.")
         if hysteresis < 1:
             raise ValueError(f"hysteresis must be >= 1 (1 = back off on every overflow), got {hysteresis}.")
         if max_consecutive_skips is not None and max_consecutive_skips < 1:

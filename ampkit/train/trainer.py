@@ -59,6 +59,19 @@ class RunDirError(ValueError):
     """The output directory cannot be used (holds another run, not writable...)."""
 
 
+def is_run_dir(path: str) -> bool:
+    """Does ``path`` hold an ampkit run (a config.toml of ours, metrics.jsonl, or checkpoints/)?"""
+    if not os.path.isdir(path):
+        return False
+    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        return True
+    try:
+        with open(os.path.join(path, "config.toml")) as f:
+            return f.readline().startswith("# ampkit train config")
+    except OSError:
+        return False
+
+
 # TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (Precision.tune)
 _MEMORY_FORMATS = {"auto": None, "channels_last": True, "contiguous": False}
 
@@ -151,7 +164,7 @@ class Trainer:
     ) -> None:
         if isinstance(optimizer, str):  # an optimizer *name* (config key), not an instance
             overrides["optimizer"], optimizer = optimizer, None
-        self.config = (config or TrainConfig()).updated(**overrides)
+        self.config = (config or TrainConfig()).updated(**overrides).checked()
         cfg = self.config
         if cfg.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}.")
@@ -225,6 +238,9 @@ class Trainer:
         self._stop_signal: Optional[int] = None
         self.last_checkpoint: Optional[str] = None
         self._saved_state: Optional[tuple] = None
+        self._time_before = 0.0  # training seconds of the segments before a resume
+        self._created_dir: Optional[str] = None
+        self._t_segment: Optional[float] = None
 
     def _tune(self, model: nn.Module) -> None:
         """Measure what the run left open on this model and its first batch (``Precision.tune``; cached
@@ -288,15 +304,22 @@ class Trainer:
         if not cfg.out or self.rank != 0:
             return cfg.out
         out = cfg.out
-        holds_run = os.path.isdir(out) and any(
-            os.path.exists(os.path.join(out, f)) for f in ("config.toml", "summary.json", "checkpoints", "metrics.jsonl"))
+        holds_run = is_run_dir(out)
         if os.path.exists(out) and not os.path.isdir(out):
             raise RunDirError(f"--out {out!r} is a file, not a directory: choose another --out.")
+        if not holds_run and os.path.isdir(out) and os.listdir(out):
+            shown = ", ".join(sorted(os.listdir(out))[:3]) + (", ..." if len(os.listdir(out)) > 3 else "")
+            raise RunDirError(f"--out {out!r} is a directory that is not an ampkit run and is not empty (it holds "
+                              f"{shown}): ampkit writes only into a new or empty directory or a run of its own: "
+                              "choose a new --out (nothing was written).")
         if holds_run and not cfg.resume:
             raise RunDirError(
                 f"--out {out!r} already holds a run: continue it with --resume auto, or choose another --out "
                 "(nothing was overwritten).")
         try:
+            if not os.path.isdir(out) or not os.listdir(out):
+                self._created_dir = out  # emptied again when this invocation fails before its first checkpoint
+                self._dir_existed = os.path.isdir(out)
             os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
             probe = os.path.join(out, ".write-test")
             with open(probe, "w") as f:
@@ -326,6 +349,56 @@ class Trainer:
         self.run_dir = self.config.out
         return path
 
+    def _check_model_accepts_data(self) -> None:
+        """One forward and loss on two training samples (eval mode, no grad) and the labels against the
+        model's outputs: a model that does not fit the data is one ValueError naming the fix, before
+        anything is written."""
+        from ..data import check_labels
+
+        if self._fsdp:
+            return
+        x, y = self._fetch(self.train_data, torch.arange(min(2, len(self.train_data))))
+        model, was_training = self.raw_model, self.raw_model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                out = model(x)
+                self.loss_fn(out, y)
+        except Exception as e:
+            text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            hint = ""
+            if isinstance(x, torch.Tensor):
+                hint = f" (a sample of x has shape {tuple(x.shape[1:])}, dtype {str(x.dtype).replace('torch.', '')})"
+                if not x.is_floating_point() and self.task != "lm":
+                    hint += ("; x holds integers: save it as float32 (e.g. x.astype('float32') / 255 for 8-bit "
+                             "images)")
+            raise ValueError(f"the model cannot train on this data: {type(e).__name__}: {text}{hint}. Use a model "
+                             "that fits the data (--model), or fix the data.") from None
+        finally:
+            model.train(was_training)
+        if (self.loss_fn is default_loss and isinstance(out, torch.Tensor) and out.dim() >= 2
+                and isinstance(y, torch.Tensor) and not y.is_floating_point()):
+            check_labels(self.train_data, out.shape[-1], "training")
+            if self.eval_data is not None:
+                check_labels(self.eval_data, out.shape[-1], "evaluation")
+
+    def _finished(self) -> bool:
+        cfg = self.config
+        return self.epoch >= cfg.epochs or bool(cfg.max_steps and self.global_step >= cfg.max_steps)
+
+    def _already_finished(self) -> Optional[Dict[str, Any]]:
+        """Resuming a run that already reached its epochs/max-steps: say so, change no file, return its summary."""
+        path = os.path.join(self.run_dir, "summary.json") if self.run_dir else None
+        if not path or not os.path.isfile(path):
+            return None  # it stopped before writing its summary: the normal path finishes it
+        if self.rank == 0:
+            print(f"ampkit: the run in {self.run_dir} already finished ({self.epoch} epoch(s), {self.global_step} "
+                  f"optimizer steps; epochs={self.config.epochs}, max_steps={self.config.max_steps}): nothing to "
+                  "train and no file changed. Pass a larger --epochs or --max-steps to train it further.",
+                  file=sys.stderr)
+        with open(path) as f:
+            return json.load(f)
+
     def _checkpoint_dir(self) -> Optional[str]:
         return os.path.join(self.run_dir, "checkpoints") if self.run_dir else None
 
@@ -344,7 +417,9 @@ class Trainer:
             "precision": self.precision.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "progress": {"epoch": self.epoch, "batch": self.batch_in_epoch, "global_step": self.global_step,
-                         "attempted_steps": self.attempted_steps, "world_size": self.world_size},
+                         "attempted_steps": self.attempted_steps, "world_size": self.world_size,
+                         "train_time_s": self._time_before + (time.perf_counter() - self._t_segment
+                                                              if self._t_segment is not None else 0.0)},
             "rng": ckpt.rng_state(),
             "config": {k: v for k, v in self.config.to_dict().items() if v is not None},
             "model_signature": ckpt.model_signature(self.raw_model),
@@ -391,17 +466,20 @@ class Trainer:
             if key == "batch_size" and key in saved:  # the global batch must match; the world size may change
                 theirs, ours = saved[key] * saved_world, self.config.batch_size * self.world_size
                 if theirs != ours:
+                    fix = (f"resume with --batch-size {theirs // self.world_size} ({theirs} = "
+                           f"{theirs // self.world_size} x {self.world_size} process(es))" if theirs % self.world_size == 0
+                           else f"resume on a number of processes that divides {theirs}")
                     raise ckpt.CheckpointError(
                         f"checkpoint {path!r} was written with a global batch of {theirs} (batch_size={saved[key]} x "
                         f"{saved_world} process(es)), this run has {ours} (batch_size={self.config.batch_size} x "
-                        f"{self.world_size}): its saved position would not match the data. Resume with the run's own "
-                        "options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
+                        f"{self.world_size}): its saved position would not match the data. Keep the global batch: "
+                        f"{fix}; or start a new run.")
                 continue
             if key in saved and saved[key] != getattr(self.config, key):
                 raise ckpt.CheckpointError(
                     f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
-                    f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume with "
-                    "the run's own options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
+                    f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume "
+                    f"without --{key.replace('_', '-')} (a resumed run keeps its saved options), or start a new run.")
         note = self._schedule_change(saved) if self._own_schedule and saved else None
         if note:
             warnings.warn(note, stacklevel=2)
@@ -423,6 +501,7 @@ class Trainer:
             self.batch_in_epoch = _dist.rescale_position(
                 self.batch_in_epoch, saved_batch, self.world_size * self.config.batch_size, path)
         self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
+        self._time_before = float(p.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
 
@@ -448,8 +527,8 @@ class Trainer:
         if not changes:
             return None
         return ("resuming with other learning-rate options: " + "; ".join(changes) + ". The learning rate will "
-                "differ from the uninterrupted run's; resume with the run's own options (ampkit train --config "
-                "RUN_DIR/config.toml --resume auto) to keep it.")
+                "differ from the uninterrupted run's; resume without those flags (a resumed run keeps its saved "
+                "options) to keep it.")
 
     def _resolve_resume(self) -> Optional[str]:
         spec = self.config.resume
@@ -487,7 +566,30 @@ class Trainer:
     def fit(self) -> Dict[str, Any]:
         """Train for the configured epochs/steps; returns the summary dict."""
         cfg = self.config
+        self._check_model_accepts_data()  # before the run directory exists: a mistake leaves nothing behind
         resume_path = self._prepare_run()
+        try:
+            return self._fit(resume_path)
+        except BaseException:
+            self._remove_stub_run_dir()
+            raise
+
+    def _remove_stub_run_dir(self) -> None:
+        """A run directory this invocation created (or found empty) that holds no checkpoint yet is emptied on
+        failure, so the retry does not find 'a run' in its way; one that held anything is never touched."""
+        out = getattr(self, "_created_dir", None)
+        if not out or self.rank != 0 or self.last_checkpoint or not os.path.isdir(out):
+            return
+        if ckpt.list_checkpoints(os.path.join(out, "checkpoints")):
+            return
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        if getattr(self, "_dir_existed", False):  # the user's empty directory stays, empty
+            os.makedirs(out, exist_ok=True)
+
+    def _fit(self, resume_path: Optional[str]) -> Dict[str, Any]:
+        cfg = self.config
         if resume_path:
             try:
                 self.load_checkpoint(resume_path)
@@ -499,6 +601,10 @@ class Trainer:
                 raise
         else:
             torch.manual_seed(cfg.seed)
+        if resume_path and self._finished():
+            done = self._already_finished()
+            if done is not None:
+                return done
         self._check_inputs_finite()
         is_main = self.rank == 0
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None
@@ -514,13 +620,13 @@ class Trainer:
             reduce=_mean_loss_over_ranks if self.world_size > 1 else None,
         )
         if self.run_dir and is_main:
-            write_config(cfg, os.path.join(self.run_dir, "config.toml"),
+            write_config(cfg.updated(resume=None), os.path.join(self.run_dir, "config.toml"),
                          {"precision (resolved)": self.precision.describe()})
         if is_main:
             print(f"ampkit: {self.precision.describe()}", file=sys.stderr)
             if resume_path:
                 print(f"ampkit: resumed from {resume_path} (epoch {self.epoch}, step {self.global_step})", file=sys.stderr)
-        t_start = time.perf_counter()
+        t_start = self._t_segment = time.perf_counter()
         samples_seen = 0
         try:
             with self._signal_guard():
@@ -532,7 +638,7 @@ class Trainer:
         except TrainingInterrupted:
             logger.close()
             raise
-        train_time = time.perf_counter() - t_start
+        train_time = self._time_before + time.perf_counter() - t_start  # all segments of a resumed run
         summary = self._finish(logger, samples_seen, train_time, is_main)
         logger.close()
         return summary
@@ -691,7 +797,7 @@ class Trainer:
                         first = int(idx[int(bad.nonzero()[0])])
                         raise ValueError(
                             f"the training data holds NaN/inf in its {what}: epoch {self.epoch + 1}, batch {b}, "
-                            f"sample {first} ({int(bad.sum())} bad sample(s) in that batch); the step was skipped. "
+                            f"{_row_of(self.train_data, first)} ({int(bad.sum())} bad sample(s) in that batch); the step was skipped. "
                             "Clean or filter the data before training.")
 
     def _check_inputs_finite(self) -> None:
@@ -711,8 +817,8 @@ class Trainer:
                                     where = f" (epoch {self.epoch + 1}, batch {b})"
                                     break
                         raise ValueError(
-                            f"the {name} data holds NaN/inf in the {what} of {int(bad.sum())} sample(s); first at sample "
-                            f"{first}{where}. Clean or filter the data before training.")
+                            f"the {name} data holds NaN/inf in the {what} of {int(bad.sum())} sample(s); first at "
+                            f"{_row_of(ds, first)}{where}. Clean or filter the data before training.")
 
     def _finish(self, logger: MetricsLogger, samples_seen: int, train_time: float, is_main: bool) -> Dict[str, Any]:
         final = self._evaluate(collect=True) if self.eval_data is not None else None
@@ -788,6 +894,12 @@ class Trainer:
         ]
         with open(os.path.join(self.run_dir, "nonfinite_report.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def _row_of(dataset: Dataset, index: int) -> str:
+    from ..data import row_of
+
+    return row_of(dataset, index)
 
 
 def _mean_loss_over_ranks(values: torch.Tensor, keys: List[str]) -> torch.Tensor:
