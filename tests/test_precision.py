@@ -227,7 +227,7 @@ def test_mode_table_complete():
 
 
 def test_fp16_state_needs_a_larger_adam_eps():
-    """fp16-pure keeps Adam's moments in fp16: eps=1e-8 is flagged with the fix; the Trainer builds it right."""
+    """fp16-pure keeps Adam's moments in fp16: eps=1e-8 is raised to 1e-4 with one warning naming the fix; the Trainer builds it right."""
     from ampkit.train.trainer import build_optimizer
 
     with warnings.catch_warnings():
@@ -238,7 +238,7 @@ def test_fp16_state_needs_a_larger_adam_eps():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert Precision(name, "cpu").min_adam_eps is None
-    with pytest.warns(UserWarning, match=r"eps=1e-08 .* build the optimizer with eps=0.0001"):
+    with pytest.warns(UserWarning, match=r"eps=1e-08 .* eps raised to 0.0001\. Build the optimizer with eps=0.0001"):
         pure[0].setup(_net(), torch.optim.AdamW(_net().parameters(), lr=1e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # SGD has no eps, and eps=1e-4 is enough: no warning

@@ -108,8 +108,13 @@ def _resumed_run(values: dict):
         parent = os.path.dirname(os.path.abspath(resume))
         if out is None and os.path.basename(parent) == "checkpoints":
             out = os.path.dirname(parent)
-    if not out:
-        return None, None
+    if not out:  # a checkpoint outside a run directory: its own copy of the options, into a new --out
+        if not path or not os.path.isfile(path):
+            return None, None
+        saved = dict(ckpt.load_checkpoint(path, map_location="cpu").get("config") or {})
+        saved.pop("resume", None)
+        saved.pop("out", None)
+        return None, saved
     saved_path = os.path.join(out, "config.toml")
     if os.path.isfile(saved_path):
         try:
@@ -131,6 +136,9 @@ def _config_from_args(args, announce: bool = False):
     from ..train.config import TrainConfig
 
     values = _typed_values(args)
+    for k in ("out", "resume", "data", "model", "precision", "device"):
+        if isinstance(values.get(k), str) and not values[k].strip():
+            raise ValueError(f"--{k} is empty: give a value, or leave the flag out.")
     _, saved = _resumed_run(values)
     if saved:
         changed = {k: (saved[k], v) for k, v in values.items()
@@ -138,7 +146,7 @@ def _config_from_args(args, announce: bool = False):
         added = {k: v for k, v in values.items() if k not in saved and k not in ("resume", "out")}
         if announce and not env_is_secondary():
             parts = [f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()] + [f"{k} -> {v!r}" for k, v in added.items()]
-            print(f"ampkit train: resuming {saved['out']} with its saved options"
+            print(f"ampkit train: resuming {saved.get('out') or values['resume']} with its saved options"
                   + (f"; overridden by what was given here: {', '.join(parts)}" if parts else ""), file=sys.stderr)
         values = {**saved, **values}
     cfg = TrainConfig(**values).checked()
@@ -146,6 +154,9 @@ def _config_from_args(args, announce: bool = False):
         v = getattr(cfg, k)
         if v is not None and v < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {v}.")
+    cpus = os.cpu_count() or 1
+    if cfg.num_threads and cfg.num_threads > cpus:  # thousands of threads exhaust memory before training starts
+        raise ValueError(f"--num-threads {cfg.num_threads} is more than the {cpus} CPU(s) here: use at most {cpus}.")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}.")
     return cfg

@@ -333,9 +333,7 @@ class Precision:
         low = self.min_adam_eps
         if low is None or optimizer is None:
             return
-        groups = [g for g in getattr(optimizer, "param_groups", ())
-                  if isinstance(g.get("eps"), float) and g["eps"] < low
-                  and any(p.dtype == torch.float16 for p in g["params"])]
+        groups = [g for g in getattr(optimizer, "param_groups", ()) if isinstance(g.get("eps"), float) and g["eps"] < low]
         if not groups:
             return
         small = min(g["eps"] for g in groups)

@@ -199,6 +199,7 @@ class Trainer:
         self.task = task or _infer_task(train_data)
         self.class_names = list(class_names) if class_names else None
         self.loss_fn = loss_fn or default_loss
+        self._check_model_accepts_data(model)  # before timing or writing anything
         if not isinstance(precision, Precision):
             self._tune(model)
         if self._fsdp:  # shard first: the optimizer must hold the sharded (DTensor) parameters
@@ -349,19 +350,20 @@ class Trainer:
         self.run_dir = self.config.out
         return path
 
-    def _check_model_accepts_data(self) -> None:
-        """One forward and loss on two training samples (eval mode, no grad) and the labels against the
-        model's outputs: a model that does not fit the data is one ValueError naming the fix, before
-        anything is written."""
+    def _check_model_accepts_data(self, model: nn.Module) -> None:
+        """One fp32 forward and loss of the user's model on two training samples (eval mode, no grad) and
+        the labels against its outputs: a model that does not fit the data is one ValueError naming the
+        fix, before anything is timed or written."""
         from ..data import check_labels
 
-        if self._fsdp:
-            return
         x, y = self._fetch(self.train_data, torch.arange(min(2, len(self.train_data))))
-        model, was_training = self.raw_model, self.raw_model.training
+        dev = next((p.device for p in model.parameters()), None)
+        if dev is not None and dev != self.device:
+            x, y = (t.to(dev) if isinstance(t, torch.Tensor) else t for t in (x, y))
+        was_training = model.training
         model.eval()
         try:
-            with torch.no_grad(), self.precision.autocast():
+            with torch.no_grad():
                 out = model(x)
                 self.loss_fn(out, y)
         except Exception as e:
@@ -453,13 +455,6 @@ class Trainer:
         if missing:
             raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
                                        "incomplete or was not written by the ampkit Trainer.")
-        mine, theirs = ckpt.model_signature(self.raw_model), ck.get("model_signature")
-        if theirs is not None and [list(x) for x in theirs] != mine:
-            diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
-            detail = (f"first difference: checkpoint {diff[0][0]} {diff[0][1]} {diff[0][2]} vs model "
-                      f"{diff[1][0]} {diff[1][1]} {diff[1][2]}" if diff else
-                      f"checkpoint has {len(theirs)} tensors, model has {len(mine)}")
-            raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
         saved = ck.get("config") or {}
         saved_world = int(ck.get("progress", {}).get("world_size", 1))
         for key in _RESUME_MUST_MATCH:
@@ -480,6 +475,13 @@ class Trainer:
                     f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
                     f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume "
                     f"without --{key.replace('_', '-')} (a resumed run keeps its saved options), or start a new run.")
+        mine, theirs = ckpt.model_signature(self.raw_model), ck.get("model_signature")
+        if theirs is not None and [list(x) for x in theirs] != mine:
+            diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
+            detail = (f"first difference: checkpoint {diff[0][0]} {diff[0][1]} {diff[0][2]} vs model "
+                      f"{diff[1][0]} {diff[1][1]} {diff[1][2]}" if diff else
+                      f"checkpoint has {len(theirs)} tensors, model has {len(mine)}")
+            raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
         note = self._schedule_change(saved) if self._own_schedule and saved else None
         if note:
             warnings.warn(note, stacklevel=2)
@@ -566,7 +568,6 @@ class Trainer:
     def fit(self) -> Dict[str, Any]:
         """Train for the configured epochs/steps; returns the summary dict."""
         cfg = self.config
-        self._check_model_accepts_data()  # before the run directory exists: a mistake leaves nothing behind
         resume_path = self._prepare_run()
         try:
             return self._fit(resume_path)
@@ -601,6 +602,9 @@ class Trainer:
                 raise
         else:
             torch.manual_seed(cfg.seed)
+            if cfg.resume == "auto" and self.rank == 0:
+                print(f"ampkit: --resume auto: no checkpoint in {self._checkpoint_dir()}: starting a new run there",
+                      file=sys.stderr)
         if resume_path and self._finished():
             done = self._already_finished()
             if done is not None:
