@@ -49,7 +49,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = _build_parser()
+    try:  # Ctrl-C while torch and the verbs import: one line, not a traceback
+        parser = _build_parser()
+    except KeyboardInterrupt:
+        print("ampkit: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
