@@ -83,7 +83,7 @@ def test_precision_tune_keeps_options_and_explicit_modes_alone(monkeypatch, tmp_
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     p = Precision("auto", "cpu", max_consecutive_skips=7)
     assert p.tune(_model(), x, y, nn.functional.cross_entropy) == "bf16-master"
-    assert p.requested == "auto" and p.scaler._max_consecutive_skips == 7 and "measured" in p.describe()
+    assert p.requested == "auto" and p.scaler.max_consecutive_skips == 7 and "measured" in p.describe()
     explicit = Precision("bf16-mixed", "cpu")
     assert explicit.tune(_model(), x, y, nn.functional.cross_entropy) == "bf16-mixed" and len(calls) == 1
 

@@ -69,7 +69,7 @@ class _LossScalerView:
 
     @property
     def _unskipped(self) -> int:
-        return self.scaler._get_growth_tracker()
+        return self.scaler.get_growth_tracker()
 
 
 class _AmpState:
@@ -417,8 +417,7 @@ def _short_circuit(loss_id: int) -> bool:
     scaler = _amp_state.scalers[loss_id]
     return (
         not _amp_state.precision.mode.master_weights
-        and not scaler.is_dynamic
-        and scaler._init_scale == 1.0
+        and scaler.static_scale == 1.0
     )
 
 
