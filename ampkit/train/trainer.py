@@ -199,6 +199,7 @@ class Trainer:
         self.task = task or _infer_task(train_data)
         self.class_names = list(class_names) if class_names else None
         self.loss_fn = loss_fn or default_loss
+        self._peek_resume_options()
         self._check_model_accepts_data(model)  # before timing or writing anything
         if not isinstance(precision, Precision):
             self._tune(model)
@@ -419,9 +420,10 @@ class Trainer:
             "precision": self.precision.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "progress": {"epoch": self.epoch, "batch": self.batch_in_epoch, "global_step": self.global_step,
-                         "attempted_steps": self.attempted_steps, "world_size": self.world_size,
-                         "train_time_s": self._time_before + (time.perf_counter() - self._t_segment
-                                                              if self._t_segment is not None else 0.0)},
+                         "attempted_steps": self.attempted_steps, "world_size": self.world_size},
+            # wall time of every segment so far (summary.json's train_time_s of a resumed run); not state
+            "train_time_s": self._time_before + (time.perf_counter() - self._t_segment
+                                                 if self._t_segment is not None else 0.0),
             "rng": ckpt.rng_state(),
             "config": {k: v for k, v in self.config.to_dict().items() if v is not None},
             "model_signature": ckpt.model_signature(self.raw_model),
@@ -456,25 +458,7 @@ class Trainer:
             raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
                                        "incomplete or was not written by the ampkit Trainer.")
         saved = ck.get("config") or {}
-        saved_world = int(ck.get("progress", {}).get("world_size", 1))
-        for key in _RESUME_MUST_MATCH:
-            if key == "batch_size" and key in saved:  # the global batch must match; the world size may change
-                theirs, ours = saved[key] * saved_world, self.config.batch_size * self.world_size
-                if theirs != ours:
-                    fix = (f"resume with --batch-size {theirs // self.world_size} ({theirs} = "
-                           f"{theirs // self.world_size} x {self.world_size} process(es))" if theirs % self.world_size == 0
-                           else f"resume on a number of processes that divides {theirs}")
-                    raise ckpt.CheckpointError(
-                        f"checkpoint {path!r} was written with a global batch of {theirs} (batch_size={saved[key]} x "
-                        f"{saved_world} process(es)), this run has {ours} (batch_size={self.config.batch_size} x "
-                        f"{self.world_size}): its saved position would not match the data. Keep the global batch: "
-                        f"{fix}; or start a new run.")
-                continue
-            if key in saved and saved[key] != getattr(self.config, key):
-                raise ckpt.CheckpointError(
-                    f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
-                    f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume "
-                    f"without --{key.replace('_', '-')} (a resumed run keeps its saved options), or start a new run.")
+        self._check_saved_options(ck, path)
         mine, theirs = ckpt.model_signature(self.raw_model), ck.get("model_signature")
         if theirs is not None and [list(x) for x in theirs] != mine:
             diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
@@ -503,9 +487,48 @@ class Trainer:
             self.batch_in_epoch = _dist.rescale_position(
                 self.batch_in_epoch, saved_batch, self.world_size * self.config.batch_size, path)
         self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
-        self._time_before = float(p.get("train_time_s", 0.0))
+        self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
+
+    def _check_saved_options(self, ck: Dict[str, Any], path: str) -> None:
+        """The options that define what a checkpoint's position means must match this run's."""
+        saved = ck.get("config") or {}
+        saved_world = int(ck.get("progress", {}).get("world_size", 1))
+        for key in _RESUME_MUST_MATCH:
+            if key == "batch_size" and key in saved:  # the global batch must match; the world size may change
+                theirs, ours = saved[key] * saved_world, self.config.batch_size * self.world_size
+                if theirs != ours:
+                    fix = (f"resume with --batch-size {theirs // self.world_size} ({theirs} = "
+                           f"{theirs // self.world_size} x {self.world_size} process(es))" if theirs % self.world_size == 0
+                           else f"resume on a number of processes that divides {theirs}")
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {path!r} was written with a global batch of {theirs} (batch_size={saved[key]} x "
+                        f"{saved_world} process(es)), this run has {ours} (batch_size={self.config.batch_size} x "
+                        f"{self.world_size}): its saved position would not match the data. Keep the global batch: "
+                        f"{fix}; or start a new run.")
+                continue
+            if key in saved and saved[key] != getattr(self.config, key):
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
+                    f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume "
+                    f"without --{key.replace('_', '-')} (a resumed run keeps its saved options), or start a new run.")
+
+    def _peek_resume_options(self) -> None:
+        """Resuming: refuse options that contradict the checkpoint before the data is even tried on the
+        model (another --data can make the model fail on it first, with a less useful message)."""
+        cfg = self.config
+        if not cfg.resume:
+            return
+        path = cfg.resume
+        if path == "auto":
+            path = ckpt.latest_checkpoint(os.path.join(cfg.out, "checkpoints")) if cfg.out else None
+        try:
+            ck = ckpt.load_checkpoint(path, map_location="cpu") if path else None
+        except Exception:
+            return  # fit() reports a bad checkpoint with the full message
+        if ck is not None:
+            self._check_saved_options(ck, path)
 
     def _schedule_change(self, saved: Dict[str, Any]) -> Optional[str]:
         """What a resume with other schedule options changes, in one sentence, or None.
