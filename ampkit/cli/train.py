@@ -89,7 +89,7 @@ def _typed_values(args) -> dict:
     return values
 
 
-def _resumed_run(values: dict):
+def _resumed_run(values: dict, announce: bool = False):
     """(run directory, its saved options) when this invocation resumes a run, else (None, None).
 
     ``--resume auto`` continues ``--out`` (or the config file's ``out``); ``--resume PATH`` the run whose
@@ -116,13 +116,14 @@ def _resumed_run(values: dict):
         saved.pop("out", None)
         return None, saved
     saved_path = os.path.join(out, "config.toml")
+    saved = None
     if os.path.isfile(saved_path):
         try:
             saved = load_config_file(saved_path)
-        except ValueError as e:
-            raise ValueError(f"{e} It is the saved options of the run being resumed: fix or delete it "
-                             "(the checkpoint keeps its own copy).") from None
-    else:
+        except ValueError as e:  # an edited or unreadable file: the checkpoint's own copy is the truth
+            if announce and not env_is_secondary():
+                print(f"ampkit train: {e}; using the checkpoint's copy of the run's options", file=sys.stderr)
+    if saved is None:
         path = path or ckpt.latest_checkpoint(os.path.join(out, "checkpoints"))
         if not path or not os.path.isfile(path):
             return out, None
@@ -139,7 +140,7 @@ def _config_from_args(args, announce: bool = False):
     for k in ("out", "resume", "data", "model", "precision", "device"):
         if isinstance(values.get(k), str) and not values[k].strip():
             raise ValueError(f"--{k} is empty: give a value, or leave the flag out.")
-    _, saved = _resumed_run(values)
+    _, saved = _resumed_run(values, announce)
     if saved:
         changed = {k: (saved[k], v) for k, v in values.items()
                    if k in saved and k not in ("resume", "out") and saved[k] != v}
