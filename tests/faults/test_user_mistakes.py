@@ -56,18 +56,33 @@ def user_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("data,model,needle", [
-    ("label5.npz", "mymod:make", "label 5 at row 5 of the data file, but the model has 3 outputs"),
-    ("uint8.npz", None, "x holds integers: save it as float32"),
-    ("good.npz", "mymod:narrow", "the model cannot train on this data"),
-    ("x1d.npz", None, "x[:, None]"),
-    ("nan_y.npz", None, "y holds NaN/inf (first at row 5)"),
+class _InProcess:
+    """main() in this process, for the mistakes found before any work (cheaper than a new interpreter)."""
+
+    def __init__(self, argv, capsys):
+        from ampkit.cli import main
+
+        self.returncode = main(argv)
+        self.stderr = capsys.readouterr().err
+
+
+@pytest.mark.parametrize("data,model,needle,subprocess_", [
+    ("label5.npz", "mymod:make", "label 5 at row 5 of the data file, but the model has 3 outputs", True),
+    ("uint8.npz", None, "x holds integers: save it as float32", True),
+    ("good.npz", "mymod:narrow", "the model cannot train on this data", True),
+    ("x1d.npz", None, "x[:, None]", False),
+    ("nan_y.npz", None, "y holds NaN/inf (first at row 5)", False),
 ])
-def test_bad_data_is_one_line_and_leaves_no_run_dir(user_dir, data, model, needle, ledger):
+def test_bad_data_is_one_line_and_leaves_no_run_dir(user_dir, data, model, needle, subprocess_, ledger, capsys,
+                                                     monkeypatch):
     out = f"run-{data}-{model}".replace(":", "_")
+    argv = ["train", "--data", data, *(["--model", model] if model else []), "--out", out, "--epochs", "1", *FAST]
     with ledger.trial("user mistake refused (one line, nothing left)", note=data):
-        r = _ampkit(["train", "--data", data, *(["--model", model] if model else []), "--out", out, "--epochs", "1",
-                     *FAST], user_dir)
+        if subprocess_:
+            r = _ampkit(argv, user_dir)
+        else:
+            monkeypatch.chdir(user_dir)
+            r = _InProcess(argv, capsys)
         assert needle in _one_line_error(r)
         assert not os.path.exists(user_dir / out)  # the retry is not blocked by a stub run directory
 
@@ -124,7 +139,7 @@ def test_resume_keeps_the_runs_options(user_dir, ledger):
         assert tree_bytes(str(user_dir / "R")) == before
 
 
-def test_bad_flags_and_config_name_the_key(user_dir, ledger):
+def test_bad_flags_and_config_name_the_key(user_dir, ledger, capsys, monkeypatch):
     (user_dir / "bad.toml").write_text('epochs = "two"\n')
     (user_dir / "broken.toml").write_text("epochs = \n")
     for args, needle in [(["--config", "bad.toml"], "option epochs = 'two'"),
@@ -132,12 +147,20 @@ def test_bad_flags_and_config_name_the_key(user_dir, ledger):
                          (["--init-scale", "0", "--precision", "fp16-mixed"], "init_scale must be a positive finite"),
                          (["--precision", "fp32", "--loss-scale", "0"], "precision='fp32' does not use loss scaling")]:
         with ledger.trial("user mistake refused (one line, nothing left)", note=args[0]):
-            r = _ampkit(["train", "--data", "good.npz", "--out", "flags", *args], user_dir)
+            argv = ["train", "--data", "good.npz", "--out", "flags", *args]
+            if args[0] == "--init-scale":
+                r = _ampkit(argv, user_dir)
+            else:
+                monkeypatch.chdir(user_dir)
+                r = _InProcess(argv, capsys)
             assert needle in _one_line_error(r)
             assert not os.path.exists(user_dir / "flags")
 
 
-def test_no_progress_help_says_what_it_does():
-    r = subprocess.run([sys.executable, "-m", "ampkit", "train", "--help"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
-    assert "periodic log lines instead" not in r.stdout and "no per-step log lines" in " ".join(r.stdout.split())
+def test_no_progress_help_says_what_it_does(capsys):
+    from ampkit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "periodic log lines instead" not in out and "no per-step log lines" in out
