@@ -76,6 +76,8 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
         ", op policy " + ("on" if use_policy() else "off"))
     if precision._use_channels_last(model):
         policy += ", channels_last"
+    if precision.fp8 is not None:
+        policy += f", {precision.fp8.describe()}"
     step = Step(model, optimizer, fn, f"ampkit Precision({precision.name!r}) hooks{policy}, Trainer's fused AdamW")
     step.precision = precision
     return step
