@@ -6,11 +6,12 @@ from .master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names
 from .policy import Precision, global_policy, set_global_policy
 from .scaler import LossScaler, NonFiniteGradientsError, parse_loss_scale
+from .tuned import Tuned
 
 __all__ = [
     "ALIASES", "MODES", "Mode", "resolve", "valid_names",
     "LossScaler", "NonFiniteGradientsError", "parse_loss_scale",
     "MasterWeightOptimizer", "convert_model", "cast_floating", "is_norm", "apply_fp32_islands",
-    "Precision", "set_global_policy", "global_policy",
+    "Precision", "Tuned", "set_global_policy", "global_policy",
     "auto_mode", "device_info", "resolve_device",
 ]

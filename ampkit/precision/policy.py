@@ -30,7 +30,8 @@ from .islands import apply_fp32_islands
 from .master import MasterWeightOptimizer
 from .modes import AUTO, MODES, Mode, resolve
 from .scaler import LossScaler, parse_loss_scale
-from .speed import OpSpeedPolicy, policy_enabled
+from .attention import AttentionPolicy, forced_kernel, policy_setting
+from .tuned import Tuned
 
 __all__ = ["Precision", "set_global_policy", "global_policy"]
 
@@ -88,18 +89,20 @@ class Precision:
             loss is computed in fp32 (default True).
         skip_nonfinite: skip (and count) steps whose gradients are non-finite, in every mode.
         channels_last: convert 4-D conv models to channels_last memory format in ``setup``;
-            None = measured: ``tune`` (given a batch: the Trainer, the bench) times both layouts on
-            this model and keeps the faster (``ampkit.precision.layout``); without ``tune``, on for
+            None = measured: ``ampkit.tune`` (given a batch: the Trainer, the bench) times both
+            layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
             CPU 16-bit compute with conv layers.
-        op_policy: speed-aware per-op dtype choice inside ``autocast()`` (``ampkit.precision.speed``:
-            e.g. attention backward in fp32 where this CPU runs it faster); None = on for CPU
-            16-bit compute unless ``AMPKIT_OP_POLICY=off``.
+        op_policy: speed-aware per-op kernel choice inside ``autocast()`` (``ampkit.precision.attention``:
+            e.g. attention backward in fp32 where this CPU runs it faster), with the verdicts
+            ``ampkit.tune`` measured; None = on for CPU 16-bit compute unless ``AMPKIT_OP_POLICY=off``.
         compensation: bf16-pure only: how updates land in the bf16 weights, ``"kahan"`` (default,
             a bf16 buffer per param), ``"stochastic"`` (stochastic rounding, no buffer) or
             ``"none"`` (plain rounding; small updates are lost). ``setup`` swaps a torch
             AdamW/Adam/SGD for its ``ampkit.optim`` equivalent; an ``ampkit.optim`` optimizer
             keeps its own setting unless this is given. Norm layers stay fp32 here too
             (``keep_norm_fp32``): see docs/BF16_PURE.md.
+        tuned: what ``ampkit.tune`` measured on the model (:class:`~ampkit.precision.tuned.Tuned`):
+            auto's mode, the memory format, attention kernels. Explicit arguments win over it.
     """
 
     def __init__(
@@ -122,21 +125,26 @@ class Precision:
         op_policy: Optional[bool] = None,
         scaler: Optional[LossScaler] = None,
         compensation: Optional[str] = None,
+        tuned: Optional[Tuned] = None,
     ) -> None:
-        self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__")}
+        self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__", "tuned")}
+        self.tuned = tuned if tuned is not None else Tuned()
         self.device = resolve_device(device)
         requested = resolve(global_policy() if name is None else name)
         self.requested = requested
         self.reason = "asked for explicitly"
-        if requested == AUTO:
+        if requested == AUTO and self.tuned.mode is not None:
+            requested, self.reason = resolve(self.tuned.mode), self.tuned.mode_reason or "tuned"
+        elif requested == AUTO:
             requested, self.reason = auto_mode(self.device)
         self.mode: Mode = MODES[requested]
         self.name = self.mode.name
         self.fp32_modules = tuple(fp32_modules or ())
         self.keep_norm_fp32 = keep_norm_fp32
         self.cast_outputs = cast_outputs
-        self.channels_last = channels_last
-        self.layout_reason: Optional[str] = None  # set when tune() measured the memory format
+        self.channels_last = channels_last if channels_last is not None else self.tuned.channels_last
+        # why the memory format is what it is, when it was measured (ampkit.tune)
+        self.layout_reason: Optional[str] = self.tuned.layout_reason if channels_last is None else None
         self.op_policy = op_policy
         self._check_hardware()
         if compensation is not None and not self.mode.compensated:
@@ -180,59 +188,21 @@ class Precision:
         self._scales_loss = self.mode.scaled
         self._setup_done = False
 
-    def tune(self, model: nn.Module, inputs: Any, target: Any, loss_fn, grad_accum: int = 1,
-             modes: bool = True, log=None) -> str:
-        """Before ``setup``, measure on this model and batch what was left open (cached per machine):
+    def options(self) -> Dict[str, Any]:
+        """The keyword arguments this precision was built with (``name`` and ``tuned`` aside)."""
+        return dict(self._init_kwargs)
 
-        * ``auto`` (and ``modes``): the fastest candidate mode that passes the AMP check
-          (``ampkit.precision.autotune``, timed on copies of the model);
-        * ``channels_last=None`` on a model with 2-D convolutions: the faster memory format in the
-          chosen mode (``ampkit.precision.layout``).
-
-        ``log(message)`` is called before each measurement actually taken (cached verdicts are silent).
-        Returns the mode's name; a no-op once ``setup`` ran.
-        """
+    def retuned(self, tuned: Tuned) -> "Precision":
+        """A new precision with the same request and options and these measured decisions
+        (what ``ampkit.tune`` returns); this one is left as it is."""
         if self._setup_done:
-            return self.name
-        if self.requested == AUTO and modes:
-            self._tune_mode(model, inputs, target, loss_fn, grad_accum, log)
-        if self.channels_last is None:
-            self._tune_layout(model, inputs, target, loss_fn, log)
-        return self.name
+            raise RuntimeError("retuned() after setup(): tune before setting the model up.")
+        return type(self)(self.requested, **self._init_kwargs, tuned=tuned)
 
-    def _tune_mode(self, model, inputs, target, loss_fn, grad_accum: int, log) -> None:
-        from .autotune import CannotTime, fastest_mode
-
-        try:
-            result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum, log=log)
-        except CannotTime as e:
-            warnings.warn(f"precision auto: {e}; keeping the device's default, {self.name!r}. Pass a mode "
-                          "(--precision) to choose.", stacklevel=3)
-            return
-        if result["mode"] != self.name:
-            self.__init__(result["mode"], **self._init_kwargs)
-            self.requested = AUTO
-        self.reason = result["reason"]
-        self.tuned_ms = result["ms"]
-
-    def _tune_layout(self, model, inputs, target, loss_fn, log) -> None:
-        from .layout import faster_layout, has_conv2d
-
-        if not has_conv2d(model):
-            return
-        kept = ("fp32_modules", "keep_norm_fp32", "cast_outputs", "op_policy", "compensation", "loss_scale",
-                "init_scale")
-        try:
-            result = faster_layout(model, inputs, target, loss_fn, self.name, self.device, log=log,
-                                   **{k: self._init_kwargs[k] for k in kept})
-        except RuntimeError as e:  # e.g. out of memory for two more copies: the rule decides
-            # (a ValueError/TypeError is a configuration error: it surfaces as itself, now)
-            warnings.warn(f"memory format: could not time both layouts on this model ({type(e).__name__}: {e}); "
-                          "using the default rule. Pass channels_last=True/False (--memory-format) to choose.",
-                          stacklevel=3)
-            return
-        self.channels_last = result["channels_last"]
-        self.layout_reason = result["reason"]
+    @property
+    def is_setup(self) -> bool:
+        """True once ``setup`` ran (then the mode and layout are fixed)."""
+        return self._setup_done
 
     # ------------------------------------------------------------------ checks
     def _check_hardware(self) -> None:
@@ -305,7 +275,7 @@ class Precision:
                 model._ampkit_io_hooked = True
         if self.fp32_modules:
             apply_fp32_islands(model, self.fp32_modules)
-        if self._use_channels_last(model):
+        if self.uses_channels_last(model):
             model.to(memory_format=torch.channels_last)
         if optimizer is not None:
             self._check_eps(optimizer)
@@ -334,7 +304,9 @@ class Precision:
                 stacklevel=3,
             )
 
-    def _use_channels_last(self, model: nn.Module) -> bool:
+    def uses_channels_last(self, model: nn.Module) -> bool:
+        """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
+        (CPU, bf16 compute, 2-D convolutions)."""
         if self.channels_last is not None:
             return self.channels_last
         return (
@@ -349,17 +321,39 @@ class Precision:
         if dtype is None:
             return contextlib.nullcontext()
         ctx = torch.autocast(device_type=self.device.type, dtype=dtype)
-        if not self._use_op_policy():
+        policy = self.attention_policy()
+        if policy is None:
             return ctx
         stack = contextlib.ExitStack()
         stack.enter_context(ctx)
-        stack.enter_context(OpSpeedPolicy())
+        stack.enter_context(policy)
         return stack
 
-    def _use_op_policy(self) -> bool:
-        if self.op_policy is not None:
-            return self.op_policy
-        return self.device.type == "cpu" and policy_enabled() != "off"
+    def attention_policy(self) -> Optional[AttentionPolicy]:
+        """The scoped attention policy ``autocast()`` enters, or None where every call runs torch's kernel:
+        fp32, a device other than CPU, ``op_policy=False``, ``AMPKIT_OP_POLICY=off``, or no tuned
+        shape whose fastest kernel differs from torch's (then no mode is pushed at all)."""
+        if not self.op_policy_applies:
+            return None
+        forced = forced_kernel()
+        if forced == "native":
+            return None
+        kernels = {k: v for k, v in self.tuned.attention.items() if v != "native"}
+        if forced is None and not kernels:
+            return None
+        cached = getattr(self, "_attention", None)
+        if cached is None or cached.forced != forced:
+            cached = self._attention = AttentionPolicy(kernels, forced=forced)
+        return cached
+
+    @property
+    def op_policy_applies(self) -> bool:
+        """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
+        if self.mode.autocast_dtype is None or self.op_policy is False:
+            return False
+        if self.op_policy is None and self.device.type != "cpu":
+            return False
+        return policy_setting() != "off"
 
     def convert_input(self, batch: Any) -> Any:
         """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""

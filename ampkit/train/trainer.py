@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from ..precision import NonFiniteGradientsError, Precision
-from ..precision.layout import has_conv2d
+from ..precision import NonFiniteGradientsError, Precision, Tuned
 from ..precision.modes import AUTO, MODES
+from ..tuning import needs_tuning, tune
 from . import checkpoint as ckpt
 from . import distributed as _dist
 from .config import TrainConfig, write_config
@@ -59,7 +59,7 @@ class RunDirError(ValueError):
     """The output directory cannot be used (holds another run, not writable...)."""
 
 
-# TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (Precision.tune)
+# TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (ampkit.tune)
 _MEMORY_FORMATS = {"auto": None, "channels_last": True, "contiguous": False}
 
 
@@ -227,10 +227,10 @@ class Trainer:
         self._saved_state: Optional[tuple] = None
 
     def _tune(self, model: nn.Module) -> None:
-        """Measure what the run left open on this model and its first batch (``Precision.tune``; cached
-        per machine): the mode for precision auto, the memory format of a conv model. A resumed auto
-        run keeps its checkpoint's mode. Several processes keep the defaults (every rank must run the
-        same mode and layout, and timings differ per rank)."""
+        """Measure what the run left open on this model and its first batch (``ampkit.tune``; cached
+        per machine): the mode for precision auto, the memory format of a conv model, attention kernels.
+        A resumed auto run keeps its checkpoint's mode. Several processes keep the defaults (every rank
+        must run the same mode and layout, and timings differ per rank)."""
         cfg, prec = self.config, self.precision
         modes = prec.requested == AUTO
         if modes and cfg.resume:
@@ -242,17 +242,14 @@ class Trainer:
             except Exception:
                 saved = None  # fit() reports a bad checkpoint with the full message
             if saved and saved != prec.name and saved in MODES:
-                prec.__init__(saved, **prec._init_kwargs)
-                prec.requested = AUTO
-                prec.reason = "the resumed run's precision"
+                prec = self.precision = prec.retuned(Tuned(mode=saved, mode_reason="the resumed run's precision"))
             modes = False
-        layout = prec.channels_last is None and has_conv2d(model)
-        if not (modes or layout) or not cfg.autotune or self.world_size > 1 or self._fsdp:
+        if not needs_tuning(prec, model, modes) or not cfg.autotune or self.world_size > 1 or self._fsdp:
             return
         idx = torch.arange(min(cfg.batch_size, len(self.train_data)))
         x, y = self._fetch(self.train_data, idx)
-        prec.tune(model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes,
-                  log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
+        self.precision = tune(prec, model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes,
+                              log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
 
     # ------------------------------------------------------------------ data
     def _batches_per_epoch(self) -> int:

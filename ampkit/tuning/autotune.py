@@ -6,7 +6,7 @@ weights with bf16 params save autocast's per-forward weight casts and memory, bu
 and a master-to-model copy per step, which pays on some models and not on others. So, when a
 model and a batch are at hand (the Trainer has both), `auto` times a few optimizer steps of each
 candidate on deep copies of the model, and keeps the fastest. Verdicts are cached on disk next to
-the op policy's (``$AMPKIT_CACHE_DIR`` or ``~/.cache/ampkit/automode.json``), keyed by device,
+the op-speed verdicts (``$AMPKIT_CACHE_DIR`` or ``~/.cache/ampkit/automode.json``), keyed by device,
 torch version, threads, the model's parameter signature and the batch shapes, so a model is timed
 once per machine.
 
@@ -29,9 +29,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from ..diagnose.runner import to_device
+from ..diagnose import verdict
+from ..precision import Precision
+from ..precision.device import auto_mode, device_info, machine_key, resolve_device
+from ..precision.modes import MODES
 from .cache import cache_file, load_entries, store_entry
-from .device import auto_mode, device_info, machine_key, resolve_device
-from .modes import MODES
 
 __all__ = ["CannotTime", "auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
 
@@ -66,14 +69,6 @@ def fmt_ms(ms: float) -> str:
     return f"{ms:.0f} ms" if ms >= 100 else (f"{ms:.1f} ms" if ms >= 10 else f"{ms:.2f} ms")
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    return batch
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -101,7 +96,7 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
     ``budget_s``: where the warm-up steps say the rounds would take longer than this, fewer rounds
     are timed (never fewer than 2), so a big model on a CPU waits seconds, not minutes."""
     dev = resolve_device(device)
-    inputs, target = _to_device(inputs, dev), _to_device(target, dev)
+    inputs, target = to_device(inputs, dev), to_device(target, dev)
     args = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
     make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7))
     # the user's training sees the same random streams (CPU, and this GPU's) as without the timing
@@ -113,8 +108,6 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
 
 def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds,
                  make_optimizer, budget_s=None) -> Dict[str, List[float]]:
-    from .policy import Precision
-
     runs = {}
     for label, kwargs in candidates.items():
         try:
@@ -230,8 +223,6 @@ def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mod
     `auto` keeps only the modes whose check is ok: the fastest mode that passes the accuracy check.
     A check that cannot run on this model says so and rules nothing out.
     """
-    from ..diagnose.verdict import amp_verdicts
-
     probes = sorted({_probe(m) for m in modes} - {"fp32"})
     if not probes:
         return {}
@@ -239,7 +230,7 @@ def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mod
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            verdicts = amp_verdicts(model, batch, loss_fn, probes, device)
+            verdicts = verdict.amp_verdicts(model, batch, loss_fn, probes, device)
     except Exception as e:  # a model the check cannot drive: timing alone decides, and the reason says so
         warnings.warn(f"precision auto: the AMP check could not run on this model ({type(e).__name__}: {e}); "
                       "choosing by speed alone.", stacklevel=3)
