@@ -2,7 +2,7 @@
 from .convert import cast_floating, convert_model, is_norm
 from .device import auto_mode, device_info, resolve_device
 from .islands import apply_fp32_islands
-from .master import MasterWeightOptimizer
+from ..optim.master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names
 from .policy import Precision, global_policy, set_global_policy
 from .scaler import LossScaler, NonFiniteGradientsError, parse_loss_scale

@@ -27,7 +27,8 @@ from torch import nn
 from .convert import cast_floating, convert_model
 from .device import auto_mode, device_info, resolve_device
 from .islands import apply_fp32_islands
-from .master import MasterWeightOptimizer
+from ..optim import compensated_from
+from ..optim.master import MasterWeightOptimizer
 from .modes import AUTO, MODES, Mode, resolve
 from .scaler import LossScaler, parse_loss_scale
 from .attention import AttentionPolicy, forced_kernel, policy_setting
@@ -280,8 +281,6 @@ class Precision:
         if optimizer is not None:
             self._check_eps(optimizer)
         if self.mode.compensated and optimizer is not None:
-            from ..optim import compensated_from
-
             if self.compensation is None:
                 optimizer = compensated_from(optimizer)
             else:

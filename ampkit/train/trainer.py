@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from ..precision import NonFiniteGradientsError, Precision, Tuned
+from ..precision.convert import is_norm
 from ..precision.modes import AUTO, MODES
 from ..tuning import needs_tuning, tune
 from . import checkpoint as ckpt
@@ -64,8 +65,6 @@ _MEMORY_FORMATS = {"auto": None, "channels_last": True, "contiguous": False}
 
 
 def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
-    from ..precision.convert import is_norm
-
     return param.dim() <= 1 or name.endswith(".bias") or is_norm(module)
 
 

@@ -39,11 +39,12 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from ...optim.master import MasterWeightOptimizer
 from ...precision.convert import cast_floating
-from ...precision.master import MasterWeightOptimizer
 from ...precision.policy import Precision
 from ...precision.scaler import LossScaler
 from .opt_levels import AmpProperties, describe, resolve_properties
+from .fp16_utils import FP16_Optimizer
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
@@ -272,8 +273,6 @@ def _check_models(models: List[nn.Module]) -> None:
 
 
 def _check_optimizers(optimizers) -> None:
-    from .fp16_utils import FP16_Optimizer
-
     for opt in optimizers:
         if isinstance(opt, FP16_Optimizer):
             raise ValueError(
