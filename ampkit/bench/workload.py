@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..diagnose.runner import default_loss
+
 __all__ = ["Workload", "build_workload", "default_loss"]
 
 
@@ -35,13 +37,6 @@ class Workload:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     samples_per_step: int
     tokens_per_step: Optional[int] = None  # sequence models: tokens per optimizer step
-
-
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for class/token targets (logits flattened over all leading dims), MSE otherwise."""
-    if target.is_floating_point():
-        return F.mse_loss(output, target.to(output.dtype))
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 def _images(n: int, seed: int):

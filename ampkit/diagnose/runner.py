@@ -65,11 +65,11 @@ def _primary(output: Any) -> torch.Tensor:
     for t in iter_tensors(output):
         if t.is_floating_point():
             return t
-    raise ValueError("the model's output holds no floating-point tensor: pass loss_fn= to check().")
+    raise ValueError("the model's output holds no floating-point tensor: pass loss_fn=.")
 
 
 def default_loss(output: Any, target: Any) -> torch.Tensor:
-    """The loss `check` uses when none is given.
+    """The default loss everywhere (`check`, the Trainer, the bench, `auto`'s timing): one rule.
 
     A ``loss`` the model returned itself (Hugging Face style); cross-entropy for integer targets
     (classes last, any leading dims); MSE for float targets; without a target, the mean square of
@@ -82,7 +82,7 @@ def default_loss(output: Any, target: Any) -> torch.Tensor:
     if target is None:
         return out.float().pow(2).mean()
     if not isinstance(target, torch.Tensor):
-        raise ValueError(f"the batch's target is a {type(target).__name__}; pass loss_fn= to check().")
+        raise ValueError(f"the batch's target is a {type(target).__name__}; pass a loss_fn that takes it (loss_fn=).")
     if target.is_floating_point():
         return F.mse_loss(out.float().reshape(target.shape), target.float())
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))

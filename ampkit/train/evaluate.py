@@ -9,14 +9,9 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import numpy as np
 import torch
 
+from ..diagnose.runner import default_loss  # the one default loss (re-exported: the Trainer's default)
+
 __all__ = ["default_loss", "evaluate", "classification_text"]
-
-
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for integer targets (any number of leading dims, classes last), MSE otherwise."""
-    if target.is_floating_point():
-        return torch.nn.functional.mse_loss(output.float().reshape(target.shape), target.float())
-    return torch.nn.functional.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 @torch.no_grad()
