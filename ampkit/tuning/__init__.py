@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from ..precision import Precision, Tuned
+from ..precision import Precision
 from ..precision.attention import forced_kernel
 from ..precision.modes import AUTO
 from .autotune import CannotTime, auto_candidates, fastest_mode, time_modes, time_precisions
