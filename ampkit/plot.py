@@ -5,6 +5,8 @@ import json
 import os
 from typing import Dict, List, Optional
 
+from ._optional import require
+
 __all__ = ["read_metrics", "plot_runs"]
 
 
@@ -36,8 +38,7 @@ def _label(run_dir: str) -> str:
 
 def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[str] = None) -> str:
     """Write a PNG with three panels (train loss, eval accuracy or loss, loss scale) to ``out``."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "ampkit plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
