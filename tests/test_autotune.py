@@ -85,7 +85,7 @@ def test_precision_tune_keeps_options_and_explicit_modes_alone(monkeypatch, tmp_
     p = Precision("auto", "cpu", max_consecutive_skips=7)
     tuned = ampkit.tune(p, _model(), x, y, nn.functional.cross_entropy)
     assert tuned.name == "bf16-master" and p.name == "bf16-mixed"  # a new object; the one passed in is unchanged
-    assert tuned.requested == "auto" and tuned.scaler._max_consecutive_skips == 7 and "measured" in tuned.describe()
+    assert tuned.requested == "auto" and tuned.scaler.max_consecutive_skips == 7 and "measured" in tuned.describe()
     explicit = Precision("bf16-mixed", "cpu")
     assert ampkit.tune(explicit, _model(), x, y, nn.functional.cross_entropy).name == "bf16-mixed" and len(calls) == 1
 

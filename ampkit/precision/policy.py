@@ -30,7 +30,7 @@ from .islands import apply_fp32_islands
 from ..optim import compensated_from
 from ..optim.master import MasterWeightOptimizer
 from .modes import AUTO, MODES, Mode, resolve
-from .scaler import LossScaler, parse_loss_scale
+from .scaler import LossScaler, OptState, parse_loss_scale
 from .attention import AttentionPolicy, forced_kernel, policy_setting
 from .tuned import Tuned
 
@@ -363,8 +363,7 @@ class Precision:
         if self._scales_loss:
             self.scaler.scale(loss).backward(**kwargs)
         else:
-            if self.scaler.is_enabled() and self.scaler._scale is None:
-                self.scaler._lazy_init_scale_growth_tracker(loss.device)
+            self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -379,13 +378,11 @@ class Precision:
         Returns True when the optimizer stepped, False when the step was skipped.
         Exactly one host sync (the skip decision).
         """
-        state = self.scaler._per_optimizer_states[id(optimizer)] if self.scaler.is_enabled() else None
-        if state is None or state["stage"].name == "READY":
+        if self.scaler.stage(optimizer) is OptState.READY:
             if isinstance(optimizer, MasterWeightOptimizer):
                 optimizer.sync_grads()
             if self.scaler.is_enabled():
-                if self.scaler._scale is None:  # backward() was not called through us
-                    self.scaler._lazy_init_scale_growth_tracker(self.device)
+                self.scaler.ensure_initialized(self.device)  # backward() was not called through us
                 self.scaler.unscale_(optimizer)
         self.last_grad_norm = None
         if max_norm is not None and max_norm > 0:
@@ -419,7 +416,7 @@ class Precision:
         """One line: the mode, what it does, and why it was chosen."""
         extra = []
         if self._scales_loss:
-            extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler._init_scale:g}")
+            extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler.static_scale:g}")
         if self.mode.compensated:
             extra.append({None: "Kahan compensation", "kahan": "Kahan compensation",
                           "stochastic": "stochastic rounding",

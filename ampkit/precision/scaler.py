@@ -1,10 +1,12 @@
-"""`LossScaler`: a drop-in for `torch.amp.GradScaler`, with the extras long training runs need.
+"""`LossScaler`: a subclass of `torch.amp.GradScaler`, with the extras long training runs need.
 
-With default arguments it follows torch's class step for step: the same lazily created scale and
-growth-tracker tensors, the same fused kernels (`torch._amp_foreach_non_finite_check_and_unscale_`,
-`torch._amp_update_scale_`), the same per-optimizer state machine and misuse errors, the same
-fused-optimizer protocol (`_step_supports_amp_scaling`), and so the same scale sequence and
-bitwise-equal parameters. ``tests/test_scaler_equivalence.py`` holds it to that.
+It is torch's class (``isinstance(s, torch.amp.GradScaler)``; torch's per-optimizer state, scale and
+growth tracker, ``scale``/``unscale_``/getters/pickling inherited), overriding only what the extras
+need: ``_unscale_grads_`` (bf16 grads on CUDA, DTensor shards, distributed found-inf), ``step`` (the
+result and a cached signature lookup), ``update`` (static scale, floor/cap, hysteresis, telemetry)
+and the state dict. With default arguments it gives torch's scale sequence and bitwise-equal
+parameters: ``tests/test_scaler_equivalence.py`` and PyTorch's own grad-scaling tests ported in
+``tests/test_scaler_torch_suite.py`` (run against both classes) hold it to that.
 
 Extras (all off by default):
 
@@ -30,26 +32,16 @@ import inspect
 import warnings
 import weakref
 from collections import abc, defaultdict
-from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-__all__ = ["LossScaler", "NonFiniteGradientsError", "parse_loss_scale"]
+__all__ = ["LossScaler", "NonFiniteGradientsError", "OptState", "parse_loss_scale"]
 
 
 class NonFiniteGradientsError(FloatingPointError):
     """Raised when gradients stayed non-finite for more consecutive steps than allowed."""
-
-
-class _OptState(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-def _fresh_state() -> Dict[str, Any]:
-    return {"stage": _OptState.READY, "found_inf_per_device": {}, "optimizer": None, "stepped": None}
 
 
 def parse_loss_scale(value: Union[str, float, int, None]) -> Optional[float]:
@@ -123,21 +115,8 @@ def _takes_grad_scaler(optimizer) -> bool:
     return hit
 
 
-class _PerDevice:
-    """Lazily copies one tensor to each device asked for (grads may live on several)."""
 
-    def __init__(self, master: torch.Tensor) -> None:
-        self.master = master
-        self.copies: Dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        t = self.copies.get(device)
-        if t is None:
-            t = self.copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
-        return t
-
-
-class LossScaler:
+class LossScaler(torch.amp.GradScaler):
     """Gradient scaler; ``LossScaler(...)`` accepts everything ``torch.amp.GradScaler(...)`` does."""
 
     def __init__(
@@ -158,71 +137,81 @@ class LossScaler:
         distributed: Optional[bool] = None,
         allow_fp16_grads: bool = False,
     ) -> None:
-        self._device = str(torch.device(device).type) if not isinstance(device, str) else device
-        self._enabled = enabled
-        if self._device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn(
-                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
-                stacklevel=2,
-            )
-            self._enabled = False
+        device = device if isinstance(device, str) else torch.device(device).type
         static = parse_loss_scale(loss_scale)
         if static is not None:
             init_scale, dynamic = static, False
-        self._dynamic = bool(dynamic)
         if hysteresis < 1:
             raise ValueError(f"hysteresis must be >= 1 (1 = back off on every overflow), got {hysteresis}.")
         if max_consecutive_skips is not None and max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be a positive integer or None, got {max_consecutive_skips}.")
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self._dynamic = bool(dynamic)
         self._min_scale = min_scale
         self._max_scale = max_scale
         self._hysteresis = int(hysteresis)
+        self._hyst_left: Optional[torch.Tensor] = None
         self._max_consecutive_skips = max_consecutive_skips
         self._distributed = distributed
         self._allow_fp16_grads = allow_fp16_grads
         self._param_names: Dict[int, str] = {}
+        # this iteration's optimizers and whether each stepped (telemetry, the skip-limit error)
+        self._optimizers: Dict[int, torch.optim.Optimizer] = {}
+        self._stepped: Dict[int, bool] = {}
         # telemetry (host-side; updated from the one sync step() already makes)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.last_skip_step: Optional[int] = None
         self._iterations = 0
-        if self._enabled:
-            if growth_factor <= 1.0:
-                raise AssertionError("The growth factor must be > 1.0.")
-            if backoff_factor >= 1.0:
-                raise AssertionError("The backoff factor must be < 1.0.")
-            self._init_scale = init_scale
-            self._scale: Optional[torch.Tensor] = None
-            self._growth_factor = growth_factor
-            self._backoff_factor = backoff_factor
-            self._growth_interval = growth_interval
-            self._init_growth_tracker = 0
-            self._growth_tracker: Optional[torch.Tensor] = None
-            self._hyst_left: Optional[torch.Tensor] = None
-            self._per_optimizer_states: Dict[int, Dict[str, Any]] = defaultdict(_fresh_state)
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ public seams
     def register_names(self, model: torch.nn.Module) -> "LossScaler":
         """Remember parameter names so errors can say which gradients went non-finite."""
         self._param_names.update({id(p): n for n, p in model.named_parameters()})
         return self
 
-    def _check_scale_growth_tracker(self, funcname: str):
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return self._scale, self._growth_tracker
+    def ensure_initialized(self, device: Union[str, torch.device]) -> None:
+        """Create the scale and growth tracker on ``device`` if ``scale()`` has not yet (no-op when
+        disabled): for loops that step without scaling a loss (the unscaled modes' guard)."""
+        if self._enabled and self._scale is None:
+            self._lazy_init_scale_growth_tracker(torch.device(device))
 
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        if self._growth_tracker is not None:
-            raise AssertionError("_growth_tracker initialized before _scale")
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+    @property
+    def scale_tensor(self) -> Optional[torch.Tensor]:
+        """The current scale as a device tensor (no sync), None before the first ``scale()``/when disabled."""
+        return self._scale if self._enabled else None
+
+    def set_scale(self, value: float) -> None:
+        """Set the current scale now (before the first ``scale()``: the initial scale)."""
+        if not self._enabled:
+            return
+        if self._scale is None:
+            self._init_scale = float(value)
+        else:
+            self._scale.fill_(float(value))
+
+    @property
+    def static_scale(self) -> Optional[float]:
+        """The fixed scale of a static scaler, None when dynamic or disabled."""
+        return None if not self._enabled or self._dynamic else self._init_scale
+
+    @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        return self._max_consecutive_skips
+
+    def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        """Where ``optimizer`` is in this iteration: READY, UNSCALED (``unscale_`` ran) or STEPPED."""
+        if not self._enabled:
+            return OptState.READY
+        state = self._per_optimizer_states.get(id(optimizer))
+        return OptState.READY if state is None else state["stage"]
+
+    def get_growth_tracker(self) -> int:
+        """Consecutive unskipped steps counted toward the next growth (a sync)."""
+        return self._get_growth_tracker()
 
     def _use_distributed(self) -> bool:
         if self._distributed is False:
@@ -231,35 +220,13 @@ class LossScaler:
 
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    # ------------------------------------------------------------------ scale
-    def scale(self, outputs):
-        """Multiply a tensor (or nested list/tuple of tensors) by the current scale."""
-        if not self._enabled:
-            return outputs
-        if isinstance(outputs, torch.Tensor):
-            if self._scale is None:
-                self._lazy_init_scale_growth_tracker(outputs.device)
-            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
-        stash = []
-
-        def apply(val):
-            if isinstance(val, torch.Tensor):
-                if not stash:
-                    if self._scale is None:
-                        self._lazy_init_scale_growth_tracker(val.device)
-                    stash.append(_PerDevice(self._scale))
-                return val * stash[0].get(val.device)
-            if isinstance(val, abc.Iterable):
-                it = map(apply, val)
-                return type(val)(it) if isinstance(val, (list, tuple)) else it
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
-
-        return apply(outputs)
-
     # ------------------------------------------------------------------ unscale
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        per_device_inv = _PerDevice(inv_scale)
-        per_device_found = _PerDevice(found_inf)
+        """torch's, plus: bf16 grads on CUDA, DTensor grads through their shards, fp16 grads allowed
+        where the mode has no master copy, and found-inf all-reduced across ranks."""
+        allow_fp16 = allow_fp16 or self._allow_fp16_grads
+        per_device_inv = _MultiDeviceReplicator(inv_scale)
+        per_device_found = _MultiDeviceReplicator(found_inf)
         buckets: Dict[torch.device, Dict[torch.dtype, list]] = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -284,7 +251,7 @@ class LossScaler:
                     unscale = (_foreach_check_and_unscale_ if dtype == torch.bfloat16 and device.type != "cpu"
                                else torch._amp_foreach_non_finite_check_and_unscale_)
                     unscale(grads, per_device_found.get(device), per_device_inv.get(device))
-        found = per_device_found.copies
+        found = per_device_found._per_device_tensors
         if self._use_distributed():
             import torch.distributed as dist
 
@@ -298,41 +265,9 @@ class LossScaler:
             found = {combined.device: combined}
         return found
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale, recording whether any is inf/NaN."""
-        if not self._enabled:
-            return
-        self._check_scale_growth_tracker("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is _OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        elif state["stage"] is _OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-        inv_scale = (
-            self._scale.double().reciprocal().float()
-            if self._scale.device != torch.device("mps:0")
-            else self._scale.reciprocal()
-        )
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, self._allow_fp16_grads)
-        state["optimizer"] = optimizer
-        state["stage"] = _OptState.UNSCALED
-
-    def _check_inf_per_device(self, optimizer):
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        dummy = torch.full((), 1.0, dtype=torch.float32, device=scale.device)
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-        state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, dummy, found_inf, True)
-        state["optimizer"] = optimizer
-        return state["found_inf_per_device"]
-
-    def _found_inf_per_device(self, optimizer):
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
-        """Unscale (unless already done), then step the optimizer unless a gradient is inf/NaN.
+        """torch's ``step``: unscale (unless done), then step the optimizer unless a gradient is inf/NaN.
 
         Returns ``optimizer.step()``'s return value; when that is None (the usual case), returns
         True if the optimizer stepped and False if the step was skipped.
@@ -345,13 +280,12 @@ class LossScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is _OptState.STEPPED:
+        if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        state["optimizer"] = optimizer
+        self._optimizers[id(optimizer)] = optimizer
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # Fused optimizers unscale and skip inside their kernel (torch's protocol).
-            kwargs_ = kwargs
             has_kwarg = _takes_grad_scaler(optimizer)
             if has_kwarg:
                 warnings.warn(
@@ -361,9 +295,9 @@ class LossScaler:
                     FutureWarning,
                     stacklevel=2,
                 )
-                kwargs_.update({"grad_scaler": self})
+                kwargs.update({"grad_scaler": self})
             else:
-                if state["stage"] is _OptState.READY:
+                if state["stage"] is OptState.READY:
                     self._check_inf_per_device(optimizer)
                 scale = self._scale
                 per_dev = list(state["found_inf_per_device"].values())
@@ -371,21 +305,21 @@ class LossScaler:
                              else sum(t.to(scale.device, non_blocking=True) for t in per_dev))
                 optimizer.grad_scale = (
                     getattr(optimizer, "grad_scale", None)
-                    if state["stage"] == _OptState.UNSCALED
+                    if state["stage"] == OptState.UNSCALED
                     else scale * getattr(optimizer, "grad_scale", 1)
                 )
                 optimizer.found_inf = found_inf
-            retval = optimizer.step(*args, **kwargs_)
-            state["stage"] = _OptState.STEPPED
+            retval = optimizer.step(*args, **kwargs)
+            state["stage"] = OptState.STEPPED
             if not has_kwarg:
                 del optimizer.grad_scale
                 del optimizer.found_inf
             # the one host sync of this step: did the fused kernel skip?
             stepped = not bool(self._found_inf_total(state))
-            state["stepped"] = stepped
+            self._stepped[id(optimizer)] = stepped
             return stepped if retval is None else retval
 
-        if state["stage"] is _OptState.READY:
+        if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if len(state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
@@ -393,8 +327,8 @@ class LossScaler:
         stepped = not bool(self._found_inf_total(state))  # the one host sync of this step
         if stepped:
             retval = optimizer.step(*args, **kwargs)
-        state["stage"] = _OptState.STEPPED
-        state["stepped"] = stepped
+        state["stage"] = OptState.STEPPED
+        self._stepped[id(optimizer)] = stepped
         return stepped if retval is None else retval
 
     @staticmethod
@@ -406,51 +340,38 @@ class LossScaler:
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
-        """Update the scale (back off on overflow, grow after ``growth_interval`` clean steps)."""
+        """torch's ``update``, plus static scaling, floor/cap, hysteresis, telemetry and the skip limit."""
         if not self._enabled:
             return
-        scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            if isinstance(new_scale, float):
-                scale.fill_(new_scale)
-            else:
-                reason = (
-                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                    "torch.FloatTensor with requires_grad=False."
-                )
-                if new_scale.device.type != self._device:
-                    raise AssertionError(reason)
-                if new_scale.numel() != 1:
-                    raise AssertionError(reason)
-                if new_scale.requires_grad is True:
-                    raise AssertionError(reason)
-                scale.copy_(new_scale)
-        else:
-            found_infs = [
-                f.to(device=scale.device, non_blocking=True)
-                for st in self._per_optimizer_states.values()
-                for f in st["found_inf_per_device"].values()
-            ]
-            if len(found_infs) == 0:
-                raise AssertionError("No inf checks were recorded prior to update.")
-            found = found_infs[0]
-            for f in found_infs[1:]:
-                found += f
-            if self._dynamic:
-                if self._hysteresis == 1:
-                    torch._amp_update_scale_(
-                        scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
-                    )
-                else:
-                    self._update_with_hysteresis(scale, tracker, found)
-                if self._min_scale is not None or self._max_scale is not None:
-                    scale.clamp_(min=self._min_scale, max=self._max_scale)
-            error = self._record_iteration()
-            self._per_optimizer_states = defaultdict(_fresh_state)
-            if error is not None:
-                raise NonFiniteGradientsError(error)
+            self._optimizers, self._stepped = {}, {}
+            super().update(new_scale)
             return
-        self._per_optimizer_states = defaultdict(_fresh_state)
+        scale, tracker = self._check_scale_growth_tracker("update")
+        found_infs = [
+            f.to(device=scale.device, non_blocking=True)
+            for st in self._per_optimizer_states.values()
+            for f in st["found_inf_per_device"].values()
+        ]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found = found_infs[0]
+        for f in found_infs[1:]:
+            found = found + f
+        if self._dynamic:
+            if self._hysteresis == 1:
+                torch._amp_update_scale_(
+                    scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
+                )
+            else:
+                self._update_with_hysteresis(scale, tracker, found)
+            if self._min_scale is not None or self._max_scale is not None:
+                scale.clamp_(min=self._min_scale, max=self._max_scale)
+        error = self._record_iteration()
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._optimizers, self._stepped = {}, {}
+        if error is not None:
+            raise NonFiniteGradientsError(error)
 
     def _update_with_hysteresis(self, scale, tracker, found):
         """torch's update rule, except the scale backs off only after `hysteresis` overflows in a row."""
@@ -472,7 +393,7 @@ class LossScaler:
 
         Returns the error message when ``max_consecutive_skips`` is reached, else None.
         """
-        results = [st["stepped"] for st in self._per_optimizer_states.values() if st["stepped"] is not None]
+        results = list(self._stepped.values())
         if not results:
             return None
         self._iterations += 1
@@ -489,10 +410,7 @@ class LossScaler:
 
     def _describe_nonfinite(self) -> str:
         bad = []
-        for st in self._per_optimizer_states.values():
-            opt = st["optimizer"]
-            if opt is None:
-                continue
+        for opt in self._optimizers.values():
             for gi, group in enumerate(opt.param_groups):
                 for pi, p in enumerate(group["params"]):
                     g = p.grad
@@ -506,83 +424,37 @@ class LossScaler:
             "or run `ampkit check` to find the first layer that overflows."
         )
 
-    # ------------------------------------------------------------------ getters / setters
-    def _get_scale_async(self) -> Optional[torch.Tensor]:
-        return self._scale
-
-    def get_scale(self) -> float:
-        if self._enabled:
-            return self._init_scale if self._scale is None else float(self._scale.item())
-        return 1.0
-
-    def get_growth_factor(self) -> float:
-        return self._growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = new_factor
-
-    def get_backoff_factor(self) -> float:
-        return self._backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = new_factor
-
-    def get_growth_interval(self) -> int:
-        return self._growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = new_interval
-
-    def _get_growth_tracker(self) -> int:
-        if self._enabled:
-            return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
-        return 0
-
-    def is_enabled(self) -> bool:
-        return self._enabled
-
+    # ------------------------------------------------------------------ getters / state
     @property
     def is_dynamic(self) -> bool:
         return self._enabled and self._dynamic
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         """torch's five keys (loadable by torch.amp.GradScaler) plus ampkit's extras."""
-        if not self._enabled:
-            return {}
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
+        sd = super().state_dict()
+        if not sd:
+            return sd
+        sd.update({
             "dynamic": self._dynamic,
-            "hysteresis_left": (self._hysteresis if self._hyst_left is None else int(self._hyst_left.item())),
+            "hysteresis_left": self._hysteresis_left(),
             "optimizer_steps": self.optimizer_steps,
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "last_skip_step": self.last_skip_step,
             "iterations": self._iterations,
-        }
+        })
+        return sd
+
+    def _hysteresis_left(self) -> int:
+        if self._hyst_left is not None:
+            return int(self._hyst_left.item())
+        return getattr(self, "_hyst_init", self._hysteresis)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from this class or from torch.amp.GradScaler."""
+        super().load_state_dict(state_dict)
         if not self._enabled:
             return
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
-            )
-        self._init_scale = state_dict["scale"]
-        if self._scale is not None:
-            self._scale.fill_(state_dict["scale"])
-        self._growth_factor = state_dict["growth_factor"]
-        self._backoff_factor = state_dict["backoff_factor"]
-        self._growth_interval = state_dict["growth_interval"]
-        self._init_growth_tracker = state_dict["_growth_tracker"]
-        if self._growth_tracker is not None:
-            self._growth_tracker.fill_(state_dict["_growth_tracker"])
         if "dynamic" in state_dict:
             self._dynamic = bool(state_dict["dynamic"])
         if "hysteresis_left" in state_dict:
@@ -596,22 +468,12 @@ class LossScaler:
         self._iterations = int(state_dict.get("iterations", self._iterations))
 
     def __getstate__(self):
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         if self._enabled:
-            if len(self._per_optimizer_states) != 0:
-                raise AssertionError(
-                    "A GradScaler instance may only be pickled at the beginning "
-                    "of an iteration, or at the end after scaler.update()."
-                )
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_scale"] = None
-            state["_growth_tracker"] = None
+            state["_hyst_init"] = self._hysteresis_left()
             state["_hyst_left"] = None
+        state["_optimizers"], state["_stepped"] = {}, {}
         return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         if not self._enabled:

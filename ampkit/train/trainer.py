@@ -641,7 +641,7 @@ class Trainer:
         logger.step({
             "kind": "train", "step": self.attempted_steps, "optimizer_step": self.global_step,
             "epoch": self.epoch, "loss": window_loss.clone(),
-            "scale": scaler._scale.clone() if scaler._scale is not None else 1.0,
+            "scale": scaler.scale_tensor.clone() if scaler.scale_tensor is not None else 1.0,
             "skipped": not stepped, "lr": self.optimizer.param_groups[0]["lr"],
         })
 

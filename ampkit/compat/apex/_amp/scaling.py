@@ -26,8 +26,7 @@ def _short_circuit(_amp_state: _AmpState, loss_id: int) -> bool:
     scaler = _amp_state.scalers[loss_id]
     return (
         not _amp_state.precision.mode.master_weights
-        and not scaler.is_dynamic
-        and scaler._init_scale == 1.0
+        and scaler.static_scale == 1.0
     )
 
 

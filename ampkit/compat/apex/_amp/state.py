@@ -26,7 +26,7 @@ class _LossScalerView:
 
     @property
     def _unskipped(self) -> int:
-        return self.scaler._get_growth_tracker()
+        return self.scaler.get_growth_tracker()
 
 
 class _AmpState:

@@ -130,10 +130,7 @@ class FP16_Optimizer:
         value = float(value)
         if not value > 0:
             raise ValueError(f"loss_scale must be positive, got {value}.")
-        if self.scaler._scale is None:
-            self.scaler._init_scale = value
-        else:
-            self.scaler._scale.fill_(value)
+        self.scaler.set_scale(value)
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic_loss_scale else "static"
@@ -174,7 +171,7 @@ class FP16_Optimizer:
                 "ampkit's FP16_Optimizer does not take a closure: call optimizer.backward(loss), then optimizer.step()."
             )
         self.update_master_grads()
-        attempted = self.scaler._get_scale_async().clone() if self.verbose and self.dynamic_loss_scale else None
+        attempted = self.scaler.scale_tensor.clone() if self.verbose and self.dynamic_loss_scale else None
         stepped = self.scaler.step(self._master)  # the one host sync: step or skip
         self.scaler.update()
         self._master_grads_ready = False
