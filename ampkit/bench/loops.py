@@ -78,6 +78,8 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
             (f"forced {kernels.forced}" if kernels.forced else ", ".join(sorted(set(kernels.kernels.values())))))
     if precision.uses_channels_last(model):
         policy += ", channels_last"
+    if precision.fp8 is not None:
+        policy += f", {precision.fp8.describe()}"
     step = Step(model, optimizer, fn, f"ampkit Precision({precision.name!r}) hooks{policy}, Trainer's fused AdamW")
     step.precision = precision
     return step

@@ -29,6 +29,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--fp32-modules", default="",
                    help="comma list of module names kept in fp32 in every checked precision")
+    g.add_argument("--fp8-skip", default="",
+                   help="with fp8 precisions: comma list of Linear names kept in bf16 (see docs/FP8.md)")
     g.add_argument("--loss-scale", type=float, default=2.0**16,
                    help="loss scale at which fp16 gradient underflow is measured (default: 65536)")
     g.add_argument("--lr", type=float, default=1e-4,
@@ -109,7 +111,8 @@ def run(args) -> int:
     model, batch, spec, data_name = _load(args)
     try:
         report = check(model, batch, precisions=precisions, device=device, loss_scale=args.loss_scale,
-                       fp32_modules=_split(args.fp32_modules), lr=args.lr)
+                       fp32_modules=_split(args.fp32_modules), lr=args.lr,
+                       fp8_skip=_split(args.fp8_skip))
     except ValueError as e:
         raise UsageError(_first_line(e)) from None
     n_params = sum(p.numel() for p in model.parameters())
