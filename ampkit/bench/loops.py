@@ -24,6 +24,7 @@ from torch import nn
 from ..precision import Precision
 from ..train.trainer import build_optimizer
 from ..tuning import tune
+from ..utils.batch import call_model
 from .workload import Workload
 
 __all__ = ["Step", "make_step", "fused_supported"]
@@ -64,7 +65,7 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
 
     def fn(self: Step, inputs, targets):
         with precision.autocast():
-            loss = loss_fn(self.module(*inputs), targets)
+            loss = loss_fn(call_model(self.module, inputs), targets)
         precision.backward(loss)
         precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -101,7 +102,7 @@ def _torch_loop_step(workload: Workload, mode: str, device: torch.device, lr: fl
 
     def fn(self: Step, inputs, targets):
         with ctx:
-            loss = loss_fn(self.module(*inputs), targets)
+            loss = loss_fn(call_model(self.module, inputs), targets)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()

@@ -20,6 +20,8 @@ from torch.nn import functional as F
 
 from ..precision import MODES, Precision
 from .hooks import iter_tensors, rng_devices
+from ..utils.batch import call_model, output_logits, own_loss
+from ..utils.tree import to_device
 
 __all__ = [
     "to_device", "split_batch", "default_forward", "default_loss", "as_loss_fn", "prepare",
@@ -27,19 +29,6 @@ __all__ = [
 ]
 
 SEED = 0
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor of a (nested) batch to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(b, device) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
 
 
 def split_batch(batch: Any) -> Tuple[Any, Any]:
@@ -56,42 +45,48 @@ def split_batch(batch: Any) -> Tuple[Any, Any]:
 def default_forward(model: nn.Module, batch: Any) -> Any:
     """``model(x)`` for a tensor or ``(x, y)`` batch, ``model(**batch)`` for a dict."""
     inputs, _ = split_batch(batch)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(inputs)
-
-
-def _primary(output: Any) -> torch.Tensor:
-    for t in iter_tensors(output):
-        if t.is_floating_point():
-            return t
-    raise ValueError("the model's output holds no floating-point tensor: pass loss_fn=.")
+    return call_model(model, inputs)
 
 
 def default_loss(output: Any, target: Any) -> torch.Tensor:
-    """The default loss everywhere (`check`, the Trainer, the bench, `auto`'s timing): one rule.
+    """The one default loss (the Trainer, the bench, `auto`'s timing, `check`).
 
-    A ``loss`` the model returned itself (Hugging Face style); cross-entropy for integer targets
-    (classes last, any leading dims); MSE for float targets; without a target, the mean square of
-    the output (a stand-in that still sends gradient through every layer).
+    A ``loss`` the model returned itself (Hugging Face style); else, on the output's logits (itself,
+    ``.logits`` or its first floating tensor), cross-entropy for integer targets (classes last, any
+    leading dims) and MSE for float targets. No loss and no target is an error (``check`` alone
+    stands in the mean square of the output there: :func:`as_loss_fn`).
     """
-    own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(own, torch.Tensor):
+    own = own_loss(output)
+    if own is not None:
         return own
-    out = _primary(output)
     if target is None:
-        return out.float().pow(2).mean()
+        raise ValueError("the model returned no `loss` and the batch has no target: return a loss from the model "
+                         "(e.g. pass labels=), give (inputs, target) samples, or pass loss_fn=.")
     if not isinstance(target, torch.Tensor):
         raise ValueError(f"the batch's target is a {type(target).__name__}; pass a loss_fn that takes it (loss_fn=).")
+    out = output_logits(output)
+    if out is None:
+        raise ValueError("the model's output holds no floating-point tensor: pass loss_fn=.")
     if target.is_floating_point():
         return F.mse_loss(out.float().reshape(target.shape), target.float())
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
+def _check_loss(output: Any, target: Any) -> torch.Tensor:
+    """`check`'s default: :func:`default_loss`, and for a batch with neither a target nor a model loss the
+    mean square of the output (a stand-in that still sends gradient through every layer)."""
+    if target is None and own_loss(output) is None:
+        out = output_logits(output)
+        if out is None:
+            raise ValueError("the model's output holds no floating-point tensor: pass loss_fn=.")
+        return out.float().pow(2).mean()
+    return default_loss(output, target)
+
+
 def as_loss_fn(loss_fn: Optional[Callable]) -> Callable[[Any, Any], torch.Tensor]:
-    """Accept ``loss_fn(output, target)`` or ``loss_fn(output)``; None = :func:`default_loss`."""
+    """Accept ``loss_fn(output, target)`` or ``loss_fn(output)``; None = `check`'s default (:func:`_check_loss`)."""
     if loss_fn is None:
-        return default_loss
+        return _check_loss
     try:
         params = [p for p in inspect.signature(loss_fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]

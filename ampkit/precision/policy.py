@@ -383,6 +383,7 @@ class Precision:
         """Make the optimizer's grads real (unscaled, fp32 master grads) before inspecting them."""
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()
+        self.scaler.ensure_initialized(self.device)  # backward() was not called through us
         self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None, norm_type: float = 2.0) -> bool:

@@ -11,6 +11,7 @@ import torch
 
 from .._optional import MissingDependency, require
 from ..diagnose.runner import default_loss  # the one default loss (re-exported: the Trainer's default)
+from ..utils.batch import batch_size_of, call_model, output_logits, own_loss
 
 __all__ = ["default_loss", "evaluate", "classification_text"]
 
@@ -30,18 +31,25 @@ def evaluate(
     total_loss = torch.zeros((), dtype=torch.float64)
     correct = torch.zeros((), dtype=torch.int64)
     count = 0
+    scored_any = False
     preds, targets = [], []
     try:
         for x, y in batches:
             with autocast():
-                out = model(x)
+                out = call_model(model, x)
                 loss = loss_fn(out, y)
-            n = y.numel() if task == "lm" else y.shape[0]
+            logits = output_logits(out)
+            # accuracy where the predictions line up with the targets (a causal LM that shifts its labels
+            # inside, e.g. Hugging Face's, has logits for the next token: no accuracy is claimed for it)
+            scored = task in ("classification", "lm") and y is not None and logits is not None and (
+                own_loss(out) is None or (task == "classification" and logits.shape[:-1] == y.shape))
+            n = y.numel() if (task == "lm" and y is not None) else batch_size_of(y, x)
             total_loss += loss.detach().double().cpu() * n
             count += n
-            if task in ("classification", "lm"):
-                p = out.argmax(-1)
+            if scored:
+                p = logits.argmax(-1)
                 correct += (p == y).sum().cpu()
+                scored_any = True
                 if collect and task == "classification":
                     preds.append(p.cpu())
                     targets.append(y.cpu())
@@ -51,7 +59,7 @@ def evaluate(
         return {"loss": float("nan"), "accuracy": None, "samples": 0}
     loss = (total_loss / count).item()
     result: Dict[str, Any] = {"loss": loss, "samples": count}
-    result["accuracy"] = (correct.item() / count) if task in ("classification", "lm") else None
+    result["accuracy"] = (correct.item() / count) if scored_any else None
     if task == "lm":
         result["perplexity"] = math.exp(min(loss, 50.0))
     if collect and preds:

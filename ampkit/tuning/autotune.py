@@ -24,16 +24,18 @@ import copy
 import hashlib
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ..diagnose.runner import to_device
 from ..diagnose import verdict
 from ..precision import Precision
 from ..precision.device import auto_mode, device_info, machine_key, resolve_device
 from ..precision.modes import MODES
+from ..utils.batch import call_model
+from ..utils.tree import iter_tensors, to_device
 from .cache import cache_file, load_entries, store_entry
 
 __all__ = ["CannotTime", "auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
@@ -97,7 +99,7 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
     are timed (never fewer than 2), so a big model on a CPU waits seconds, not minutes."""
     dev = resolve_device(device)
     inputs, target = to_device(inputs, dev), to_device(target, dev)
-    args = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
+    args = inputs if isinstance(inputs, (list, tuple, Mapping)) else (inputs,)  # call_model: a Mapping is kwargs
     make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7))
     # the user's training sees the same random streams (CPU, and this GPU's) as without the timing
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
@@ -127,7 +129,7 @@ def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, r
         _sync(dev)
         t0 = time.perf_counter()
         with prec.autocast():
-            loss = loss_fn(clone(*args), target)
+            loss = loss_fn(call_model(clone, args), target)
         prec.backward(loss)
         prec.step(opt)
         opt.zero_grad(set_to_none=True)
@@ -156,9 +158,8 @@ def signature(model: nn.Module, inputs: Any, target: Any) -> str:
     h.update(type(model).__name__.encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
-    for t in (inputs if isinstance(inputs, (list, tuple)) else (inputs,)) + (target,):
-        if isinstance(t, torch.Tensor):
-            h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+    for t in iter_tensors((inputs, target)):
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
     return h.hexdigest()[:16]
 
 

@@ -21,10 +21,11 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.nn import functional as F
 
-from ..diagnose.runner import to_device
 from ..precision import Precision
 from ..precision.attention import AttentionPolicy, SdpaCall, bucket, math_fits, sdpa_math, sdpa_split_backward
 from ..precision.device import machine_key
+from ..utils.batch import call_model
+from ..utils.tree import to_device
 from .cache import cache_file, load_entries, store_entry
 
 __all__ = ["attention_calls", "kernel_verdicts", "measure_sdpa", "cache_path"]
@@ -44,7 +45,7 @@ def attention_calls(precision: Precision, model: torch.nn.Module, inputs: Any) -
     except Exception:  # a model that cannot be copied: nothing surveyed, torch's kernels stay
         return []
     dev = precision.device
-    args = to_device(inputs if isinstance(inputs, (list, tuple)) else (inputs,), dev)
+    args = to_device(inputs, dev)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         probe = Precision(precision.name, dev, channels_last=False, op_policy=False,
@@ -53,7 +54,7 @@ def attention_calls(precision: Precision, model: torch.nn.Module, inputs: Any) -
     seen: List[SdpaCall] = []
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), probe.autocast():
         with AttentionPolicy(record=seen):
-            clone(*args)
+            call_model(clone, args)
     return seen
 
 

@@ -9,6 +9,7 @@ from typing import List
 import torch
 
 from ....precision.convert import cast_floating
+from ....utils.tree import iter_tensors
 
 __all__ = ["disable_casts", "half_function", "float_function", "promote_function",
            "register_half_function", "register_float_function", "register_promote_function"]
@@ -61,24 +62,13 @@ def promote_function(fn):
     def wrapper(*args, **kwargs):
         if not _autocast_devices():
             return fn(*args, **kwargs)
-        found = [t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()]
+        found = [t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
         if not found:
             return fn(*args, **kwargs)
         widest = max(found, key=lambda d: torch.finfo(d).bits)
         return fn(*cast_floating(args, widest), **cast_floating(kwargs, widest))
 
     return wrapper
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def _register(decorator, module, name: str) -> None:
