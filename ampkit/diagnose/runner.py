@@ -125,8 +125,8 @@ def prepare(model: nn.Module, name: str, device: torch.device, fp32_modules: Seq
     clone.train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 'fp16 on CPU is slow': known, the check runs anyway
-        # the op policy stays as training uses it: its attention kernels (bf16 GEMM attention, fp32
-        # backward) are part of the numerics being judged
+        # untuned: torch's attention kernels (AMPKIT_OP_POLICY=split|math forces ampkit's, which training
+        # uses only where ampkit.tune measured them faster)
         prec = Precision(name, device, fp32_modules=tuple(fp32_modules), channels_last=False)
     clone, _ = prec.setup(clone, None)
     return clone, prec
