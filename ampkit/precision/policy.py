@@ -8,12 +8,14 @@ A training loop written against its hooks has no precision branches::
         with precision.autocast():
             loss = loss_fn(model(x), y)
         precision.backward(loss)
-        stepped = precision.step(optimizer, max_norm=1.0)   # unscale, clip, check, step/skip, update
+        result = precision.step(optimizer, max_norm=1.0)    # unscale, clip, check, step/skip, update
         optimizer.zero_grad(set_to_none=True)
 
 Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and counted), so
-training never applies a non-finite update, in bf16 and fp32 too (there with scale 1, no
-multiplication of the loss).
+training never applies a non-finite update, in bf16 and fp32 too (there the check rides on the
+clipping norm, or one read-only pass; no scale, no unscale). With an optimizer that takes
+``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a
+step makes no host sync: ``result`` (a ``StepResult``) reads the skip flag only if asked.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from .device import auto_mode, device_info, resolve_device
 from .islands import apply_fp32_islands
 from .master import MasterWeightOptimizer
 from .modes import AUTO, MODES, Mode, resolve
-from .scaler import LossScaler, OptState, parse_loss_scale
+from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
 from .speed import OpSpeedPolicy, policy_enabled
 
 __all__ = ["Precision", "set_global_policy", "global_policy"]
@@ -68,6 +70,14 @@ def _make_cast_input_hook(dtype: torch.dtype):
         return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
     return hook
+
+
+def _grads_params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _grads(optimizer) -> list:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 class Precision:
@@ -373,37 +383,59 @@ class Precision:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the optimizer's grads real (unscaled, fp32 master grads) before inspecting them."""
+    def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
+        """Make the optimizer's grads real (unscaled, fp32 master grads) and record the non-finite check
+        (once per step). Unscaled modes have nothing to unscale: the check is ``_norm`` (a gradient norm
+        computed anyway) or one read-only pass, never a scale-1 unscale."""
+        scaler = self.scaler
+        if scaler.stage(optimizer) is not OptState.READY:
+            return
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()
-        self.scaler.unscale_(optimizer)
+        if not scaler.is_enabled():
+            return
+        scaler.ensure_initialized(self.device)  # backward() may not have come through us
+        if self._scales_loss:
+            scaler.unscale_(optimizer)
+        else:
+            found = (nonfinite_from_norm(_norm, self.device) if _norm is not None
+                     else nonfinite_flag(_grads(optimizer), self.device))
+            scaler.record_found_inf(optimizer, found)
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None, norm_type: float = 2.0) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
+             norm_type: float = 2.0) -> StepResult:
         """Unscale -> clip -> non-finite check -> step or skip -> update the scale.
 
-        Returns True when the optimizer stepped, False when the step was skipped.
-        Exactly one host sync (the skip decision).
+        Returns a :class:`StepResult` (what the optimizer's ``step`` returned, if not None): truthy when
+        the optimizer stepped, falsy when the step was skipped, read from the device only when asked.
+        No host sync with an optimizer that skips on the device (torch's fused AdamW/Adam/SGD, also
+        under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
         """
-        if self.scaler.stage(optimizer) is OptState.READY:
-            if isinstance(optimizer, MasterWeightOptimizer):
-                optimizer.sync_grads()
-            if self.scaler.is_enabled():
-                self.scaler.ensure_initialized(self.device)  # backward() was not called through us
-                self.scaler.unscale_(optimizer)
         self.last_grad_norm = None
         if max_norm is not None and max_norm > 0:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
-        stepped = self.scaler.step(optimizer)
+            self.last_grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
+        else:
+            self.unscale_(optimizer)
+        result = self.scaler.step(optimizer)
+        if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
+            found = self.scaler.found_inf(optimizer)
+            result = StepResult(found) if found is not None else StepResult()
         self.scaler.update()
-        return bool(stepped) if isinstance(stepped, bool) else True
+        return result
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Unscale (once) and clip the optimizer's grads; returns the total norm (no sync)."""
-        self.unscale_(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        """Unscale (once) and clip the optimizer's grads; returns the total norm (no sync). In the
+        unscaled modes the norm is also the step's non-finite check."""
+        scaler = self.scaler
+        if self._scales_loss or not scaler.is_enabled() or scaler.stage(optimizer) is not OptState.READY:
+            self.unscale_(optimizer)
+            return torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type,
+                                                  foreach=True)
+        if isinstance(optimizer, MasterWeightOptimizer):
+            optimizer.sync_grads()
+        norm = torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
+        self.unscale_(optimizer, _norm=norm)
+        return norm
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
