@@ -179,3 +179,31 @@ def test_trainer_lr_advances_only_on_real_steps(tmp_path):
     assert [r["lr"] for r in train] == [expected[r["optimizer_step"]] for r in train]
     summary = json.load(open(os.path.join(tmp_path, "summary.json")))
     assert (summary["skipped_steps"], summary["optimizer_steps"]) == (3, 7)
+
+
+@pytest.mark.parametrize("fused_optimizer", [True, False])
+def test_setup_uses_torchs_fused_kernel_unless_told_not_to(fused_optimizer):
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no implementation chosen
+    p = ampkit.Precision("bf16-mixed", "cpu", fused_optimizer=fused_optimizer)
+    model, opt = p.setup(model, opt)
+    assert bool(opt.defaults["fused"]) == fused_optimizer
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+
+    def step():
+        with p.autocast():
+            p.backward(nn.functional.cross_entropy(model(x), y))
+        p.step(opt)
+        opt.zero_grad()
+
+    step()
+    with ScalarReads() as r:
+        step()
+    if fused_optimizer:
+        assert r.count == 0
+    else:  # the skip decision on the host, and torch's for-loop AdamW reads each param's step count
+        assert r.count >= 1
+    explicit = torch.optim.AdamW(_model().parameters(), foreach=True)  # a choice made: kept
+    ampkit.Precision("bf16-mixed", "cpu").setup(nn.Linear(1, 1), explicit)
+    assert not explicit.defaults["fused"]

@@ -72,6 +72,26 @@ def _make_cast_input_hook(dtype: torch.dtype):
     return hook
 
 
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _use_fused_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Switch a fresh torch Adam/AdamW/SGD that did not choose an implementation to its fused kernel,
+    where torch has one for these params (the same flag as ``fused=True`` at construction)."""
+    d = optimizer.defaults
+    if (type(optimizer) not in _FUSABLE or optimizer.state or device.type not in ("cpu", "cuda")
+            or d.get("fused") or d.get("foreach") or d.get("differentiable")):
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params or not all(p.is_floating_point() and not p.is_sparse for p in params):
+        return False
+    d["fused"] = True
+    for g in optimizer.param_groups:
+        g["fused"] = True
+    optimizer._step_supports_amp_scaling = True
+    return True
+
+
 def _grads_params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
@@ -110,6 +130,9 @@ class Precision:
             AdamW/Adam/SGD for its ``ampkit.optim`` equivalent; an ``ampkit.optim`` optimizer
             keeps its own setting unless this is given. Norm layers stay fp32 here too
             (``keep_norm_fp32``): see docs/BF16_PURE.md.
+        fused_optimizer: ``setup`` switches a torch Adam/AdamW/SGD built without ``fused``/``foreach``
+            to its fused kernel (which takes the skip flag on the device: no host sync per step);
+            False keeps it as built.
     """
 
     def __init__(
@@ -132,6 +155,7 @@ class Precision:
         op_policy: Optional[bool] = None,
         scaler: Optional[LossScaler] = None,
         compensation: Optional[str] = None,
+        fused_optimizer: bool = True,
     ) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__")}
         self.device = resolve_device(device)
@@ -148,6 +172,7 @@ class Precision:
         self.channels_last = channels_last
         self.layout_reason: Optional[str] = None  # set when tune() measured the memory format
         self.op_policy = op_policy
+        self.fused_optimizer = fused_optimizer
         self._check_hardware()
         if compensation is not None and not self.mode.compensated:
             raise ValueError(
@@ -303,6 +328,8 @@ class Precision:
         Returns ``(model, optimizer)``; build the optimizer over ``model.parameters()`` first.
         """
         model = model.to(self.device)
+        if self.fused_optimizer and optimizer is not None and not self.mode.compensated:
+            _use_fused_kernel(optimizer, self.device)
         if self.mode.master_weights and optimizer is not None:
             # masters are taken from the fp32 weights *before* the model is cast
             optimizer = MasterWeightOptimizer(optimizer)
