@@ -7,12 +7,13 @@ the trainer needs to pick a model and a loss (task, input shape, number of class
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 __all__ = ["DataSplits", "load_data", "digits", "synthetic_images", "sequences", "DATASETS"]
 
@@ -126,8 +127,11 @@ def _from_arrays(x, y, name: str, test_fraction: float, seed: int) -> DataSplits
 def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
     """``digits`` | ``images`` | ``sequences`` | ``path.npz`` (arrays ``x``, ``y``) | ``pkg.module:factory``.
 
-    A factory may return a DataSplits, a ``(train, test)`` pair of datasets, one dataset, or a
-    ``(x, y)`` pair of arrays. Raises ValueError with the fix for anything malformed.
+    A factory may return a DataSplits, a ``(train, test)`` pair of datasets (or DataLoaders: their
+    ``collate_fn`` and ``batch_size`` are used), one dataset, or a ``(x, y)`` pair of arrays. Samples may be
+    ``(x, y)`` pairs or dicts (Hugging Face style: ``input_ids``, ``attention_mask``, ``labels``..., passed
+    as ``model(**batch)``; give the model with ``--model pkg.module:factory``). Raises ValueError with
+    the fix for anything malformed.
     """
     if spec in DATASETS:
         return DATASETS[spec](seed=seed)
@@ -155,28 +159,39 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
             raise ValueError(f"data factory {spec!r} failed: {type(e).__name__}: {e}") from e
         if isinstance(out, DataSplits):
             return out
-        if isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, Dataset) for o in out):
+        if isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, (Dataset, DataLoader)) for o in out):
             return _from_dataset(out[0], out[1], spec)
-        if isinstance(out, Dataset):
+        if isinstance(out, (Dataset, DataLoader)):
             return _from_dataset(out, None, spec)
         if isinstance(out, tuple) and len(out) == 2:
             return _from_arrays(out[0], out[1], spec, test_fraction, seed)
         raise ValueError(f"data factory {spec!r} returned {type(out).__name__}: return a Dataset, "
-                         "a (train, test) pair of Datasets, or (x, y) arrays.")
+                         "a (train, test) pair of Datasets or DataLoaders, or (x, y) arrays.")
     raise ValueError(f"Unknown data {spec!r}: use {', '.join(DATASETS)}, a .npz file with x/y arrays, "
                      "or 'pkg.module:factory'.")
 
 
 def _from_dataset(train: Dataset, test: Optional[Dataset], name: str) -> DataSplits:
-    if len(train) == 0:
+    dataset = train.dataset if isinstance(train, DataLoader) else train
+    if len(dataset) == 0:
         raise ValueError(f"dataset {name!r} is empty: it needs at least one sample.")
-    x0, y0 = train[0][0], train[0][1]
+    sample = dataset[0]
+    if isinstance(sample, Mapping):  # keyword inputs for model(**batch); the model is the user's
+        labels = sample.get("labels", sample.get("label"))
+        labels = None if labels is None else torch.as_tensor(labels)
+        task = ("lm" if labels is None or (not labels.is_floating_point() and labels.dim() >= 1) else
+                "regression" if labels.is_floating_point() else "classification")
+        return DataSplits(train, test, task, None, (), name, None, "", {})
+    if not isinstance(sample, (tuple, list)) or len(sample) < 2:
+        raise ValueError(f"dataset {name!r} yields {type(sample).__name__} samples: yield (x, y) pairs or dicts "
+                         "of tensors (model(**batch)).")
+    x0, y0 = sample[0], sample[1]
     x0, y0 = torch.as_tensor(x0), torch.as_tensor(y0)
     if y0.is_floating_point():
         task, nc = "regression", None
     else:
         task = "lm" if y0.dim() == 1 and not x0.is_floating_point() else "classification"
-        ys = [int(torch.as_tensor(train[i][1]).max()) for i in range(min(len(train), 2000))]
+        ys = [int(torch.as_tensor(dataset[i][1]).max()) for i in range(min(len(dataset), 2000))]
         nc = max(ys) + 1
     shape = tuple(x0.shape)
     default = "gpt" if task == "lm" else ("cnn" if len(shape) == 3 else "mlp")

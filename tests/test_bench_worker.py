@@ -72,3 +72,40 @@ def test_reference_workloads_are_seeded():
     b = build_workload("gpt", 2, 2, 0, torch.device("cpu"))
     assert a.tokens_per_step == 512 and torch.equal(a.batches[1][0][0], b.batches[1][0][0])
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
+DICT = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Out(dict):
+        pass
+
+    class Net(nn.Module):  # Hugging Face style: keyword inputs, returns its own loss
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+
+        def forward(self, input_ids, attention_mask, labels):
+            logits = self.head(self.emb(input_ids) * attention_mask.unsqueeze(-1))
+            return Out(loss=nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten()), logits=logits)
+
+    def make():
+        return Net()
+
+    def example_batch(batch_size):
+        ids = torch.randint(0, 32, (batch_size, 8))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, None
+""")
+
+
+def test_dict_batches_and_the_models_own_loss(tmp_path, monkeypatch):
+    (tmp_path / "bench_dict_mod.py").write_text(DICT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        for runner, precision in (("ampkit", "bf16-pure"), ("torch-loop", "bf16-mixed")):
+            r = measure(cfg(model="bench_dict_mod:make", runner=runner, precision=precision, count_flops=False))
+            assert r["samples_per_step"] == 8 and r["trained_steps"] == 3
+            assert 0 < r["final_loss"] < 10
+    finally:
+        sys.modules.pop("bench_dict_mod", None)

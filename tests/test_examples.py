@@ -19,6 +19,7 @@ RUNS = {
     "apex_amp_initialize-O2": ("apex_amp_initialize.py", ["--opt_level", "O2", "--epochs", "2"], "opt_level O2"),
     "keras_policy": ("keras_policy.py", ["--epochs", "2"], "weights in float32"),
     "trainer_user_model": ("trainer_user_model.py", ["--epochs", "5"], "trained 80 steps"),
+    "hf_model": ("hf_model.py", ["--steps", "4"], "ampkit train: eval loss"),
 }
 
 

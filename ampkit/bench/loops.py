@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..utils.batch import call_model
 from .workload import Workload
 
 __all__ = ["Step", "make_step", "fused_supported"]
@@ -65,7 +66,7 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
 
     def fn(self: Step, inputs, targets):
         with precision.autocast():
-            loss = loss_fn(self.module(*inputs), targets)
+            loss = loss_fn(call_model(self.module, inputs), targets)
         precision.backward(loss)
         precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -76,6 +77,8 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
         ", op policy " + ("on" if use_policy() else "off"))
     if precision._use_channels_last(model):
         policy += ", channels_last"
+    if precision.fp8 is not None:
+        policy += f", {precision.fp8.describe()}"
     step = Step(model, optimizer, fn, f"ampkit Precision({precision.name!r}) hooks{policy}, Trainer's fused AdamW")
     step.precision = precision
     return step
@@ -97,7 +100,7 @@ def _torch_loop_step(workload: Workload, mode: str, device: torch.device, lr: fl
 
     def fn(self: Step, inputs, targets):
         with ctx:
-            loss = loss_fn(self.module(*inputs), targets)
+            loss = loss_fn(call_model(self.module, inputs), targets)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()

@@ -136,6 +136,7 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
     for r in results:
         name = r["precision"] + (f" ({r['resolved_precision']})" if r.get("resolved_precision") not in
                                  (None, r["precision"]) else "")
+        name += f" ({r['emulated']})" if r.get("emulated") else ""
         if not r.get("ms_per_step"):
             lines.append(f"| {r['model']} | {name} | {r['runner']} | failed: {r.get('error', '?')} |" + " |" * 10)
             continue

@@ -14,9 +14,11 @@ import json
 import sys
 import time
 import traceback
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
+
+from ..precision.fp8 import EMULATED_NOTE
 
 __all__ = ["measure", "measure_paired", "tune_only", "main"]
 
@@ -39,6 +41,12 @@ def _timed_steps(step, batches, start: int, n: int, device: torch.device):
             loss = step(*batches[(start + i) % len(batches)])
             times.append((time.perf_counter() - t0) * 1000.0)
     return times, loss
+
+
+def _fp8_emulated(step) -> Optional[str]:
+    """The bench's marker for an fp8 mode whose GEMMs were emulated (no fp8 tensor cores), else None."""
+    fp8 = getattr(getattr(step, "precision", None), "fp8", None)
+    return EMULATED_NOTE if fp8 is not None and fp8.emulated else None
 
 
 def _prepare(cfg: Dict) -> torch.device:
@@ -99,6 +107,7 @@ def measure(cfg: Dict) -> Dict:
         "peak_mem_mb": round(peak_mb, 1), "rss_base_mb": round(rss_base, 1) if device.type == "cpu" else None,
         "n_params": n_params, "state_bytes": sb, "state_bytes_per_param": round(sb["total"] / max(1, n_params), 3),
         "flops_per_step": flops, "loop": step.describe, "wall_s": None, "profile": None,
+        "emulated": _fp8_emulated(step),
     }
     if cfg.get("profile"):
         x, y = wl.batches[(start + steps) % len(wl.batches)]

@@ -8,7 +8,8 @@ User models (``pkg.module:factory``) get their inputs from, in order:
 
 1. ``example_batch(batch_size) -> (inputs, targets)`` defined in the factory's module (or as an
    attribute of the factory). ``inputs`` is a tensor or a tuple of tensors passed as
-   ``model(*inputs)``; integer ``targets`` mean cross-entropy, floating ones mean MSE; an
+   ``model(*inputs)`` (a dict of tensors: ``model(**inputs)``, and ``targets`` may be None when the
+   model returns its own ``loss``); integer ``targets`` mean cross-entropy, floating ones mean MSE; an
    optional module-level ``loss_fn(output, targets)`` replaces that choice.
 2. otherwise a guess from the model's first layer: ``Conv2d`` -> 32x32 images with its
    in_channels, ``Embedding`` -> 256 token ids, ``Linear`` -> vectors of its in_features; the
@@ -18,12 +19,16 @@ User models (``pkg.module:factory``) get their inputs from, in order:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from ..utils.batch import batch_size_of, output_logits, own_loss
+from ..utils.tree import first_tensor, to_device
 
 __all__ = ["Workload", "build_workload", "default_loss"]
 
@@ -38,7 +43,12 @@ class Workload:
 
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for class/token targets (logits flattened over all leading dims), MSE otherwise."""
+    """The model's own loss (a Hugging Face-style output), else cross-entropy for class/token targets
+    (logits flattened over all leading dims), MSE otherwise."""
+    own = own_loss(output)
+    if own is not None:
+        return own
+    output = output_logits(output)
     if target.is_floating_point():
         return F.mse_loss(output, target.to(output.dtype))
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
@@ -108,9 +118,9 @@ def _user_batches(spec: str, model: nn.Module, batch_size: int, n: int, seed: in
         except Exception as e:
             raise ValueError(f"example_batch({batch_size}) of model {spec!r} failed: {type(e).__name__}: {e}; "
                              "it must return (inputs, targets).") from e
-        batches.append((tuple(x) if isinstance(x, (tuple, list)) else (x,), y))
-    x0 = batches[0][0][0]
-    tokens = int(x0.shape[0] * x0.shape[1]) if (not x0.is_floating_point() and x0.dim() == 2) else None
+        batches.append((x if isinstance(x, Mapping) else tuple(x) if isinstance(x, (tuple, list)) else (x,), y))
+    x0 = first_tensor(batches[0][0])
+    tokens = int(x0.shape[0] * x0.shape[1]) if (x0 is not None and not x0.is_floating_point() and x0.dim() == 2) else None
     return batches, loss_fn, tokens
 
 
@@ -138,6 +148,6 @@ def build_workload(spec: str, batch_size: int, n_batches: int, seed: int, device
         model = build_model(spec)
         batches, loss_fn, tokens = _user_batches(spec, model, batch_size, n_batches, seed)
     model = model.to(device)
-    batches = [(tuple(t.to(device) for t in xs), y.to(device)) for xs, y in batches]
-    samples = int(batches[0][1].shape[0])
+    batches = [(to_device(xs, device), to_device(y, device)) for xs, y in batches]
+    samples = batch_size_of(batches[0][1], batches[0][0])
     return Workload(model, batches, loss_fn, samples, tokens)

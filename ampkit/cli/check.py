@@ -29,6 +29,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--fp32-modules", default="",
                    help="comma list of module names kept in fp32 in every checked precision")
+    g.add_argument("--fp8-skip", default="",
+                   help="with fp8 precisions: comma list of Linear names kept in bf16 (see docs/FP8.md)")
     g.add_argument("--loss-scale", type=float, default=2.0**16,
                    help="loss scale at which fp16 gradient underflow is measured (default: 65536)")
     g.add_argument("--lr", type=float, default=1e-4,
@@ -48,12 +50,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def _batch(dataset: Any, n: int) -> Any:
-    from torch.utils.data import default_collate
+    from torch.utils.data import DataLoader, default_collate
 
+    collate = default_collate
+    if isinstance(dataset, DataLoader):
+        dataset, collate = dataset.dataset, dataset.collate_fn
     size = min(n, len(dataset))
     if size == 0:
         raise UsageError("the dataset is empty: it needs at least one sample.")
-    return default_collate([dataset[i] for i in range(size)])
+    return collate([dataset[i] for i in range(size)])
 
 
 def _load(args) -> Tuple[Any, Any, str, str]:
@@ -61,6 +66,7 @@ def _load(args) -> Tuple[Any, Any, str, str]:
     import torch
 
     from ..data import load_data
+    from ..diagnose.runner import default_forward
     from ..models import build_model
 
     try:
@@ -68,6 +74,9 @@ def _load(args) -> Tuple[Any, Any, str, str]:
     except ValueError as e:
         raise UsageError(_first_line(e)) from None
     spec = args.model or data.default_model
+    if not spec:
+        raise UsageError(f"--data {args.data} yields dict samples (keyword inputs, Hugging Face style): pass the "
+                         "model for them with --model pkg.module:factory.")
     torch.manual_seed(args.seed)
     try:
         model = build_model(spec, **(data.model_kwargs or {}))
@@ -76,7 +85,7 @@ def _load(args) -> Tuple[Any, Any, str, str]:
     batch = _batch(data.train, args.batch_size)
     try:
         with torch.no_grad():
-            model(batch[0] if isinstance(batch, (list, tuple)) else batch)
+            default_forward(model, batch)
     except Exception as e:  # a user model/data mismatch shows up as any error in forward
         raise UsageError(f"model {spec!r} cannot run on a batch of {args.data!r} "
                          f"({type(e).__name__}: {_first_line(e)}): pick a --model that fits the --data.") from None
@@ -85,6 +94,7 @@ def _load(args) -> Tuple[Any, Any, str, str]:
 
 def run(args) -> int:
     from ..diagnose.check import check
+    from ..utils.batch import batch_size_of
     from ..precision import resolve, resolve_device
 
     precisions = _split(args.precision)
@@ -109,11 +119,12 @@ def run(args) -> int:
     model, batch, spec, data_name = _load(args)
     try:
         report = check(model, batch, precisions=precisions, device=device, loss_scale=args.loss_scale,
-                       fp32_modules=_split(args.fp32_modules), lr=args.lr)
+                       fp32_modules=_split(args.fp32_modules), lr=args.lr,
+                       fp8_skip=_split(args.fp8_skip))
     except ValueError as e:
         raise UsageError(_first_line(e)) from None
     n_params = sum(p.numel() for p in model.parameters())
-    size = len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
+    size = batch_size_of(batch)
     report["input"] = {"model": spec, "data": data_name, "batch_size": size, "parameters": n_params}
     if args.json:
         print(report.to_json(indent=2))

@@ -15,11 +15,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     # every default is None: values come from TrainConfig, then --config FILE, then the flags given
     g = p.add_argument_group("what to train")
     g.add_argument("--model", help="cnn | resnet | gpt | mlp | pkg.module:factory (default: the data's model)")
-    g.add_argument("--data", help="digits | images | sequences | FILE.npz (x, y arrays) | pkg.module:factory")
+    g.add_argument("--data", help="digits | images | sequences | FILE.npz (x, y arrays) | pkg.module:factory "
+                   "(returning datasets or DataLoaders of (x, y) pairs or of dicts for model(**batch))")
     g.add_argument("--config", help="TOML/YAML/JSON file of train options (flags given here override it)")
     g = p.add_argument_group("precision")
     g.add_argument("--precision", help="auto (default) | fp32 | fp16-mixed | bf16-mixed | fp16-master | "
-                   "bf16-master | bf16-pure | fp16-pure, or an alias (O0-O3, 16-mixed, mixed_bfloat16, ...)")
+                   "bf16-master | bf16-pure | fp16-pure | fp8-tensorwise | fp8-rowwise | fp8-delayed, "
+                   "or an alias (O0-O3, 16-mixed, mixed_bfloat16, ...)")
     g.add_argument("--no-amp", "--unamp", dest="no_amp", action="store_true", default=None,
                    help="train in fp32 (AMP is on by default)")
     g.add_argument("--fp16", action="store_true", default=None,
@@ -157,6 +159,9 @@ def _run(args, env) -> int:
                 cfg = cfg.updated(out=broadcast_object(cfg.out))
         data = load_data(cfg.data, seed=cfg.seed)
         torch.manual_seed(cfg.seed)
+        if not (cfg.model or data.default_model):
+            raise ValueError(f"--data {cfg.data} yields dict samples (keyword inputs, Hugging Face style): pass the "
+                             "model for them with --model pkg.module:factory.")
         model = build_model(cfg.model or data.default_model, **data.model_kwargs)
         trainer = Trainer(model, data.train, data.test, config=cfg, task=data.task, class_names=data.class_names)
         summary = trainer.fit()

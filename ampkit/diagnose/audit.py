@@ -126,10 +126,16 @@ class DtypeAudit:
             flags = []
             for cat, ds in self.seen[where].items():
                 flags += _flags(cat, ds, compute_dtype, device_type)
+            if self.types.get(where) in _FP8_LINEARS:  # its fp32 matmul is the fp8 GEMM's emulation, not a miss
+                flags = [f if "ran in float32" not in f else "note: fp8 GEMM, emulated in float32 (numerics only)"
+                         for f in flags]
             name = where if where == LOSS else display_name(where)
             out.append({"name": name, "type": "loss" if where == LOSS else self.types.get(where, "?"),
                         "ops": ops, "flags": flags})
         return out
+
+
+_FP8_LINEARS = ("DelayedScalingLinear", "Float8Linear")
 
 
 def _short(dtype: torch.dtype) -> str:

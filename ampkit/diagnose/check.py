@@ -24,6 +24,7 @@ from torch import nn
 from ..precision import MODES, device_info, resolve, resolve_device
 from ..precision.islands import resolve_module_names
 from .audit import DtypeAudit
+from .fp8 import fp8_check, is_fp8
 from .hooks import finite_number
 from .localise import localise_nonfinite
 from .runner import as_loss_fn, default_forward, prepare, run_once, step_fn, to_device
@@ -85,6 +86,8 @@ def check(
     fp32_modules: Sequence[str] = (),
     lr: float = 1e-4,
     audit: bool = True,
+    fp8_skip: Sequence[str] = (),
+    fp8_force: Sequence[str] = (),
 ) -> CheckReport:
     """Check mixed precision for ``model`` on one ``batch``; returns a :class:`CheckReport` (a dict).
 
@@ -101,9 +104,12 @@ def check(
         fp32_modules: module names kept in fp32 in every checked precision (as ``--fp32-modules``).
         lr: learning rate of the simulated Adam step for the stale-update measurement.
         audit: record which dtype each module's matmul/conv/softmax/norm ran in.
+        fp8_skip, fp8_force: with fp8 precisions, Linear names kept in bf16 / converted although
+            first or last (as ``Precision(fp8_skip=..., fp8_force=...)``).
 
     Keys: ``device``, ``auto``, ``loss_scale``, ``reference``, ``verdicts``, ``modules``,
-    ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``.
+    ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``; with an fp8
+    precision also ``fp8`` (per-layer fp8 numerics, a verdict per recipe, advice: docs/FP8.md).
     """
     names = _validate(model, precisions, fp32_modules, loss_scale, lr)
     dev = resolve_device(device)
@@ -169,6 +175,10 @@ def check(
     grads["binades"] = scale["grad_binades"]
 
     info = device_info(dev).as_dict()
+    fp8 = {}
+    if any(is_fp8(n) for n in names) and ref.nonfinite is None:
+        fp8 = {"fp8": fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
+                                fp8_skip, fp8_force)}
     return CheckReport(
         device={"device": str(dev), **info},
         auto={k: auto[k] for k in ("mode", "reason", "device_choice", "device_reason")},
@@ -181,6 +191,7 @@ def check(
         audit={n: a.records(MODES[n].low_dtype, dev.type) for n, a in audits.items()},
         recommendation=recommendation,
         thresholds={k: {"risky": r, "unsafe": u} for k, (r, u) in THRESHOLDS.items()} | {"stale_risky": STALE_RISKY},
+        **fp8,
     )
 
 

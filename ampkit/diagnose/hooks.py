@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
+from ..utils.tree import iter_tensors
+
 __all__ = [
     "FP16_MAX", "FP16_TINY", "ROOT", "iter_tensors", "tensor_range", "HookSet", "display_name",
     "finite_number", "state_snapshot", "rng_devices",
@@ -35,21 +37,6 @@ def finite_number(x: Any) -> Optional[float]:
         return None
     x = float(x)
     return x if math.isfinite(x) else None
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) tuple/list/dict/dataclass-like output, in order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from iter_tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from iter_tensors(o)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for k in obj.__dataclass_fields__:
-            yield from iter_tensors(getattr(obj, k, None))
 
 
 def tensor_range(tensors) -> Optional[Dict[str, Any]]:

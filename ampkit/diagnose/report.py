@@ -116,6 +116,8 @@ def format_check(r: Dict[str, Any], top: int = 10) -> str:
             lines.append(f"  ({len(rows) - len(shown)} more modules without flags; see --json)")
         lines.append("")
 
+    if r.get("fp8"):
+        lines += format_fp8(r["fp8"], top)
     rec = r["recommendation"]
     lines.append("Recommendation:")
     lines.append(f"  precision:    {rec['precision']}")
@@ -126,3 +128,37 @@ def format_check(r: Dict[str, Any], top: int = 10) -> str:
     for note in rec.get("notes") or []:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def format_fp8(f: Dict[str, Any], top: int = 10) -> List[str]:
+    """The fp8 section: per-layer damage under each recipe, the model-level SQNR, a verdict per recipe."""
+    lines = ["FP8 (per converted Linear, against the bf16 GEMM; what-if for recipes not asked for):"]
+    kept = {n: why for n, why in f["plan"].items() if why != "fp8"}
+    if kept:
+        lines.append("  kept in bf16: " + "; ".join(f"{n} ({why[6:]})" for n, why in kept.items()))
+    rows = []
+    for name, per in list(f["layers"].items())[:top]:
+        for mode, s in per.items() if isinstance(per, dict) and "note" not in per else []:
+            t = s["tensors"]
+            rows.append([name, mode[4:], _pct(t["input"]["underflow"]), _pct(t["weight"]["underflow"]),
+                         _pct(t["grad_output"]["underflow"]),
+                         _pct(max(d["saturated"] for d in t.values())), f"{s['output_sqnr']:.1f}",
+                         f"{s['worst_row_sqnr']:.1f}", f"{min(s['grad_input_sqnr'], s['grad_weight_sqnr']):.1f}",
+                         s["verdict"] if s["verdict"] == "ok" else s["verdict"].upper()])
+    lines += _table(["layer", "recipe", "in underflow", "w underflow", "gout underflow", "saturated",
+                     "out dB", "worst row dB", "grad dB", "verdict"], rows)
+    for mode, m in f["model_sqnr"].items():
+        lines.append(f"  {mode} whole model vs bf16-mixed: output {_g(m['output_sqnr'], '.1f')} dB, "
+                     f"gradients {_g(m['grad_sqnr'], '.1f')} dB ({m['layers_in_fp8']} Linear(s) in fp8)")
+    for mode, v in f["recipes"].items():
+        asked = "" if mode in f["requested"] else " (what-if)"
+        lines.append(f"  {mode}{asked}: {v['verdict'].upper() if v['verdict'] != 'ok' else 'ok'}"
+                     + (f"; keep in bf16: {', '.join(v['keep_bf16'])}" if v["keep_bf16"] else ""))
+        for reason in v["reasons"][:3]:
+            lines.append(f"    {reason}")
+    rec = f["recommendation"]
+    lines.append(f"  fp8 advice: {rec['precision']}"
+                 + (f" with {', '.join(rec['keep_bf16'])} in bf16" if rec["keep_bf16"] else "")
+                 + f" ({rec['reason']})")
+    lines.append("")
+    return lines

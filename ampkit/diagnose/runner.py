@@ -20,6 +20,8 @@ from torch.nn import functional as F
 
 from ..precision import MODES, Precision
 from .hooks import iter_tensors, rng_devices
+from ..utils.batch import call_model, own_loss
+from ..utils.tree import to_device
 
 __all__ = [
     "to_device", "split_batch", "default_forward", "default_loss", "as_loss_fn", "prepare",
@@ -27,19 +29,6 @@ __all__ = [
 ]
 
 SEED = 0
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor of a (nested) batch to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(b, device) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
 
 
 def split_batch(batch: Any) -> Tuple[Any, Any]:
@@ -56,9 +45,7 @@ def split_batch(batch: Any) -> Tuple[Any, Any]:
 def default_forward(model: nn.Module, batch: Any) -> Any:
     """``model(x)`` for a tensor or ``(x, y)`` batch, ``model(**batch)`` for a dict."""
     inputs, _ = split_batch(batch)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(inputs)
+    return call_model(model, inputs)
 
 
 def _primary(output: Any) -> torch.Tensor:
@@ -75,8 +62,8 @@ def default_loss(output: Any, target: Any) -> torch.Tensor:
     (classes last, any leading dims); MSE for float targets; without a target, the mean square of
     the output (a stand-in that still sends gradient through every layer).
     """
-    own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(own, torch.Tensor):
+    own = own_loss(output)
+    if own is not None:
         return own
     out = _primary(output)
     if target is None:

@@ -24,6 +24,7 @@ import copy
 import hashlib
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -32,6 +33,8 @@ from torch import nn
 from .cache import cache_file, load_entries, store_entry
 from .device import auto_mode, device_info, machine_key, resolve_device
 from .modes import MODES
+from ..utils.batch import call_model
+from ..utils.tree import iter_tensors, to_device
 
 __all__ = ["CannotTime", "auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
 
@@ -66,14 +69,6 @@ def fmt_ms(ms: float) -> str:
     return f"{ms:.0f} ms" if ms >= 100 else (f"{ms:.1f} ms" if ms >= 10 else f"{ms:.2f} ms")
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    return batch
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -101,8 +96,8 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
     ``budget_s``: where the warm-up steps say the rounds would take longer than this, fewer rounds
     are timed (never fewer than 2), so a big model on a CPU waits seconds, not minutes."""
     dev = resolve_device(device)
-    inputs, target = _to_device(inputs, dev), _to_device(target, dev)
-    args = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
+    inputs, target = to_device(inputs, dev), to_device(target, dev)
+    args = inputs if isinstance(inputs, (list, tuple, Mapping)) else (inputs,)  # call_model: a Mapping is kwargs
     make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7))
     # the user's training sees the same random streams (CPU, and this GPU's) as without the timing
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
@@ -134,7 +129,7 @@ def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, r
         _sync(dev)
         t0 = time.perf_counter()
         with prec.autocast():
-            loss = loss_fn(clone(*args), target)
+            loss = loss_fn(call_model(clone, args), target)
         prec.backward(loss)
         prec.step(opt)
         opt.zero_grad(set_to_none=True)
@@ -163,9 +158,8 @@ def signature(model: nn.Module, inputs: Any, target: Any) -> str:
     h.update(type(model).__name__.encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
-    for t in (inputs if isinstance(inputs, (list, tuple)) else (inputs,)) + (target,):
-        if isinstance(t, torch.Tensor):
-            h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+    for t in iter_tensors((inputs, target)):
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
     return h.hexdigest()[:16]
 
 

@@ -13,6 +13,8 @@ from typing import Iterable, Optional, Tuple, Type
 import torch
 from torch import nn
 
+from ..utils.tree import cast_floating  # one structure-keeping walk for every cast
+
 __all__ = ["NORM_TYPES", "is_norm", "convert_model", "cast_floating"]
 
 NORM_TYPES: Tuple[Type[nn.Module], ...] = (
@@ -25,19 +27,6 @@ NORM_TYPES: Tuple[Type[nn.Module], ...] = (
 
 def is_norm(module: nn.Module) -> bool:
     return isinstance(module, NORM_TYPES)
-
-
-def cast_floating(obj, dtype: torch.dtype):
-    """Cast every floating-point tensor in a (nested) tuple/list/dict to dtype; leave the rest."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(cast_floating(o, dtype) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_floating(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 def _needs_input_cast(module: nn.Module, device: torch.device) -> bool:

@@ -28,6 +28,8 @@ class Mode:
     #: pure low-precision update with a compensation buffer (Kahan) instead of masters
     compensated: bool = False
     summary: str = ""
+    #: fp8 recipe name ("tensorwise", "rowwise", "delayed"): Linears run fp8 GEMMs (ampkit.precision.fp8)
+    fp8: Optional[str] = None
 
     @property
     def low_dtype(self) -> Optional[torch.dtype]:
@@ -55,6 +57,13 @@ MODES = {
              summary="bf16 params (norms fp32) and optimizer state, compensated updates, no master copy"),
         Mode("fp16-pure", _f16, _f16, True,
              summary="fp16 params (norms fp32), fp16 compute, loss scaling, no master copy"),
+        Mode("fp8-tensorwise", _f32, _bf16, False, fp8="tensorwise",
+             summary="bf16-mixed with Linears in fp8, one scale per tensor (torchao current scaling)"),
+        Mode("fp8-rowwise", _f32, _bf16, False, fp8="rowwise",
+             summary="bf16-mixed with Linears in fp8, one scale per row (torchao current scaling)"),
+        Mode("fp8-delayed", _f32, _bf16, False, fp8="delayed",
+             summary="bf16-mixed with Linears in fp8, scales from an amax history (Transformer Engine's "
+                     "delayed scaling, E4M3 forward / E5M2 backward)"),
     ]
 }
 
@@ -73,6 +82,9 @@ ALIASES = {
     "o2": "fp16-master",
     # pure
     "bf16-true": "bf16-pure", "o3": "fp16-pure", "16-true": "fp16-pure",
+    # fp8 (torchao recipe names, Transformer Engine's recipe)
+    "float8-tensorwise": "fp8-tensorwise", "float8-rowwise": "fp8-rowwise",
+    "fp8-hybrid": "fp8-delayed",
 }
 
 AUTO = "auto"

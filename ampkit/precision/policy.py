@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .convert import cast_floating, convert_model
+from .fp8 import Fp8Plan
 from .device import auto_mode, device_info, resolve_device
 from .islands import apply_fp32_islands
 from .master import MasterWeightOptimizer
@@ -133,6 +134,9 @@ class Precision:
         fused_optimizer: ``setup`` switches a torch Adam/AdamW/SGD built without ``fused``/``foreach``
             to its fused kernel (which takes the skip flag on the device: no host sync per step);
             False keeps it as built.
+        fp8_recipe, fp8_skip, fp8_force: fp8 modes only: a recipe object of the mode
+            (``ampkit.precision.fp8.DelayedScaling(amax_history_len=..., margin=...)``), Linear names
+            kept in bf16, and names converted although first/last (see docs/FP8.md).
     """
 
     def __init__(
@@ -156,6 +160,9 @@ class Precision:
         scaler: Optional[LossScaler] = None,
         compensation: Optional[str] = None,
         fused_optimizer: bool = True,
+        fp8_recipe: Any = None,
+        fp8_skip: Sequence[str] = (),
+        fp8_force: Sequence[str] = (),
     ) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__")}
         self.device = resolve_device(device)
@@ -182,6 +189,10 @@ class Precision:
         if compensation is not None and str(compensation).lower() not in ("kahan", "stochastic", "none"):
             raise ValueError(f"compensation={compensation!r} is not supported: use 'kahan', 'stochastic' or 'none'.")
         self.compensation = None if compensation is None else str(compensation).lower()
+        if (fp8_recipe is not None or fp8_skip or fp8_force) and not self.mode.fp8:
+            raise ValueError(f"fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only (got {self.name!r}): "
+                             "drop them, or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
+        self.fp8 = Fp8Plan(self.name, fp8_recipe, fp8_skip, fp8_force) if self.mode.fp8 else None
 
         static = parse_loss_scale(loss_scale)
         if not self.mode.scaled and (static is not None or scaler is not None or init_scale is not None):
@@ -330,6 +341,8 @@ class Precision:
         model = model.to(self.device)
         if self.fused_optimizer and optimizer is not None and not self.mode.compensated:
             _use_fused_kernel(optimizer, self.device)
+        if self.fp8 is not None:  # explicit module swap; parameters are kept, so the optimizer still holds them
+            model = self.fp8.apply(model, self.device)
         if self.mode.master_weights and optimizer is not None:
             # masters are taken from the fp32 weights *before* the model is cast
             optimizer = MasterWeightOptimizer(optimizer)
@@ -466,7 +479,10 @@ class Precision:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "scaler": self.scaler.state_dict()}
+        state = {"name": self.name, "scaler": self.scaler.state_dict()}
+        if self.fp8 is not None:
+            state["fp8"] = self.fp8.state_dict()
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state.get("name")
@@ -475,6 +491,8 @@ class Precision:
                 f"Checkpoint was trained with precision={saved!r}, this run uses {self.name!r}: "
                 f"resume with --precision {saved}, or start a new run."
             )
+        if self.fp8 is not None:
+            self.fp8.check_state(state.get("fp8"))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
@@ -491,6 +509,8 @@ class Precision:
             extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
         if self.layout_reason:
             extra.append(f"memory format {self.layout_reason}")
+        if self.fp8 is not None:
+            extra.append(self.fp8.describe())
         chosen = f"auto -> {self.name} ({self.reason})" if self.requested == AUTO else self.name
         return f"{chosen}: {self.mode.summary} on {self.device}" + (f"; {'; '.join(extra)}" if extra else "")
 

@@ -9,11 +9,21 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import numpy as np
 import torch
 
+from ..utils.batch import batch_size_of, call_model, output_logits, own_loss
+
 __all__ = ["default_loss", "evaluate", "classification_text"]
 
 
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for integer targets (any number of leading dims, classes last), MSE otherwise."""
+def default_loss(output: Any, target: Optional[torch.Tensor]) -> torch.Tensor:
+    """The loss the model returned itself (``output.loss``, Hugging Face style); else cross-entropy for
+    integer targets (any number of leading dims, classes last), MSE for floating ones."""
+    own = own_loss(output)
+    if own is not None:
+        return own
+    if target is None:
+        raise ValueError("the model returned no `loss` and the batch has no target: return a loss from the model "
+                         "(e.g. pass labels=), give (inputs, target) samples, or pass loss_fn=.")
+    output = output_logits(output)
     if target.is_floating_point():
         return torch.nn.functional.mse_loss(output.float().reshape(target.shape), target.float())
     return torch.nn.functional.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
@@ -34,18 +44,25 @@ def evaluate(
     total_loss = torch.zeros((), dtype=torch.float64)
     correct = torch.zeros((), dtype=torch.int64)
     count = 0
+    scored_any = False
     preds, targets = [], []
     try:
         for x, y in batches:
             with autocast():
-                out = model(x)
+                out = call_model(model, x)
                 loss = loss_fn(out, y)
-            n = y.numel() if task == "lm" else y.shape[0]
+            logits = output_logits(out)
+            # accuracy where the predictions line up with the targets (a causal LM that shifts its labels
+            # inside, e.g. Hugging Face's, has logits for the next token: no accuracy is claimed for it)
+            scored = task in ("classification", "lm") and y is not None and logits is not None and (
+                own_loss(out) is None or (task == "classification" and logits.shape[:-1] == y.shape))
+            n = y.numel() if (task == "lm" and y is not None) else batch_size_of(y, x)
             total_loss += loss.detach().double().cpu() * n
             count += n
-            if task in ("classification", "lm"):
-                p = out.argmax(-1)
+            if scored:
+                p = logits.argmax(-1)
                 correct += (p == y).sum().cpu()
+                scored_any = True
                 if collect and task == "classification":
                     preds.append(p.cpu())
                     targets.append(y.cpu())
@@ -55,7 +72,7 @@ def evaluate(
         return {"loss": float("nan"), "accuracy": None, "samples": 0}
     loss = (total_loss / count).item()
     result: Dict[str, Any] = {"loss": loss, "samples": count}
-    result["accuracy"] = (correct.item() / count) if task in ("classification", "lm") else None
+    result["accuracy"] = (correct.item() / count) if scored_any else None
     if task == "lm":
         result["perplexity"] = math.exp(min(loss, 50.0))
     if collect and preds:

@@ -22,11 +22,12 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from ..precision import NonFiniteGradientsError, Precision
 from ..precision.layout import has_conv2d
@@ -36,6 +37,8 @@ from . import distributed as _dist
 from .config import TrainConfig, write_config
 from .evaluate import classification_text, default_loss, evaluate
 from .metrics import MetricsLogger, Progress, require_tensorboard
+from ..utils.batch import batch_size_of, batch_target, call_model
+from ..utils.tree import iter_tensors, to_device
 
 __all__ = ["Trainer", "TrainingInterrupted", "RunDirError", "build_optimizer", "build_scheduler"]
 
@@ -74,11 +77,12 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it
     (for ``sharded`` DTensor parameters, torch has fused Adam/AdamW but no fused SGD: foreach then).
     ``eps``: Adam's epsilon (torch's 1e-8 when None; ``Precision.min_adam_eps`` for fp16 optimizer state)."""
-    decay, no_decay = [], []
+    decay, no_decay, seen = [], [], set()
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) in seen:  # a tied weight (embedding = LM head) is stepped once
                 continue
+            seen.add(id(p))
             (no_decay if _no_decay(p_name, p, module) else decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
               if g["params"]]
@@ -124,11 +128,16 @@ class Trainer:
     """Train a model with one precision policy.
 
     Args:
-        model: any nn.Module.
-        train_data: a Dataset (TensorDatasets are indexed directly, others collated).
-        eval_data: optional Dataset evaluated each epoch and at the end.
+        model: any nn.Module. A sample that is a dict (Hugging Face style: ``input_ids``,
+            ``attention_mask``, ``labels``...) is passed as ``model(**batch)``; an ``(x, y)`` sample as
+            ``model(x)`` (``model(*x)`` where x is a tuple of inputs).
+        train_data: a Dataset (TensorDatasets are indexed directly, others collated), or a DataLoader:
+            its dataset, ``collate_fn`` and ``batch_size`` (unless ``batch_size=`` is given) are used; the
+            order stays the Trainer's own (seeded per epoch, so a resume is exact).
+        eval_data: optional Dataset (or DataLoader) evaluated each epoch and at the end.
         optimizer, scheduler: optional; built from the config when None.
-        loss_fn: ``loss_fn(output, target)``; default cross-entropy (integer targets) or MSE.
+        loss_fn: ``loss_fn(output, target)``; default: the ``loss`` the model returned itself (a
+            ``ModelOutput``, a dict), else cross-entropy (integer targets) or MSE.
         precision: a name/alias or a ready `Precision` (overrides ``config.precision``).
         config: a `TrainConfig`; keyword overrides (``epochs=3``...) are applied on top.
         task: "classification" | "lm" | "regression" (inferred from the targets when None).
@@ -151,6 +160,15 @@ class Trainer:
     ) -> None:
         if isinstance(optimizer, str):  # an optimizer *name* (config key), not an instance
             overrides["optimizer"], optimizer = optimizer, None
+        self._collate = {}
+        if isinstance(train_data, DataLoader):
+            if train_data.batch_size and "batch_size" not in overrides:
+                overrides["batch_size"] = train_data.batch_size
+            self._collate[id(train_data.dataset)] = train_data.collate_fn
+            train_data = train_data.dataset
+        if isinstance(eval_data, DataLoader):
+            self._collate[id(eval_data.dataset)] = eval_data.collate_fn
+            eval_data = eval_data.dataset
         self.config = (config or TrainConfig()).updated(**overrides)
         cfg = self.config
         if cfg.grad_accum < 1:
@@ -271,14 +289,18 @@ class Trainer:
         return list(torch.split(perm, self.config.batch_size))
 
     def _fetch(self, dataset: Dataset, idx: torch.Tensor):
+        """``(inputs, target)`` of the samples ``idx``: a dict batch is its own inputs (target: its labels)."""
         if isinstance(dataset, TensorDataset):
             x, y = (t[idx] for t in dataset.tensors[:2])
         else:
-            from torch.utils.data import default_collate
-
-            x, y = default_collate([dataset[int(i)] for i in idx])[:2]
+            batch = self._collate.get(id(dataset), default_collate)([dataset[int(i)] for i in idx])
+            if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+                x, y = batch[0], (batch[1] if len(batch) > 1 else None)
+            else:
+                x, y = batch, batch_target(batch)
         nb = self.device.type == "cuda"
-        return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
+        x = to_device(x, self.device, non_blocking=nb)
+        return x, (batch_target(x) if isinstance(x, Mapping) else to_device(y, self.device, non_blocking=nb))
 
     def _eval_batches(self, dataset: Dataset):
         size = self.config.batch_size * 4
@@ -566,12 +588,13 @@ class Trainer:
                     window_inputs.append((i, order[i], x, y))
                 with self._sync_context(last_in_window):
                     with precision.autocast():
-                        out = model(x)
+                        out = call_model(model, x)
                         loss = self.loss_fn(out, y) / window
                     precision.backward(loss)
                 window_loss += loss.detach()
-                samples_flush += y.shape[0]
-                samples_seen += y.shape[0]
+                n_samples = batch_size_of(y, x)
+                samples_flush += n_samples
+                samples_seen += n_samples
                 i += 1
                 self.batch_in_epoch = i
                 progress.advance()
@@ -708,8 +731,8 @@ class Trainer:
     def _check_window_inputs(self, window: List[tuple]) -> None:
         """After a skipped step: NaN/inf in that window's inputs or targets is one clear error with the batch index."""
         for b, idx, x, y in window:
-            for what, t in (("inputs", x), ("targets", y)):
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0:
+            for what, t in [("inputs", t) for t in iter_tensors(x)] + [("targets", t) for t in iter_tensors(y)]:
+                if t.is_floating_point() and t.dim() > 0 and len(t) == len(idx):
                     bad = ~torch.isfinite(t.reshape(len(t), -1)).all(dim=1)
                     if bad.any():
                         first = int(idx[int(bad.nonzero()[0])])
@@ -823,7 +846,14 @@ def _mean_loss_over_ranks(values: torch.Tensor, keys: List[str]) -> torch.Tensor
 
 
 def _infer_task(ds: Dataset) -> str:
-    x, y = ds[0][0], ds[0][1]
+    sample = ds[0]
+    if isinstance(sample, Mapping) or not isinstance(sample, (list, tuple)):
+        y = batch_target(sample)  # a dict sample: its labels (token labels: lm; one label: classification)
+        if y is None:
+            return "lm"  # the model's own loss on unlabeled inputs (e.g. causal LM with labels built inside)
+        y = torch.as_tensor(y)
+        return "regression" if y.is_floating_point() else ("lm" if y.dim() >= 1 else "classification")
+    x, y = sample[0], sample[1]
     y = torch.as_tensor(y)
     if y.is_floating_point():
         return "regression"

@@ -43,6 +43,7 @@ from ...precision.convert import cast_floating
 from ...precision.master import MasterWeightOptimizer
 from ...precision.policy import Precision
 from ...precision.scaler import LossScaler
+from ...utils.tree import iter_tensors
 from .opt_levels import AmpProperties, describe, resolve_properties
 
 __all__ = [
@@ -564,24 +565,13 @@ def promote_function(fn):
     def wrapper(*args, **kwargs):
         if not _autocast_devices():
             return fn(*args, **kwargs)
-        found = [t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()]
+        found = [t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
         if not found:
             return fn(*args, **kwargs)
         widest = max(found, key=lambda d: torch.finfo(d).bits)
         return fn(*cast_floating(args, widest), **cast_floating(kwargs, widest))
 
     return wrapper
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def _register(decorator, module, name: str) -> None:

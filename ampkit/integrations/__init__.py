@@ -1,0 +1,1 @@
+"""Plugins that give other training frameworks every ampkit mode (import the one you use: it needs that package)."""

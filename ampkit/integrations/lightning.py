@@ -1,0 +1,193 @@
+"""Every ampkit precision mode in Lightning (the ``lightning`` package): Fabric and Trainer plugins.
+
+.. code-block:: python
+
+    from ampkit.integrations.lightning import AmpkitPrecision, AmpkitFabricPrecision
+
+    trainer = lightning.Trainer(plugins=AmpkitPrecision("bf16-master"))          # or "bf16-true", "16-mixed", ...
+    fabric = lightning.Fabric(plugins=AmpkitFabricPrecision("bf16-pure", compensation="stochastic"))
+
+Both take an ampkit mode or any alias (Lightning's strings too: ``"16-mixed"``, ``"bf16-mixed"``,
+``"bf16-true"`` (= bf16-pure, with Kahan-compensated updates), ``"16-true"``, ``"32-true"``, and
+``16``/``"16"``/``"bf16"``/``32``) plus :class:`ampkit.Precision`'s keyword arguments (``loss_scale``
+static or dynamic, ``init_scale``, ``max_consecutive_skips``, ``fp32_modules``, ``compensation``, ...).
+They are built on ampkit's public ``Precision`` API: ``setup`` converts the module, ``autocast`` is
+the forward context, ``backward`` scales, ``unscale_``/``step`` unscale, skip non-finite steps and
+update the scale. Modes that change the optimizer get it changed once: fp32 master weights
+(fp16/bf16-master; the masters start from the fp32 weights the module had before conversion) or the
+compensated optimizer of bf16-pure. Skip telemetry: ``plugin.skipped_steps``, ``plugin.loss_scale``,
+``plugin.optimizer_steps``; the Trainer plugin saves the scaler (and counters) in checkpoints.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+
+try:
+    from lightning.fabric.plugins.precision import Precision as _FabricPrecision
+    from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("ampkit.integrations.lightning needs the `lightning` package: "
+                      "pip install 'ampkit[lightning]' (or pip install lightning).") from e
+
+from ..precision import Precision, resolve
+from ..precision.master import MasterWeightOptimizer
+from ..utils.tree import cast_floating
+
+__all__ = ["AmpkitPrecision", "AmpkitFabricPrecision", "lightning_precision_name"]
+
+# Lightning's short spellings (its _PRECISION_INPUT_STR_ALIAS_CONVERSION) -> the strings ampkit resolves
+_SHORT = {"16": "16-mixed", "32": "32-true", "bf16": "bf16-mixed"}
+# what Lightning reports as `trainer.precision` for each ampkit mode (parameter dtype, then compute)
+_LIGHTNING_NAME = {"fp32": "32-true", "fp16-mixed": "16-mixed", "bf16-mixed": "bf16-mixed", "fp16-master": "16-true",
+                   "bf16-master": "bf16-true", "bf16-pure": "bf16-true", "fp16-pure": "16-true"}
+
+
+def lightning_precision_name(precision: Any) -> str:
+    """An ampkit mode name or alias (Lightning's precision strings and ints accepted) -> ampkit's canonical name."""
+    key = str(precision).strip().lower()
+    if key in ("64", "64-true", "transformer-engine", "transformer-engine-float16"):
+        raise ValueError(f"precision={precision!r} is a Lightning mode ampkit does not provide: use Lightning's own "
+                         "plugin for it, or an ampkit mode (fp32, 16-mixed, bf16-mixed, fp16-master, bf16-master, "
+                         "bf16-true/bf16-pure, 16-true/fp16-pure, auto).")
+    return resolve(_SHORT.get(key, key))
+
+
+class _Core:
+    """The shared part: one ampkit Precision, the module conversion and the once-per-optimizer change."""
+
+    def _init_core(self, precision: Any, device: Any, kwargs: Dict[str, Any]) -> None:
+        self.ampkit = Precision(lightning_precision_name(precision), device, **kwargs)
+        self.precision = _LIGHTNING_NAME.get(self.ampkit.name, "bf16-mixed" if self.ampkit.name.startswith("fp8")
+                                             else "32-true")  # fp8 modes: fp32 params, bf16-mixed around fp8 GEMMs
+        self._fp32_copies: Dict[int, torch.Tensor] = {}
+        self._prepared: Dict[int, torch.optim.Optimizer] = {}
+
+    # -- telemetry
+    @property
+    def skipped_steps(self) -> int:
+        return self.ampkit.skipped_steps
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.ampkit.optimizer_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.ampkit.loss_scale
+
+    # -- module
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.ampkit.mode.master_weights:  # masters start from these, not from their 16-bit roundings
+            self._fp32_copies = {id(p): p.detach().clone() for p in module.parameters() if p.is_floating_point()}
+        module, _ = self.ampkit.setup(module, None)
+        return module
+
+    def forward_context(self):
+        return self.ampkit.autocast()
+
+    def convert_input(self, data: Any) -> Any:
+        return self.ampkit.convert_input(data)
+
+    def convert_output(self, data: Any) -> Any:
+        if self.ampkit.param_dtype == torch.float32:
+            return data
+        return cast_floating(data, torch.get_default_dtype())
+
+    # -- optimizer
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer ampkit steps for ``optimizer``: fp32 masters or the compensated version (made once)."""
+        made = self._prepared.get(id(optimizer))
+        if made is not None:
+            return made
+        if isinstance(optimizer, MasterWeightOptimizer) or any(o is optimizer for o in self._prepared.values()):
+            return optimizer  # already the one ampkit steps
+        if self.ampkit.mode.master_weights:
+            made = MasterWeightOptimizer(optimizer)
+            with torch.no_grad():
+                for p, m in zip(made.model_params, made.master_params):
+                    fp32 = self._fp32_copies.pop(id(p), None)
+                    if fp32 is not None and fp32.shape == m.shape:
+                        m.copy_(fp32)
+        elif self.ampkit.mode.compensated:
+            from ..optim import compensated_from
+
+            comp = self.ampkit.compensation
+            made = compensated_from(optimizer) if comp is None else compensated_from(
+                optimizer, None if comp == "none" else comp)
+        else:
+            made = optimizer
+        self.ampkit._check_eps(made)
+        self._prepared[id(optimizer)] = made
+        return made
+
+    def main_params(self, optimizer):
+        for group in self.prepare_optimizer(optimizer).param_groups:
+            yield from group["params"]
+
+    def unscale_gradients(self, optimizer) -> None:
+        self.ampkit.unscale_(self.prepare_optimizer(optimizer))
+
+    # -- state
+    def state_dict(self) -> Dict[str, Any]:
+        return self.ampkit.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if state_dict:
+            self.ampkit.load_state_dict(state_dict)
+
+
+class AmpkitFabricPrecision(_Core, _FabricPrecision):
+    """``lightning.Fabric(plugins=AmpkitFabricPrecision(mode, **ampkit_kwargs))``.
+
+    ``optimizer.step()`` of a Fabric-wrapped optimizer unscales, skips a non-finite step, steps the fp32
+    masters or the compensated optimizer where the mode has them, and updates the loss scale; it returns
+    what :meth:`ampkit.Precision.step` returns (whether the step was applied).
+    """
+
+    def __init__(self, precision: Any = "auto", device: Any = None, **kwargs: Any) -> None:
+        self._init_core(precision, device, kwargs)
+
+    def backward(self, tensor: torch.Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if args:  # torch.Tensor.backward's positional gradient / retain_graph
+            kwargs = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args), **kwargs)
+        self.ampkit.backward(tensor, **kwargs)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        if kwargs.get("closure") is not None:
+            raise ValueError("ampkit's precision plugin steps without a closure: call fabric.backward(loss) and "
+                             "then optimizer.step().")
+        return self.ampkit.step(self.prepare_optimizer(optimizer))
+
+
+class AmpkitPrecision(_Core, _TrainerPrecision):
+    """``lightning.Trainer(plugins=AmpkitPrecision(mode, **ampkit_kwargs))``.
+
+    ``gradient_clip_val`` clips the unscaled gradients (of the fp32 masters where the mode has them);
+    the optimizers the LightningModule configures are given fp32 masters or made compensated once,
+    when the Trainer connects them, so checkpoints hold the masters and the compensation state.
+    """
+
+    def __init__(self, precision: Any = "auto", device: Any = None, **kwargs: Any) -> None:
+        self._init_core(precision, device, kwargs)
+
+    def connect(self, model, optimizers, lr_schedulers):
+        return model, [self.prepare_optimizer(o) for o in optimizers], lr_schedulers
+
+    def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
+        if self.ampkit.mode.scaled:
+            tensor = self.ampkit.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        optimizer = self.prepare_optimizer(optimizer)
+        closure_result = closure()  # forward + backward (scaled in pre_backward)
+        skip = closure_result is None and getattr(model, "automatic_optimization", True)
+        if skip:  # training_step returned None: nothing to step (Lightning's convention)
+            return closure_result
+        self.ampkit.unscale_(optimizer)  # masters' grads, unscaled: what clipping and the hooks see
+        self._after_closure(model, optimizer)  # on_before_optimizer_step, gradient_clip_val
+        self.ampkit.step(optimizer)
+        return closure_result
