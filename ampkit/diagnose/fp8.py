@@ -19,7 +19,6 @@ this one batch (its best case): saturation from a growing amax shows in training
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch

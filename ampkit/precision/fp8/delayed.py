@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .quant import amax, dequantise, quantise, scale_from_amax
-from .recipes import E4M3, DelayedScaling
+from .recipes import DelayedScaling
 
 __all__ = ["DelayedScalingLinear", "has_fp8_gemm"]
 
