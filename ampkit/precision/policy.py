@@ -8,12 +8,14 @@ A training loop written against its hooks has no precision branches::
         with precision.autocast():
             loss = loss_fn(model(x), y)
         precision.backward(loss)
-        stepped = precision.step(optimizer, max_norm=1.0)   # unscale, clip, check, step/skip, update
+        result = precision.step(optimizer, max_norm=1.0)    # unscale, clip, check, step/skip, update
         optimizer.zero_grad(set_to_none=True)
 
 Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and counted), so
-training never applies a non-finite update, in bf16 and fp32 too (there with scale 1, no
-multiplication of the loss).
+training never applies a non-finite update, in bf16 and fp32 too (there the check rides on the
+clipping norm, or one read-only pass; no scale, no unscale). With an optimizer that takes
+``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a
+step makes no host sync: ``result`` (a ``StepResult``) reads the skip flag only if asked.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .islands import apply_fp32_islands
 from ..optim import compensated_from
 from ..optim.master import MasterWeightOptimizer
 from .modes import AUTO, MODES, Mode, resolve
-from .scaler import LossScaler, OptState, parse_loss_scale
+from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
 from .attention import AttentionPolicy, forced_kernel, policy_setting
 from .tuned import Tuned
 
@@ -73,6 +75,34 @@ def _make_cast_input_hook(dtype: torch.dtype):
     return hook
 
 
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _use_fused_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Switch a fresh torch Adam/AdamW/SGD that did not choose an implementation to its fused kernel,
+    where torch has one for these params (the same flag as ``fused=True`` at construction)."""
+    d = optimizer.defaults
+    if (type(optimizer) not in _FUSABLE or optimizer.state or device.type not in ("cpu", "cuda")
+            or d.get("fused") or d.get("foreach") or d.get("differentiable")):
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params or not all(p.is_floating_point() and not p.is_sparse for p in params):
+        return False
+    d["fused"] = True
+    for g in optimizer.param_groups:
+        g["fused"] = True
+    optimizer._step_supports_amp_scaling = True
+    return True
+
+
+def _grads_params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _grads(optimizer) -> list:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
 class Precision:
     """A precision policy built from the mode table (``ampkit.precision.modes``).
 
@@ -103,6 +133,9 @@ class Precision:
             AdamW/Adam/SGD for its ``ampkit.optim`` equivalent; an ``ampkit.optim`` optimizer
             keeps its own setting unless this is given. Norm layers stay fp32 here too
             (``keep_norm_fp32``): see docs/BF16_PURE.md.
+        fused_optimizer: ``setup`` switches a torch Adam/AdamW/SGD built without ``fused``/``foreach``
+            to its fused kernel (which takes the skip flag on the device: no host sync per step);
+            False keeps it as built.
         fp8_recipe, fp8_skip, fp8_force: fp8 modes only: a recipe object of the mode
             (``ampkit.precision.fp8.DelayedScaling(amax_history_len=..., margin=...)``), Linear names
             kept in bf16, and names converted although first/last (see docs/FP8.md).
@@ -130,6 +163,7 @@ class Precision:
         op_policy: Optional[bool] = None,
         scaler: Optional[LossScaler] = None,
         compensation: Optional[str] = None,
+        fused_optimizer: bool = True,
         fp8_recipe: Any = None,
         fp8_skip: Sequence[str] = (),
         fp8_force: Sequence[str] = (),
@@ -154,6 +188,7 @@ class Precision:
         # why the memory format is what it is, when it was measured (ampkit.tune)
         self.layout_reason: Optional[str] = self.tuned.layout_reason if channels_last is None else None
         self.op_policy = op_policy
+        self.fused_optimizer = fused_optimizer
         self._check_hardware()
         if compensation is not None and not self.mode.compensated:
             raise ValueError(
@@ -275,6 +310,8 @@ class Precision:
         Returns ``(model, optimizer)``; build the optimizer over ``model.parameters()`` first.
         """
         model = model.to(self.device)
+        if self.fused_optimizer and optimizer is not None and not self.mode.compensated:
+            _use_fused_kernel(optimizer, self.device)
         if self.fp8 is not None:  # explicit module swap; parameters are kept, so the optimizer still holds them
             model = self.fp8.apply(model, self.device)
         if self.mode.master_weights and optimizer is not None:
@@ -379,38 +416,59 @@ class Precision:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the optimizer's grads real (unscaled, fp32 master grads) before inspecting them."""
+    def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
+        """Make the optimizer's grads real (unscaled, fp32 master grads) and record the non-finite check
+        (once per step). Unscaled modes have nothing to unscale: the check is ``_norm`` (a gradient norm
+        computed anyway) or one read-only pass, never a scale-1 unscale."""
+        scaler = self.scaler
+        if scaler.stage(optimizer) is not OptState.READY:
+            return
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()
-        self.scaler.ensure_initialized(self.device)  # backward() was not called through us
-        self.scaler.unscale_(optimizer)
+        if not scaler.is_enabled():
+            return
+        scaler.ensure_initialized(self.device)  # backward() may not have come through us
+        if self._scales_loss:
+            scaler.unscale_(optimizer)
+        else:
+            found = (nonfinite_from_norm(_norm, self.device) if _norm is not None
+                     else nonfinite_flag(_grads(optimizer), self.device))
+            scaler.record_found_inf(optimizer, found)
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None, norm_type: float = 2.0) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
+             norm_type: float = 2.0) -> StepResult:
         """Unscale -> clip -> non-finite check -> step or skip -> update the scale.
 
-        Returns True when the optimizer stepped, False when the step was skipped.
-        Exactly one host sync (the skip decision).
+        Returns a :class:`StepResult` (what the optimizer's ``step`` returned, if not None): truthy when
+        the optimizer stepped, falsy when the step was skipped, read from the device only when asked.
+        No host sync with an optimizer that skips on the device (torch's fused AdamW/Adam/SGD, also
+        under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
         """
-        if self.scaler.stage(optimizer) is OptState.READY:
-            if isinstance(optimizer, MasterWeightOptimizer):
-                optimizer.sync_grads()
-            if self.scaler.is_enabled():
-                self.scaler.ensure_initialized(self.device)  # backward() was not called through us
-                self.scaler.unscale_(optimizer)
         self.last_grad_norm = None
         if max_norm is not None and max_norm > 0:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
-        stepped = self.scaler.step(optimizer)
+            self.last_grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
+        else:
+            self.unscale_(optimizer)
+        result = self.scaler.step(optimizer)
+        if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
+            found = self.scaler.found_inf(optimizer)
+            result = StepResult(found) if found is not None else StepResult()
         self.scaler.update()
-        return bool(stepped) if isinstance(stepped, bool) else True
+        return result
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Unscale (once) and clip the optimizer's grads; returns the total norm (no sync)."""
-        self.unscale_(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        """Unscale (once) and clip the optimizer's grads; returns the total norm (no sync). In the
+        unscaled modes the norm is also the step's non-finite check."""
+        scaler = self.scaler
+        if self._scales_loss or not scaler.is_enabled() or scaler.stage(optimizer) is not OptState.READY:
+            self.unscale_(optimizer)
+            return torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type,
+                                                  foreach=True)
+        if isinstance(optimizer, MasterWeightOptimizer):
+            optimizer.sync_grads()
+        norm = torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
+        self.unscale_(optimizer, _norm=norm)
+        return norm
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
