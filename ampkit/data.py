@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from ._optional import require
+
 __all__ = ["DataSplits", "load_data", "digits", "synthetic_images", "sequences", "DATASETS", "RowsDataset",
            "check_labels", "row_of"]
 
@@ -67,7 +69,7 @@ class DataSplits:
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int, stratify: bool = True):
-    from sklearn.model_selection import train_test_split
+    train_test_split = require("sklearn.model_selection", "the train/test split").train_test_split
 
     idx = np.arange(len(x))
     strat = y.numpy() if (stratify and y.dim() == 1 and not y.is_floating_point()) else None
@@ -83,9 +85,7 @@ def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int, st
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
     """scikit-learn's 8x8 handwritten digits (1797 images, shipped with scikit-learn)."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
+    d = require("sklearn.datasets", "the digits data set").load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
     x = (x - 0.3) / 0.4
     y = torch.tensor(d.target, dtype=torch.long)

@@ -6,6 +6,8 @@ import math
 import os
 from typing import Dict, List, Optional
 
+from ._optional import require
+
 __all__ = ["read_metrics", "plot_runs"]
 
 
@@ -56,7 +58,7 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
     (which a log axis cannot show) is marked on the scale panel's floor. The evaluation panel shows
     accuracy when every plotted run has it, else eval loss for all, and is labelled by what it shows.
     A run without a single metrics record is a ValueError naming it."""
-    import matplotlib
+    matplotlib = require("matplotlib", "ampkit plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

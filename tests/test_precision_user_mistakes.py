@@ -62,7 +62,7 @@ def test_trainer_fp16_pure_does_not_warn_about_eps(tmp_path):
 
 
 def test_auto_reason_does_not_argue_for_the_mode_it_did_not_pick():
-    from ampkit.precision.autotune import _why
+    from ampkit.tuning.autotune import _why
 
     text = _why("fp32", "bf16-mixed", "CPU has AVX512-BF16: bf16 ~2x faster than fp32", "fp32 fastest here (...)")
     assert text.startswith("fp32 fastest here") and "the device alone suggested bf16-mixed" in text
@@ -108,7 +108,7 @@ def test_repeated_skips_name_master_weights_by_module():
     model, opt = precision.setup(model, opt)
     x, y = _batches(1)[0]
     with pytest.raises(NonFiniteGradientsError) as ei:
-        for _ in range(2):
+        for _ in range(6):  # the skip flag is read a step late (no host sync per step)
             loss = nn.functional.cross_entropy(model(x).float(), y) * float("nan")
             precision.backward(loss)
             precision.step(opt)

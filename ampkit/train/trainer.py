@@ -29,9 +29,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
-from ..precision import NonFiniteGradientsError, Precision
-from ..precision.layout import has_conv2d
+from ..precision import NonFiniteGradientsError, Precision, Tuned
+from ..precision.convert import is_norm
 from ..precision.modes import AUTO, MODES
+from ..tuning import needs_tuning, tune
 from . import checkpoint as ckpt
 from . import distributed as _dist
 from .config import TrainConfig, write_config
@@ -75,13 +76,11 @@ def is_run_dir(path: str) -> bool:
         return False
 
 
-# TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (Precision.tune)
+# TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (ampkit.tune)
 _MEMORY_FORMATS = {"auto": None, "channels_last": True, "contiguous": False}
 
 
 def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
-    from ..precision.convert import is_norm
-
     return param.dim() <= 1 or name.endswith(".bias") or is_norm(module)
 
 
@@ -240,6 +239,8 @@ class Trainer:
         self.raw_model = self.model
         if self.world_size > 1 and not self._fsdp:
             self.model = _dist.wrap_model(self.model, self.device)
+            # DDP all-reduces gradients: every rank sees the same ones, so found-inf needs no collective
+            self.precision.scaler.distributed = False
         if cfg.compile:
             self.model = torch.compile(self.model)
         n_batches = self._batches_per_epoch()
@@ -261,12 +262,13 @@ class Trainer:
         self._time_before = 0.0  # training seconds of the segments before a resume
         self._created_dir: Optional[str] = None
         self._t_segment: Optional[float] = None
+        self._pending_step: Optional[tuple] = None  # the last step, its skip flag not yet read
 
     def _tune(self, model: nn.Module) -> None:
-        """Measure what the run left open on this model and its first batch (``Precision.tune``; cached
-        per machine): the mode for precision auto, the memory format of a conv model. A resumed auto
-        run keeps its checkpoint's mode. Several processes keep the defaults (every rank must run the
-        same mode and layout, and timings differ per rank)."""
+        """Measure what the run left open on this model and its first batch (``ampkit.tune``; cached
+        per machine): the mode for precision auto, the memory format of a conv model, attention kernels.
+        A resumed auto run keeps its checkpoint's mode. Several processes keep the defaults (every rank
+        must run the same mode and layout, and timings differ per rank)."""
         cfg, prec = self.config, self.precision
         modes = prec.requested == AUTO
         if modes and cfg.resume:
@@ -278,17 +280,14 @@ class Trainer:
             except Exception:
                 saved = None  # fit() reports a bad checkpoint with the full message
             if saved and saved != prec.name and saved in MODES:
-                prec.__init__(saved, **prec._init_kwargs)
-                prec.requested = AUTO
-                prec.reason = "the resumed run's precision"
+                prec = self.precision = prec.retuned(Tuned(mode=saved, mode_reason="the resumed run's precision"))
             modes = False
-        layout = prec.channels_last is None and has_conv2d(model)
-        if not (modes or layout) or not cfg.autotune or self.world_size > 1 or self._fsdp:
+        if not needs_tuning(prec, model, modes) or not cfg.autotune or self.world_size > 1 or self._fsdp:
             return
         idx = torch.arange(min(cfg.batch_size, len(self.train_data)))
         x, y = self._fetch(self.train_data, idx)
-        prec.tune(model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes,
-                  log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
+        self.precision = tune(prec, model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes,
+                              log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
 
     # ------------------------------------------------------------------ data
     def _batches_per_epoch(self) -> int:
@@ -452,6 +451,7 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Optional[str]:
+        self._resolve_step()
         directory = self._checkpoint_dir()
         if directory is not None:  # every rank: all must agree on whether the final save is due
             self._saved_state = (self.epoch, self.batch_in_epoch, self.attempted_steps)
@@ -729,29 +729,23 @@ class Trainer:
                 progress.advance()
                 if not last_in_window:
                     continue
-                try:
-                    stepped = precision.step(optimizer, max_norm=cfg.max_norm)
-                except NonFiniteGradientsError:
-                    self._check_window_inputs(window_inputs)  # bad data explains it better
-                    self.attempted_steps += 1
-                    self._log_step(logger, window_loss, stepped=False)  # the stopping step is counted too
-                    raise
-                if not stepped:
-                    self._check_window_inputs(window_inputs)
-                window_inputs = []
-                optimizer.zero_grad(set_to_none=True)
+                # the previous step's skip flag, one step late: its copy to the host finished while this
+                # window's forward/backward was queued, so reading it does not wait for this step
+                self._resolve_step()
+                result = precision.step(optimizer, max_norm=cfg.max_norm)
                 self.attempted_steps += 1
-                if stepped:
-                    self.global_step += 1
-                    if self.scheduler is not None:
-                        self.scheduler.step()
-                self._log_step(logger, window_loss, stepped)
+                record = self._log_step(logger, window_loss)
+                self._pending_step = (record, result.to_host(), window_inputs, self.batch_in_epoch)
+                window_inputs = []
                 window_loss = torch.zeros((), device=self.device)
                 log_due = self.attempted_steps % cfg.log_every == 0 or i == n
                 save_due = bool(cfg.save_every) and self.attempted_steps % cfg.save_every == 0
                 # a signal is local to a rank: with several, they flush (a collective) and stop only at
                 # log boundaries, where all agree
                 stop_pending = self._stop_signal is not None and self.world_size == 1
+                if log_due or save_due or stop_pending or (cfg.max_steps and self.attempted_steps >= cfg.max_steps):
+                    self._resolve_step()  # global_step can reach max_steps only once attempted_steps has
+                optimizer.zero_grad(set_to_none=True)  # after: a skip-limit error names the bad grads
                 if log_due or save_due or stop_pending:
                     # metrics reach the file before any checkpoint: a kill never loses logged steps
                     now = time.perf_counter()
@@ -796,14 +790,40 @@ class Trainer:
             self.save_checkpoint()  # the final state, whatever --save-every said
         return samples_seen
 
-    def _log_step(self, logger: MetricsLogger, window_loss: torch.Tensor, stepped: bool) -> None:
+    def _log_step(self, logger: MetricsLogger, window_loss: torch.Tensor) -> Dict[str, Any]:
+        """Queue this step's record; ``optimizer_step``, ``skipped`` and ``lr`` are filled in when the
+        skip flag is resolved (``_resolve_step``, always before the record is written)."""
         scaler = self.precision.scaler
-        logger.step({
-            "kind": "train", "step": self.attempted_steps, "optimizer_step": self.global_step,
+        record = {
+            "kind": "train", "step": self.attempted_steps, "optimizer_step": None,
             "epoch": self.epoch, "loss": window_loss.clone(),
             "scale": scaler.scale_tensor.clone() if scaler.scale_tensor is not None else 1.0,
-            "skipped": not stepped, "lr": self.optimizer.param_groups[0]["lr"],
-        })
+            "skipped": None, "lr": None,
+        }
+        logger.step(record)
+        return record
+
+    def _resolve_step(self) -> None:
+        """Apply the last step's outcome on the host: count it, advance the LR schedule only on a real
+        step, check a skipped window's inputs, stop at the skip limit. Called before the next optimizer
+        step (the copy of the flag is done by then: no wait in steady state) and at log/save points."""
+        pending, self._pending_step = self._pending_step, None
+        if pending is None:
+            return
+        record, flag, window_inputs, batch_in_epoch = pending
+        stepped = True if flag is None else not flag.value() > 0
+        if stepped:
+            self.global_step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        record.update(optimizer_step=self.global_step, skipped=not stepped, lr=self.optimizer.param_groups[0]["lr"])
+        if not stepped:
+            try:
+                self._check_window_inputs(window_inputs)  # bad data explains a skip better
+                self.precision.scaler.check_skip_limit(self.optimizer)
+            except NonFiniteGradientsError:
+                self.batch_in_epoch = batch_in_epoch  # where the stopping step was (for the report)
+                raise
 
     def _stop_now(self, boundary: bool) -> bool:
         """Stop after a signal. Ranks get signals at different steps, so with several they agree at

@@ -6,7 +6,7 @@ weights with bf16 params save autocast's per-forward weight casts and memory, bu
 and a master-to-model copy per step, which pays on some models and not on others. So, when a
 model and a batch are at hand (the Trainer has both), `auto` times a few optimizer steps of each
 candidate on deep copies of the model, and keeps the fastest. Verdicts are cached on disk next to
-the op policy's (``$AMPKIT_CACHE_DIR`` or ``~/.cache/ampkit/automode.json``), keyed by device,
+the op-speed verdicts (``$AMPKIT_CACHE_DIR`` or ``~/.cache/ampkit/automode.json``), keyed by device,
 torch version, threads, the model's parameter signature and the batch shapes, so a model is timed
 once per machine.
 
@@ -30,11 +30,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .cache import cache_file, load_entries, store_entry
-from .device import auto_mode, device_info, machine_key, resolve_device
-from .modes import MODES
+from ..diagnose import verdict
+from ..precision import Precision
+from ..precision.device import auto_mode, device_info, machine_key, resolve_device
+from ..precision.modes import MODES
 from ..utils.batch import call_model
 from ..utils.tree import iter_tensors, to_device
+from .cache import cache_file, load_entries, store_entry
 
 __all__ = ["CannotTime", "auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
 
@@ -108,8 +110,6 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
 
 def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds,
                  make_optimizer, budget_s=None) -> Dict[str, List[float]]:
-    from .policy import Precision
-
     runs = {}
     for label, kwargs in candidates.items():
         try:
@@ -231,8 +231,6 @@ def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mod
     `auto` keeps only the modes whose check is ok: the fastest mode that passes the accuracy check.
     A check that cannot run on this model says so and rules nothing out.
     """
-    from ..diagnose.verdict import amp_verdicts
-
     probes = sorted({_probe(m) for m in modes} - {"fp32"})
     if not probes:
         return {}
@@ -240,7 +238,7 @@ def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mod
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            verdicts = amp_verdicts(model, batch, loss_fn, probes, device)
+            verdicts = verdict.amp_verdicts(model, batch, loss_fn, probes, device)
     except Exception as e:  # a model the check cannot drive: timing alone decides, and the reason says so
         warnings.warn(f"precision auto: the AMP check could not run on this model ({type(e).__name__}: {e}); "
                       "choosing by speed alone.", stacklevel=3)
