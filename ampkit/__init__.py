@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 # name -> module that defines it (imported lazily)
 _LAZY = {
+    "tune": "ampkit.tuning",
     "Trainer": "ampkit.train.trainer",
     "TrainConfig": "ampkit.train.config",
     "check": "ampkit.diagnose.check",

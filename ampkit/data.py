@@ -15,7 +15,44 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-__all__ = ["DataSplits", "load_data", "digits", "synthetic_images", "sequences", "DATASETS"]
+from ._optional import require
+
+__all__ = ["DataSplits", "load_data", "digits", "synthetic_images", "sequences", "DATASETS", "RowsDataset",
+           "check_labels", "row_of"]
+
+
+class RowsDataset(TensorDataset):
+    """A TensorDataset that remembers the row of the source arrays each sample came from (``rows``),
+    so an error about a sample names the row of the user's file, not its place in the shuffled split."""
+
+    def __init__(self, *tensors: torch.Tensor, rows: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.rows = rows
+
+
+def row_of(dataset: Dataset, index: int) -> str:
+    """'row R of the data file' for a split of a user's arrays, else 'sample I' (the dataset's own index)."""
+    rows = getattr(dataset, "rows", None)
+    return f"row {int(rows[index])} of the data file" if rows is not None else f"sample {index}"
+
+
+def check_labels(dataset: Dataset, num_outputs: int, what: str = "training") -> None:
+    """Integer targets must be class ids 0..num_outputs-1 (cross-entropy's -100 = ignore): one ValueError
+    naming the first bad row and the fix, instead of torch's 'Target 5 is out of bounds' mid-run."""
+    if not isinstance(dataset, TensorDataset) or len(dataset.tensors) < 2:
+        return
+    y = dataset.tensors[1]
+    if y.is_floating_point() or y.dtype == torch.bool or y.numel() == 0:
+        return
+    flat = y.reshape(len(y), -1)
+    bad = ((flat < 0) & (flat != -100)) | (flat >= num_outputs)
+    if bool(bad.any()):
+        first = int(bad.any(dim=1).nonzero()[0])
+        value = int(flat[first][bad[first]][0])
+        raise ValueError(
+            f"the {what} data has label {value} at {row_of(dataset, first)}, but the model has {num_outputs} outputs: "
+            f"labels must be class ids 0..{num_outputs - 1}. Fix the labels, or use a model with as many outputs as "
+            "classes.")
 
 
 @dataclass
@@ -32,20 +69,23 @@ class DataSplits:
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int, stratify: bool = True):
-    from sklearn.model_selection import train_test_split
+    train_test_split = require("sklearn.model_selection", "the train/test split").train_test_split
 
     idx = np.arange(len(x))
     strat = y.numpy() if (stratify and y.dim() == 1 and not y.is_floating_point()) else None
+    if strat is not None:  # stratifying needs >= 2 samples per class and a test split holding every class
+        counts = np.unique(strat, return_counts=True)[1]
+        n_test = int(np.ceil(test_fraction * len(x)))
+        if counts.min() < 2 or n_test < len(counts) or len(x) - n_test < len(counts):
+            strat = None
     tr, te = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=strat)
     tr, te = torch.as_tensor(tr), torch.as_tensor(te)
-    return TensorDataset(x[tr], y[tr]), TensorDataset(x[te], y[te])
+    return RowsDataset(x[tr], y[tr], rows=tr), RowsDataset(x[te], y[te], rows=te)
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
     """scikit-learn's 8x8 handwritten digits (1797 images, shipped with scikit-learn)."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
+    d = require("sklearn.datasets", "the digits data set").load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
     x = (x - 0.3) / 0.4
     y = torch.tensor(d.target, dtype=torch.long)
@@ -91,26 +131,51 @@ def sequences(n: int = 512, seq_len: int = 256, vocab: int = 256, test_fraction:
 DATASETS = {"digits": digits, "images": synthetic_images, "sequences": sequences}
 
 
+def _as_tensor(a, what: str, name: str) -> torch.Tensor:
+    a = np.asarray(a)
+    if a.dtype.kind not in "biuf":
+        raise ValueError(f"dataset {name!r}: {what} has dtype {a.dtype}; it must hold numbers"
+                         + (" (map string labels to class ids 0..K-1, e.g. numpy.unique(y, return_inverse=True)[1])"
+                            if what == "y" else "") + ".")
+    if a.dtype == np.float16 or a.dtype.kind == "f":
+        a = a.astype(np.float32, copy=False)
+    return torch.as_tensor(a)
+
+
 def _from_arrays(x, y, name: str, test_fraction: float, seed: int) -> DataSplits:
-    x = torch.as_tensor(np.asarray(x))
-    y = torch.as_tensor(np.asarray(y))
+    class_names = None
+    y_np = np.asarray(y)
+    if y_np.dtype.kind in "US" and y_np.ndim == 1:  # string labels: class ids in sorted order, names kept
+        names, ids = np.unique(y_np, return_inverse=True)
+        class_names, y = [str(n) for n in names], ids
+    x = _as_tensor(x, "x", name)
+    y = _as_tensor(y, "y", name)
+    if x.dim() == 0 or y.dim() == 0:
+        raise ValueError(f"dataset {name!r}: x and y need one entry per sample (got shapes {tuple(x.shape)} and "
+                         f"{tuple(y.shape)}).")
     if len(x) == 0:
         raise ValueError(f"dataset {name!r} is empty: it needs at least one sample.")
     if len(x) != len(y):
         raise ValueError(f"dataset {name!r}: x has {len(x)} samples but y has {len(y)}; they must match.")
-    if x.is_floating_point():
-        x = x.float()
-        if not torch.isfinite(x).all():
-            bad = int((~torch.isfinite(x)).flatten(1).any(1).nonzero()[0])
-            raise ValueError(f"dataset {name!r}: x holds NaN/inf (first at sample {bad}); clean the data.")
+    if x.dim() == 1:
+        raise ValueError(f"dataset {name!r}: x has shape {tuple(x.shape)}, one number per sample: save it as one "
+                         f"feature per sample, x[:, None] (shape ({len(x)}, 1)).")
+    for what, t in (("x", x), ("y", y)):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).reshape(len(t), -1).any(1).nonzero()[0])
+            raise ValueError(f"dataset {name!r}: {what} holds NaN/inf (first at row {bad}); clean or drop those rows.")
     if y.is_floating_point():
         task, num_classes, y = "regression", None, y.float()
     else:
         y = y.long()
         task = "lm" if y.dim() == 2 and x.dim() == 2 and not x.is_floating_point() else "classification"
+        if bool((y < 0).any()):
+            row = int((y < 0).reshape(len(y), -1).any(1).nonzero()[0])
+            raise ValueError(f"dataset {name!r}: y holds a negative label at row {row}; class labels must be "
+                             "0..K-1 (or float targets for regression).")
         num_classes = int(max(y.max().item(), x.max().item() if task == "lm" else 0)) + 1
     if len(x) < 2:
-        train, test = TensorDataset(x, y), None
+        train, test = RowsDataset(x, y, rows=torch.arange(len(x))), None
     else:
         train, test = _split(x, y, test_fraction, seed, stratify=task == "classification" and len(x) >= 20)
     shape = tuple(x.shape[1:])
@@ -121,7 +186,7 @@ def _from_arrays(x, y, name: str, test_fraction: float, seed: int) -> DataSplits
     else:
         default, kw = "mlp", {"in_features": int(np.prod(shape)) if shape else 1,
                               "num_classes": num_classes if num_classes else (y.shape[1] if y.dim() > 1 else 1)}
-    return DataSplits(train, test, task, num_classes, shape, name, None, default, kw)
+    return DataSplits(train, test, task, num_classes, shape, name, class_names, default, kw)
 
 
 def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -> DataSplits:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any, Callable, Dict
 
 import torch
@@ -168,6 +170,10 @@ def load_factory(spec: str, what: str = "model") -> Callable[..., Any]:
     if ":" not in spec:
         raise ValueError(f"{what} spec {spec!r} is not 'pkg.module:factory'.")
     mod_name, _, attr = spec.partition(":")
+    # one rule for train, check and bench: the working directory is importable, as under `python -m`
+    # (the `ampkit` console script does not put it on sys.path by itself)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(mod_name)
     except Exception as e:  # the user's module may fail in any way while importing

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Dict, List, Optional
+
+from ._optional import require
 
 __all__ = ["read_metrics", "plot_runs"]
 
@@ -34,37 +37,68 @@ def _label(run_dir: str) -> str:
     return f"{name} ({prec})" if prec and prec not in name else name
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _moving_mean(values: List[float], window: int) -> List[float]:
+    """Mean of the finite values among the last ``window`` (NaN where there is none): a diverged
+    stretch leaves a gap instead of turning the rest of the curve into NaN."""
+    out = []
+    for i in range(len(values)):
+        win = [v for v in values[max(0, i - window + 1): i + 1] if _finite(v)]
+        out.append(sum(win) / len(win) if win else float("nan"))
+    return out
+
+
 def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[str] = None) -> str:
-    """Write a PNG with three panels (train loss, eval accuracy or loss, loss scale) to ``out``."""
-    import matplotlib
+    """Write a PNG with three panels (train loss, eval accuracy or loss, loss scale) to ``out``.
+
+    Skipped steps are marked (red x) on the loss panel's floor, whatever their loss; a loss scale of 0
+    (which a log axis cannot show) is marked on the scale panel's floor. The evaluation panel shows
+    accuracy when every plotted run has it, else eval loss for all, and is labelled by what it shows.
+    A run without a single metrics record is a ValueError naming it."""
+    matplotlib = require("matplotlib", "ampkit plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
 
     runs = [(d, read_metrics(d)) for d in run_dirs]
+    for d, m in runs:
+        if not m["train"] and not m["eval"]:
+            raise ValueError(f"{d!r} has no metrics records yet (its metrics.jsonl is empty): nothing to plot.")
+    with_eval = [m["eval"] for _, m in runs if m["eval"]]
+    key = "accuracy" if with_eval and all(ev[0].get("accuracy") is not None for ev in with_eval) else "loss"
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    floor = [blended_transform_factory(ax.transData, ax.transAxes) for ax in axes]
+    any_positive_scale = False
     for d, m in runs:
         label = _label(d)
         steps = [r["step"] for r in m["train"]]
-        losses = [r["loss"] for r in m["train"]]
-        if smooth > 1 and len(losses) > smooth:
-            sm = [sum(losses[max(0, i - smooth + 1): i + 1]) / len(losses[max(0, i - smooth + 1): i + 1])
-                  for i in range(len(losses))]
-        else:
-            sm = losses
-        axes[0].plot(steps, sm, label=label)
+        losses = [r["loss"] if _finite(r.get("loss")) and not r.get("skipped") else float("nan") for r in m["train"]]
+        line, = axes[0].plot(steps, _moving_mean(losses, smooth) if smooth > 1 else losses, label=label)
         skipped = [r["step"] for r in m["train"] if r.get("skipped")]
         if skipped:
-            axes[0].plot(skipped, [sm[steps.index(s)] for s in skipped], "x", color="red", ms=4)
-        ev = m["eval"]
+            axes[0].plot(skipped, [0.02] * len(skipped), "x", color="red", ms=4, transform=floor[0],
+                         label=f"{label}: {len(skipped)} skipped step(s)")
+        ev = [r for r in m["eval"] if r.get(key) is not None]
         if ev:
-            key = "accuracy" if ev[0].get("accuracy") is not None else "loss"
-            axes[1].plot([r["step"] for r in ev], [r[key] for r in ev], marker="o", label=label)
-            axes[1].set_ylabel(f"eval {key}")
-        axes[2].plot(steps, [r.get("scale", 1.0) for r in m["train"]], label=label)
+            axes[1].plot([r["step"] for r in ev], [r[key] for r in ev], marker="o", label=label, color=line.get_color())
+        scales = [r.get("scale", 1.0) for r in m["train"]]
+        pos = [(st, sc) for st, sc in zip(steps, scales) if _finite(sc) and sc > 0]
+        if pos:
+            any_positive_scale = True
+            axes[2].plot([p[0] for p in pos], [p[1] for p in pos], label=label, color=line.get_color())
+        zero = [st for st, sc in zip(steps, scales) if not (_finite(sc) and sc > 0)]
+        if zero:
+            axes[2].plot(zero, [0.02] * len(zero), "v", color=line.get_color(), ms=4, transform=floor[2],
+                         label=f"{label}: scale 0 or non-finite")
     axes[0].set(title="train loss" + (f" (moving mean of {smooth})" if smooth > 1 else ""), xlabel="step", ylabel="loss")
-    axes[1].set(title="evaluation", xlabel="step")
-    axes[2].set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
+    axes[1].set(title="evaluation", xlabel="step", ylabel=f"eval {key}")
+    axes[2].set(title="loss scale", xlabel="step", ylabel="scale")
+    if any_positive_scale:
+        axes[2].set_yscale("log")
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

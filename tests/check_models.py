@@ -82,3 +82,11 @@ def batch(n: int = 8, seed: int = 0):
 def tiny_grad_loss(output, target):
     """Cross-entropy times 1e-9: every gradient is far below fp16's smallest subnormal (6e-8)."""
     return F.cross_entropy(output.float(), target) * 1e-9
+
+
+def nan_in_fp32(in_features: int = 8, num_classes: int = 4) -> nn.Module:
+    """A model that is NaN in fp32 already (a NaN weight): no precision makes it safe."""
+    m = nn.Sequential(nn.Linear(in_features, 8), nn.ReLU(), nn.Linear(8, num_classes))
+    with torch.no_grad():
+        m[0].weight[0, 0] = float("nan")
+    return m

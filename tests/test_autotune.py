@@ -4,8 +4,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+import ampkit
 from ampkit import Precision, Trainer
-from ampkit.precision import autotune
+from ampkit.tuning import autotune
 from ampkit.precision.device import device_info
 
 
@@ -82,10 +83,11 @@ def test_precision_tune_keeps_options_and_explicit_modes_alone(monkeypatch, tmp_
     calls = _fake_timings(monkeypatch, {"bf16-mixed": 100.0, "bf16-master": 80.0, "fp32": 200.0})
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     p = Precision("auto", "cpu", max_consecutive_skips=7)
-    assert p.tune(_model(), x, y, nn.functional.cross_entropy) == "bf16-master"
-    assert p.requested == "auto" and p.scaler.max_consecutive_skips == 7 and "measured" in p.describe()
+    tuned = ampkit.tune(p, _model(), x, y, nn.functional.cross_entropy)
+    assert tuned.name == "bf16-master" and p.name == "bf16-mixed"  # a new object; the one passed in is unchanged
+    assert tuned.requested == "auto" and tuned.scaler.max_consecutive_skips == 7 and "measured" in tuned.describe()
     explicit = Precision("bf16-mixed", "cpu")
-    assert explicit.tune(_model(), x, y, nn.functional.cross_entropy) == "bf16-mixed" and len(calls) == 1
+    assert ampkit.tune(explicit, _model(), x, y, nn.functional.cross_entropy).name == "bf16-mixed" and len(calls) == 1
 
 
 def test_trainer_auto_tunes_and_resume_keeps_the_checkpoint_mode(monkeypatch, tmp_path):

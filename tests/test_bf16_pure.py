@@ -89,7 +89,7 @@ def test_nonfinite_step_is_skipped_and_state_untouched():
     with prec.autocast():
         loss = nn.functional.cross_entropy(model(x), y) * float("inf")
     prec.backward(loss)
-    assert prec.step(opt) is False
+    assert not prec.step(opt)
     opt.zero_grad()
     assert prec.skipped_steps == 1
     assert torch.equal(model[0].weight, w)

@@ -90,3 +90,10 @@ def test_process_exit_code_and_stderr():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and "Unknown precision 'fp17'" in p.stderr
+
+
+def test_model_nonfinite_in_fp32_is_not_called_safe(capsys):
+    """Issue 20: a model NaN in fp32 already: no 'fp32 is the safe choice', and a non-zero exit."""
+    code, out, err = _run(capsys, ["check", "--model", "check_models:nan_in_fp32"] + TINY)
+    assert code == 3, err
+    assert "fp32 is the safe choice" not in out and "non-finite in fp32 already" in err

@@ -133,7 +133,7 @@ def test_fused_adam_with_loss_scaler_and_fp16_optimizer():
     scaler = ampkit.LossScaler("cpu", init_scale=1024.0)
     before = model.weight.detach().clone()
     scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
-    assert scaler.step(opt) is True
+    assert scaler.step(opt)
     scaler.update()
     assert not torch.equal(before, model.weight)
     wrapped = FP16_Optimizer(FusedAdam(nn.Linear(4, 2).half().parameters()), dynamic_loss_scale=True, verbose=False)

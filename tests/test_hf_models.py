@@ -83,9 +83,7 @@ def test_trainer_trains_dict_datasets_in_every_mode(arch):
 def test_trainer_resume_is_exact_on_hf_models(tmp_path, arch, mode):
     kw = dict(precision=mode, batch_size=4, lr=3e-3, autotune=False, progress=False, seed=3, lr_schedule="constant")
     train, test = DictDataset(arch, 16), DictDataset(arch, 8, seed=1)
-    # a first run measures the CPU attention-kernel verdicts (ampkit.precision.speed) while it trains, so
-    # it can differ from a run that finds them cached: warm that cache first, as a second run would
-    Trainer(build(arch), train, test, epochs=1, **kw).fit()
+    # attention kernels are measured before training (ampkit.tune) and never change a run's result: no warm-up
     ref = Trainer(build(arch), train, test, epochs=2, **kw)
     ref.fit()
     out = str(tmp_path / "run")
@@ -161,7 +159,7 @@ def test_cli_trains_a_model_factory_on_dict_data_factory(tmp_path, monkeypatch, 
 
 def test_auto_timing_drives_dict_batches():
     """precision auto's timing (and the Trainer's tune) calls model(**batch) and trains on the model's loss."""
-    from ampkit.precision.autotune import time_modes
+    from ampkit.tuning.autotune import time_modes
     from ampkit.train.evaluate import default_loss
 
     batch = BATCHES["gpt2"](0)

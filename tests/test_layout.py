@@ -7,7 +7,8 @@ from torch.utils.data import TensorDataset
 
 from ampkit import Precision, Trainer
 from ampkit.cli import main
-from ampkit.precision import layout
+import ampkit
+from ampkit.tuning import layout
 from ampkit.precision.device import measured_on
 
 pytestmark = __import__("pytest").mark.usefixtures("one_thread")
@@ -31,7 +32,7 @@ def _fake(monkeypatch, ms):
         calls.append({k: v["channels_last"] for k, v in candidates.items()})
         return dict(ms)
 
-    import ampkit.precision.autotune as autotune
+    import ampkit.tuning.autotune as autotune
 
     monkeypatch.setattr(autotune, "time_precisions", fake)
     return calls
@@ -82,15 +83,14 @@ def test_precision_tune_measures_only_what_is_left_open(monkeypatch, tmp_path):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
     x, y = _batch()
     calls = _fake(monkeypatch, {"contiguous": 100.0, "channels_last": 70.0})
-    p = Precision("fp32", "cpu")
-    p.tune(_conv(), x, y, nn.functional.cross_entropy)
+    p = ampkit.tune(Precision("fp32", "cpu"), _conv(), x, y, nn.functional.cross_entropy)
     assert p.channels_last is True and "channels_last" in p.describe() and len(calls) == 1
     model, _ = p.setup(_conv())
     assert _is_cl(model)
     # told explicitly, or nothing 4-D to convert: no timing
     for prec, net, inp in ((Precision("fp32", "cpu", channels_last=False), _conv(), x),
                            (Precision("fp32", "cpu"), nn.Linear(4, 4), torch.randn(2, 4))):
-        prec.tune(net, inp, torch.zeros(2, dtype=torch.long), nn.functional.cross_entropy)
+        ampkit.tune(prec, net, inp, torch.zeros(2, dtype=torch.long), nn.functional.cross_entropy)
     assert len(calls) == 1
     assert Precision("fp32", "cpu").layout_reason is None
 
@@ -137,7 +137,7 @@ def test_cache_key_names_the_units():
 
 def test_timing_failure_falls_back_to_the_rule(monkeypatch, tmp_path):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    import ampkit.precision.autotune as autotune
+    import ampkit.tuning.autotune as autotune
     import pytest
 
     def boom(*a, **k):
@@ -146,7 +146,7 @@ def test_timing_failure_falls_back_to_the_rule(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "time_precisions", boom)
     p = Precision("fp32", "cpu")
     with pytest.warns(UserWarning, match="could not time both layouts.*out of memory.*--memory-format"):
-        p.tune(_conv(), *_batch(), nn.functional.cross_entropy)
+        p = ampkit.tune(p, _conv(), *_batch(), nn.functional.cross_entropy)
     assert p.channels_last is None and p.layout_reason is None
     model, _ = p.setup(_conv())
     assert not _is_cl(model)  # the rule: fp32 keeps NCHW
@@ -182,4 +182,4 @@ def test_a_model_that_cannot_be_copied_trains_with_the_defaults(monkeypatch, tmp
     p = Precision("auto", "cpu", channels_last=False)
     with pytest.warns(UserWarning, match="precision auto: the model cannot be deep-copied.*keeping the device's "
                                          "default, 'bf16-mixed'"):
-        assert p.tune(_Uncopyable(), x, y, nn.functional.cross_entropy) == "bf16-mixed"
+        assert ampkit.tune(p, _Uncopyable(), x, y, nn.functional.cross_entropy).name == "bf16-mixed"

@@ -9,7 +9,7 @@ from torch import nn
 L = pytest.importorskip("lightning")
 
 from ampkit.integrations.lightning import AmpkitFabricPrecision, AmpkitPrecision, lightning_precision_name  # noqa: E402
-from ampkit.precision.master import MasterWeightOptimizer  # noqa: E402
+from ampkit.optim.master import MasterWeightOptimizer  # noqa: E402
 from ampkit.optim.base import CompensatedOptimizer  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]

@@ -123,7 +123,7 @@ def test_nonfinite_step_skipped_in_every_mode():
         with p.autocast():
             loss = model(torch.randn(4, 16)).sum() * float("nan")
         p.backward(loss)
-        assert p.step(opt) is False
+        assert not p.step(opt)  # a StepResult: falsy when skipped (read on demand)
         assert p.skipped_steps == 1
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -228,7 +228,7 @@ def test_mode_table_complete():
 
 
 def test_fp16_state_needs_a_larger_adam_eps():
-    """fp16-pure keeps Adam's moments in fp16: eps=1e-8 is flagged with the fix; the Trainer builds it right."""
+    """fp16-pure keeps Adam's moments in fp16: eps=1e-8 is raised to 1e-4 with one warning naming the fix; the Trainer builds it right."""
     from ampkit.train.trainer import build_optimizer
 
     with warnings.catch_warnings():
@@ -239,7 +239,7 @@ def test_fp16_state_needs_a_larger_adam_eps():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert Precision(name, "cpu").min_adam_eps is None
-    with pytest.warns(UserWarning, match=r"eps=1e-08 .* build the optimizer with eps=0.0001"):
+    with pytest.warns(UserWarning, match=r"eps=1e-08 .* eps raised to 0.0001\. Build the optimizer with eps=0.0001"):
         pure[0].setup(_net(), torch.optim.AdamW(_net().parameters(), lr=1e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # SGD has no eps, and eps=1e-4 is enough: no warning

@@ -7,8 +7,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import ampkit
 from ampkit import Precision
-from ampkit.precision import speed
+from ampkit.precision import attention as speed
+from ampkit.tuning import opspeed
 
 
 def _qkv(dtype, shape=(2, 3, 32, 16)):
@@ -76,20 +78,44 @@ def test_policy_off_and_fp32_untouched(monkeypatch):
 def test_measured_verdict_cached_on_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("AMPKIT_OP_POLICY", "auto")
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(speed, "_MEMO", {})
+    monkeypatch.setattr(opspeed, "_MEMO", {})
     measured = []
-    real = speed.measure_sdpa
-    monkeypatch.setattr(speed, "measure_sdpa", lambda *a, **k: measured.append(a) or real(*a, reps=1))
-    v1 = speed._verdict(torch.bfloat16, 4, 16, 8, True)
-    speed._MEMO.clear()
-    v2 = speed._verdict(torch.bfloat16, 4, 16, 8, True)  # from disk, not measured again
-    assert v1 == v2 and len(measured) == 1
+    real = opspeed.measure_sdpa
+    monkeypatch.setattr(opspeed, "measure_sdpa", lambda *a, **k: measured.append(a) or real(*a, **k, reps=1))
+    call = speed.SdpaCall(torch.bfloat16, 4, 16, 16, 8, True, False, 0.0)
+    v1 = opspeed.kernel_verdicts([call])
+    opspeed._MEMO.clear()
+    v2 = opspeed.kernel_verdicts([call, call])  # from disk, not measured again
+    assert v1 == v2 and len(measured) == 1 and list(v1) == [call.key()]
     data = json.load(open(tmp_path / "opspeed.json"))
     (entry,) = data.values()
     assert {"native_ms", "split_ms", "math_ms", "choice"} <= set(entry)
     best = min(("native", "split", "math"), key=lambda k: entry[f"{k}_ms"])
     expected = best if entry[f"{best}_ms"] < 0.95 * entry["native_ms"] else "native"
-    assert entry["choice"] == expected == v1
+    assert entry["choice"] == expected == v1[call.key()]
+
+
+def test_tuned_verdicts_reach_the_policy(monkeypatch):
+    """ampkit.tune surveys the attention shapes of one forward and hands the verdicts to the new precision."""
+    monkeypatch.setenv("AMPKIT_OP_POLICY", "auto")
+    monkeypatch.setattr(opspeed, "_MEMO", {})
+    monkeypatch.setattr(opspeed, "measure_sdpa", lambda *a, **k: {"choice": "split"})
+    calls = _count_split(monkeypatch)
+    untuned = Precision("bf16-mixed", "cpu")
+    assert untuned.attention_policy() is None  # nothing measured: torch's kernel, no mode pushed
+    tuned = ampkit.tune(untuned, _Causal(), torch.randn(2, 16, 32), None, None)
+    assert set(tuned.tuned.attention.values()) == {"split"} and calls["n"] == 0  # the survey ran torch's kernel
+    _transformer_step(tuned)
+    assert calls["n"] == 1
+
+
+class _Causal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True)
+
+    def forward(self, x):
+        return self.layer(x, is_causal=True, src_mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]))
 
 
 def _reference(q, k, v, mask=None, causal=False, dropout_p=0.0):
@@ -152,7 +178,7 @@ def test_policy_math_reroutes_torch_layer_and_keeps_fp16_native(monkeypatch):
     loss = _transformer_step(Precision("bf16-mixed", "cpu"))
     assert calls["n"] == 1 and torch.isfinite(loss)
     q, k, v = _qkv(torch.float16)
-    with speed.OpSpeedPolicy():
+    with speed.AttentionPolicy(forced=speed.forced_kernel()):
         F.scaled_dot_product_attention(q, k, v, is_causal=True)  # fp16 scores could overflow: torch's kernel
         F.scaled_dot_product_attention(*_qkv(torch.bfloat16), attn_mask=torch.ones(32, 32, dtype=torch.bool))
     assert calls["n"] == 1
@@ -160,6 +186,6 @@ def test_policy_math_reroutes_torch_layer_and_keeps_fp16_native(monkeypatch):
 
 def test_math_kernel_only_within_memory_cap(monkeypatch):
     monkeypatch.setenv("AMPKIT_ATTN_MATH_MAX_MB", "1")
-    assert speed._math_fits(4, 256, 256, torch.bfloat16)  # 0.5 MiB of probabilities
-    assert not speed._math_fits(16, 256, 256, torch.bfloat16)  # 2 MiB
-    assert not speed._math_fits(4, 256, 256, torch.float16)
+    assert speed.math_fits(4, 256, 256, torch.bfloat16)  # 0.5 MiB of probabilities
+    assert not speed.math_fits(16, 256, 256, torch.bfloat16)  # 2 MiB
+    assert not speed.math_fits(4, 256, 256, torch.float16)

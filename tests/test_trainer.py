@@ -223,7 +223,7 @@ def test_resume_with_other_schedule_options_says_what_changes(tmp_path):
         Trainer(_model(), _data(), out=out, resume="auto", epochs=1, **kw).fit()
     assert not [w for w in caught if "learning-rate" in str(w.message)]
     with pytest.warns(UserWarning, match=r"cosine schedule now spans 8 optimizer steps, not 4.*--lr 0\.05 does not "
-                                         r"apply: the checkpoint's lr 0\.1 continues.*--config RUN_DIR/config.toml"):
+                                         r"apply: the checkpoint's lr 0\.1 continues.*resume without those flags"):
         t = Trainer(_model(), _data(), out=out, resume="auto", epochs=2, **{**kw, "lr": 0.05})
         t.fit()
     assert t.global_step == 8

@@ -12,6 +12,7 @@ import os
 import platform
 from typing import Callable, Dict, List, Optional
 
+from .._optional import MissingDependency
 from .configs import DEFAULTS, QUICK, RUNNERS, Settings, plan
 
 __all__ = ["Settings", "DEFAULTS", "QUICK", "RUNNERS", "plan", "run_bench", "device_section", "check_out_dir"]
@@ -86,8 +87,12 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
     sdict = settings.as_dict()
     sdict["command"] = settings_command(settings)
     paths = [write_json(os.path.join(out, "bench.json"), device, results, sdict, notes),
-             write_markdown(os.path.join(out, "bench.md"), device, results, sdict, notes),
-             write_png(os.path.join(out, "bench.png"), results, device)]
+             write_markdown(os.path.join(out, "bench.md"), device, results, sdict, notes)]
+    try:
+        paths.append(write_png(os.path.join(out, "bench.png"), results, device))
+    except MissingDependency as e:  # the measurements are written; only the chart is missing
+        if log:
+            log(f"ampkit bench: no bench.png: {e}")
     return {"device": device, "results": results, "notes": notes, "paths": paths}
 
 

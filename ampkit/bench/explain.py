@@ -26,6 +26,7 @@ NOT_FASTER = 1.05
 PEAK_GAIN = 1.2  # 16-bit GEMM must beat fp32 by this to count as having 16-bit units
 COMPUTE_BOUND = 0.40  # fp32 share of gemm + attention below which a step is overhead-bound
 ATTN_BWD, CAST, OPTIM = 0.15, 0.15, 0.25
+TOO_SMALL_MS = 1.0  # profiled fp32 matmul/conv time below which "did not drop" cannot be measured
 
 
 def low_dtype_of(precision: str) -> Optional[str]:
@@ -72,7 +73,10 @@ def explain(row: Dict, fp32: Optional[Dict], device: Dict) -> Optional[str]:
                     "so faster 16-bit matmuls barely change the step (no profile taken for detail)")
         return "not faster, and no profile was taken to say why (the profile runs in the last round)"
     ms, fms = p["ms"], f["ms"]
-    if fms["gemm"] > 0 and ms["gemm"] >= 0.9 * fms["gemm"]:
+    if fms["gemm"] < TOO_SMALL_MS:
+        return (f"too small to measure: matmul/conv took {fms['gemm']:.2f} ms of the profiled fp32 steps "
+                f"({ms['gemm']:.2f} ms in {low}), so a faster 16-bit kernel cannot show against per-step overhead")
+    if ms["gemm"] >= 0.9 * fms["gemm"]:
         return (f"matmul/conv time did not drop in {low} ({ms['gemm']:.0f} ms vs {fms['gemm']:.0f} ms in fp32): "
                 f"the {low} kernels are not faster for these shapes on this device")
     if _compute_share(f) < COMPUTE_BOUND:

@@ -21,6 +21,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..precision import Precision
+from ..train.trainer import build_optimizer
+from ..tuning import tune
 from ..utils.batch import call_model
 from .workload import Workload
 
@@ -52,14 +55,10 @@ class Step:
 
 
 def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float) -> Step:
-    from ..precision import Precision
-    from ..train.trainer import build_optimizer
-
-    precision = Precision(mode, device)
     # as the Trainer does: measure what is left open on this model (auto's mode, a conv model's memory
-    # format; cached per machine), before the timed steps
+    # format, attention kernels; cached per machine), before the timed steps
     inputs, targets = workload.batches[0]
-    precision.tune(workload.model, inputs, targets, workload.loss_fn)
+    precision = tune(Precision(mode, device), workload.model, inputs, targets, workload.loss_fn)
     optimizer = build_optimizer(workload.model, "adamw", lr, 0.01, device, eps=precision.min_adam_eps)
     model, optimizer = precision.setup(workload.model, optimizer)
     loss_fn = workload.loss_fn
@@ -72,10 +71,13 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    use_policy = getattr(precision, "_use_op_policy", None)
-    policy = "" if precision.mode.autocast_dtype is None or use_policy is None else (
-        ", op policy " + ("on" if use_policy() else "off"))
-    if precision._use_channels_last(model):
+    policy = ""
+    if precision.op_policy_applies:
+        kernels = precision.attention_policy()
+        policy = ", attention kernels " + (
+            "torch's" if kernels is None else
+            (f"forced {kernels.forced}" if kernels.forced else ", ".join(sorted(set(kernels.kernels.values())))))
+    if precision.uses_channels_last(model):
         policy += ", channels_last"
     if precision.fp8 is not None:
         policy += f", {precision.fp8.describe()}"

@@ -10,6 +10,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
+from .._optional import require
 from .configs import baseline_precision
 from .explain import explain, low_dtype_of
 from .profile import CATEGORIES
@@ -230,8 +231,7 @@ def write_markdown(path: str, device: Dict, results: List[Dict], settings: Dict,
 
 def write_png(path: str, results: List[Dict], device: Dict) -> str:
     """Two bar charts: speedup vs fp32 and peak memory, one bar per configuration."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "bench.png")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -179,19 +179,19 @@ def measure_paired(cfg: Dict) -> Dict:
 
 
 def tune_only(cfg: Dict) -> Dict:
-    """What ``Precision.tune`` measures for this model and mode (auto's mode, a conv model's memory
+    """What ``ampkit.tune`` measures for this model and mode (auto's mode, a conv model's memory
     format), in a process of its own before the measured ones: its verdicts land in the on-disk cache,
     so the measuring workers find them there and their peak memory (RSS never goes down) holds no
     copies made for timing."""
     from ..precision import Precision
+    from ..tuning import tune
     from .workload import build_workload
 
     device = _prepare(cfg)
     wl = build_workload(cfg["model"], int(cfg["batch_size"]), 1, int(cfg["seed"]), device)
-    precision = Precision(cfg["precision"], device)
     inputs, targets = wl.batches[0]
     t0 = time.perf_counter()
-    precision.tune(wl.model, inputs, targets, wl.loss_fn)
+    precision = tune(Precision(cfg["precision"], device), wl.model, inputs, targets, wl.loss_fn)
     return {"model": cfg["model"], "precision": cfg["precision"], "runner": "tune", "resolved": precision.name,
             "channels_last": precision.channels_last, "reason": precision.layout_reason,
             "wall_s": round(time.perf_counter() - t0, 2)}

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..utils.batch import batch_size_of, output_logits, own_loss
+from ..diagnose.runner import default_loss
+from ..utils.batch import batch_size_of
 from ..utils.tree import first_tensor, to_device
 
 __all__ = ["Workload", "build_workload", "default_loss", "gpt2_size", "GPT2_ENV"]
@@ -70,18 +71,6 @@ def gpt2_size() -> dict:
     if size["d_model"] % size["n_heads"]:
         raise ValueError(f"${GPT2_ENV}: d_model {size['d_model']} must be a multiple of n_heads {size['n_heads']}.")
     return size
-
-
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The model's own loss (a Hugging Face-style output), else cross-entropy for class/token targets
-    (logits flattened over all leading dims), MSE otherwise."""
-    own = own_loss(output)
-    if own is not None:
-        return own
-    output = output_logits(output)
-    if target.is_floating_point():
-        return F.mse_loss(output, target.to(output.dtype))
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 def _images(n: int, seed: int):

@@ -11,6 +11,8 @@ import importlib
 import sys
 from typing import List, Optional
 
+from .._optional import MissingDependency
+
 __all__ = ["main", "UsageError", "VERBS"]
 
 # verb -> (module, one-line help)
@@ -49,7 +51,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = _build_parser()
+    try:  # Ctrl-C while torch and the verbs import: one line, not a traceback
+        parser = _build_parser()
+    except KeyboardInterrupt:
+        print("ampkit: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
@@ -57,6 +63,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(args._run(args) or 0)
     except UsageError as e:
+        print(f"ampkit {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    except MissingDependency as e:  # an optional dependency (ampkit[data], ampkit[plot]) is not installed
         print(f"ampkit {args.verb}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

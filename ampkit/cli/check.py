@@ -85,10 +85,17 @@ def _load(args) -> Tuple[Any, Any, str, str]:
     batch = _batch(data.train, args.batch_size)
     try:
         with torch.no_grad():
-            default_forward(model, batch)
+            out = default_forward(model, batch)
     except Exception as e:  # a user model/data mismatch shows up as any error in forward
         raise UsageError(f"model {spec!r} cannot run on a batch of {args.data!r} "
                          f"({type(e).__name__}: {_first_line(e)}): pick a --model that fits the --data.") from None
+    if isinstance(out, torch.Tensor) and out.dim() >= 2 and data.task in ("classification", "lm"):
+        from ..data import check_labels
+
+        try:  # class ids the model has no output for: one line naming the file row, not torch's IndexError
+            check_labels(data.train, out.shape[-1])
+        except ValueError as e:
+            raise UsageError(_first_line(e)) from None
     return model, batch, spec, getattr(data, "name", args.data) or args.data
 
 
@@ -132,4 +139,11 @@ def run(args) -> int:
         print(f"ampkit check: model {spec} ({n_params:,} parameters), a batch of {size} from {data_name}\n")
         print(report.text(top=max(1, args.top)))
     sys.stdout.flush()
+    if report["reference"]["nonfinite"] is not None:
+        where = report["reference"].get("first_nonfinite") or {}
+        module = where.get("module") if isinstance(where, dict) else None
+        print(f"ampkit check: error: the model is non-finite in fp32 already ({report['reference']['nonfinite']}"
+              f"{', first in ' + str(module) if module else ''}): fix the model, its init or the data first; "
+              "no precision can.", file=sys.stderr)
+        return 3
     return 0

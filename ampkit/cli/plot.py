@@ -22,7 +22,9 @@ def run(args) -> int:
     out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1 else "curves.png")
     if args.smooth < 1:
         raise UsageError(f"--smooth must be >= 1, got {args.smooth}.")
-    if os.path.exists(out) and args.out and not args.force:
+    if os.path.isdir(out):
+        raise UsageError(f"--out {out!r} is a directory: give a file path, e.g. {os.path.join(out, 'curves.png')}.")
+    if os.path.exists(out) and (args.out or len(args.runs) > 1) and not args.force:  # RUN_DIR/curves.png is ours
         raise UsageError(f"{out!r} exists: pass --force to overwrite it, or another --out.")
     for d in args.runs:
         if not os.path.isdir(d):

@@ -62,7 +62,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-every", type=int, help="checkpoint every N optimizer steps (default: each epoch)")
     g.add_argument("--keep-last", type=int, help="checkpoints kept (default 3)")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None,
-                   help="no progress bar (periodic log lines instead)")
+                   help="no progress bar and no per-step log lines (the per-epoch lines and the report still print)")
     g.add_argument("--log-every", type=int, help="optimizer steps between metric flushes / log lines")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     g.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
@@ -73,34 +73,96 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "see docs/DISTRIBUTED.md")
 
 
-def _config_from_args(args):
+def _typed_values(args) -> dict:
+    """The options the user actually gave (--config FILE first, flags over it); defaults are not among them."""
     from ..train.config import TrainConfig, load_config_file
 
-    values = {}
-    if args.config:
-        values.update(load_config_file(args.config))
+    values = dict(load_config_file(args.config)) if args.config else {}
     for name in TrainConfig.field_names():
         v = getattr(args, name, None)
         if v is not None:
             values[name] = v
     if args.no_amp and args.fp16:
         raise ValueError("--no-amp and --fp16 contradict each other: pass one.")
-    if args.no_amp:
-        values["precision"] = "fp32"
-    elif args.fp16:
-        values["precision"] = "fp16-master"
     if args.no_amp or args.fp16:
         if args.precision:
             raise ValueError("--precision and --no-amp/--fp16 contradict each other: pass one.")
-    for k in ("epochs", "batch_size", "grad_accum", "keep_last", "log_every"):
-        if k in values and int(values[k]) < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {values[k]}.")
-    for k in ("save_every", "max_steps", "num_threads"):
-        if values.get(k) is not None and int(values[k]) < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {values[k]}.")
-    if values.get("lr") is not None and not float(values["lr"]) > 0:
-        raise ValueError(f"--lr must be > 0, got {values['lr']}.")
-    return TrainConfig(**values)
+        values["precision"] = "fp32" if args.no_amp else "fp16-master"
+    return values
+
+
+def _resumed_run(values: dict, announce: bool = False):
+    """(run directory, its saved options) when this invocation resumes a run, else (None, None).
+
+    ``--resume auto`` continues ``--out`` (or the config file's ``out``); ``--resume PATH`` the run whose
+    ``checkpoints/`` holds PATH. The saved options are the run's config.toml, or where that is gone the
+    checkpoint's own copy."""
+    from ..train import checkpoint as ckpt
+    from ..train.config import load_config_file
+
+    resume = values.get("resume")
+    if not resume:
+        return None, None
+    out = values.get("out")
+    path = None
+    if resume != "auto":
+        path = resume
+        parent = os.path.dirname(os.path.abspath(resume))
+        if out is None and os.path.basename(parent) == "checkpoints":
+            out = os.path.dirname(parent)
+    if not out:  # a checkpoint outside a run directory: its own copy of the options, into a new --out
+        if not path or not os.path.isfile(path):
+            return None, None
+        saved = dict(ckpt.load_checkpoint(path, map_location="cpu").get("config") or {})
+        saved.pop("resume", None)
+        saved.pop("out", None)
+        return None, saved
+    saved_path = os.path.join(out, "config.toml")
+    saved = None
+    if os.path.isfile(saved_path):
+        try:
+            saved = load_config_file(saved_path)
+        except ValueError as e:  # an edited or unreadable file: the checkpoint's own copy is the truth
+            if announce and not env_is_secondary():
+                print(f"ampkit train: {e}; using the checkpoint's copy of the run's options", file=sys.stderr)
+    if saved is None:
+        path = path or ckpt.latest_checkpoint(os.path.join(out, "checkpoints"))
+        if not path or not os.path.isfile(path):
+            return out, None
+        saved = dict(ckpt.load_checkpoint(path, map_location="cpu").get("config") or {})
+    saved.pop("resume", None)
+    saved["out"] = out
+    return out, saved
+
+
+def _config_from_args(args, announce: bool = False):
+    from ..train.config import TrainConfig
+
+    values = _typed_values(args)
+    for k in ("out", "resume", "data", "model", "precision", "device"):
+        if isinstance(values.get(k), str) and not values[k].strip():
+            raise ValueError(f"--{k} is empty: give a value, or leave the flag out.")
+    _, saved = _resumed_run(values, announce)
+    if saved:
+        changed = {k: (saved[k], v) for k, v in values.items()
+                   if k in saved and k not in ("resume", "out") and saved[k] != v}
+        added = {k: v for k, v in values.items() if k not in saved and k not in ("resume", "out")}
+        if announce and not env_is_secondary():
+            parts = [f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()] + [f"{k} -> {v!r}" for k, v in added.items()]
+            print(f"ampkit train: resuming {saved.get('out') or values['resume']} with its saved options"
+                  + (f"; overridden by what was given here: {', '.join(parts)}" if parts else ""), file=sys.stderr)
+        values = {**saved, **values}
+    cfg = TrainConfig(**values).checked()
+    for k in ("epochs", "batch_size", "grad_accum", "keep_last", "log_every", "save_every", "max_steps", "num_threads"):
+        v = getattr(cfg, k)
+        if v is not None and v < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {v}.")
+    cpus = os.cpu_count() or 1
+    if cfg.num_threads and cfg.num_threads > cpus:  # thousands of threads exhaust memory before training starts
+        raise ValueError(f"--num-threads {cfg.num_threads} is more than the {cpus} CPU(s) here: use at most {cpus}.")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}.")
+    return cfg
 
 
 def _default_out(cfg) -> str:
@@ -144,7 +206,7 @@ def _run(args, env) -> int:
     from ..train import CheckpointError, RunDirError, Trainer, TrainingInterrupted
 
     try:
-        cfg = _config_from_args(args)
+        cfg = _config_from_args(args, announce=True)
         if env is not None and env.device:
             cfg = cfg.updated(device=env.device)
         if cfg.num_threads:

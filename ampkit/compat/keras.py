@@ -8,9 +8,11 @@
     policy.name, policy.compute_dtype, policy.variable_dtype   # 'mixed_bfloat16', 'bfloat16', 'float32'
     precision = ampkit.Precision()                             # built without a name: follows the global policy
 
-Keras' names map onto ampkit modes: ``float32`` -> fp32, ``mixed_float16`` -> fp16-mixed (with
-dynamic loss scaling: Keras' LossScaleOptimizer), ``mixed_bfloat16`` -> bf16-mixed,
-``float16`` -> fp16-pure, ``bfloat16`` -> bf16-pure. Any ampkit name or alias is accepted too.
+Keras' names map onto ampkit modes through ampkit's one alias table (``ampkit.precision.modes``):
+``float32`` -> fp32, ``mixed_float16`` -> fp16-mixed (with dynamic loss scaling: Keras'
+LossScaleOptimizer), ``mixed_bfloat16`` -> bf16-mixed, and, Keras' meaning, which differs from
+ampkit's (``modes.KERAS_DIFFERENCES``), ``float16`` -> fp16-pure, ``bfloat16`` -> bf16-pure. Any
+ampkit name or alias is accepted too.
 As in Keras, dtypes are strings; ``torch_compute_dtype`` / ``torch_variable_dtype`` give torch's.
 Unlike Keras (default ``float32``), ampkit's default global policy is ``auto``.
 """
@@ -27,13 +29,9 @@ from ..precision.modes import AUTO, MODES, resolve, valid_names
 
 __all__ = ["Policy", "set_global_policy", "global_policy"]
 
-KERAS_NAMES = {
-    "float32": "fp32",
-    "mixed_float16": "fp16-mixed",
-    "mixed_bfloat16": "bf16-mixed",
-    "float16": "fp16-pure",
-    "bfloat16": "bf16-pure",
-}
+# the Keras policy names, as Keras spells them (their modes come from the alias table, keras dialect)
+KERAS_NAMES = {name: resolve(name, dialect="keras")
+               for name in ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")}
 _KERAS_FOR_MODE = {mode: name for name, mode in KERAS_NAMES.items()}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -47,16 +45,13 @@ class Policy:
         if not isinstance(name, str):
             raise TypeError(f"Policy name must be a string, got {type(name).__name__}.")
         key = name.strip()
-        if key in KERAS_NAMES:
-            mode = KERAS_NAMES[key]
-        else:
-            try:
-                mode = resolve(key)
-            except ValueError:
-                raise ValueError(
-                    f"Cannot convert {name!r} to a mixed precision Policy. Use 'float32', 'mixed_float16', "
-                    f"'mixed_bfloat16', 'float16', 'bfloat16', or an ampkit precision ({valid_names()})."
-                ) from None
+        try:
+            mode = resolve(key, dialect="keras")
+        except ValueError:
+            raise ValueError(
+                f"Cannot convert {name!r} to a mixed precision Policy. Use 'float32', 'mixed_float16', "
+                f"'mixed_bfloat16', 'float16', 'bfloat16', or an ampkit precision ({valid_names()})."
+            ) from None
         self._name = key
         self._mode = mode
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..precision import MODES, device_info, resolve, resolve_device
+from ..precision import MODES, auto_mode, device_info, resolve, resolve_device
 from ..precision.islands import resolve_module_names
 from .audit import DtypeAudit
 from .fp8 import fp8_check, is_fp8
@@ -30,7 +30,7 @@ from .localise import localise_nonfinite
 from .runner import as_loss_fn, default_forward, prepare, run_once, step_fn, to_device
 from .scan import NumericsScan, fp32_candidates, recommend_init_scale, underflow_fraction_at
 from .stale import simulated_stale
-from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, unmeasured
+from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, preference_order, unmeasured
 
 __all__ = ["check", "amp_verdicts", "auto_precision", "CheckReport", "DEFAULT_PRECISIONS"]
 
@@ -161,6 +161,9 @@ def check(
 
     # 5. recommendation
     auto = choose_auto(verdicts, dev)
+    if ref.nonfinite is not None:  # no precision is the safe choice for a model that fails in fp32
+        auto["reason"] = ("the model is non-finite in fp32 already (see reference.first_nonfinite): no precision "
+                          "is safe until the model, its init or the data is fixed")
     grads = _gradient_summary(scanned, loss_scale)
     scale = recommend_init_scale(grads["max"], scanned["histogram"])
     rec_modules = auto["fp32_modules"] or []
@@ -196,8 +199,6 @@ def check(
 
 
 def _auto_name(name: str, dev: torch.device) -> str:
-    from ..precision import auto_mode
-
     return auto_mode(dev)[0] if name == "auto" else name
 
 
@@ -233,8 +234,6 @@ def auto_precision(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = N
     Checks only the precisions `auto` may pick here (see :func:`.verdict.preference_order`), so it
     costs one fp32 and one or two 16-bit passes over ``batch``.
     """
-    from .verdict import preference_order
-
     dev = resolve_device(device)
     cands = [p for p in preference_order(dev) if p != "fp32"]
     if not cands:

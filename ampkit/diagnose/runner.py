@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from ..precision import MODES, Precision
 from .hooks import iter_tensors, rng_devices
-from ..utils.batch import call_model, own_loss
+from ..utils.batch import call_model, output_logits, own_loss
 from ..utils.tree import to_device
 
 __all__ = [
@@ -48,37 +48,45 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
     return call_model(model, inputs)
 
 
-def _primary(output: Any) -> torch.Tensor:
-    for t in iter_tensors(output):
-        if t.is_floating_point():
-            return t
-    raise ValueError("the model's output holds no floating-point tensor: pass loss_fn= to check().")
-
-
 def default_loss(output: Any, target: Any) -> torch.Tensor:
-    """The loss `check` uses when none is given.
+    """The one default loss (the Trainer, the bench, `auto`'s timing, `check`).
 
-    A ``loss`` the model returned itself (Hugging Face style); cross-entropy for integer targets
-    (classes last, any leading dims); MSE for float targets; without a target, the mean square of
-    the output (a stand-in that still sends gradient through every layer).
+    A ``loss`` the model returned itself (Hugging Face style); else, on the output's logits (itself,
+    ``.logits`` or its first floating tensor), cross-entropy for integer targets (classes last, any
+    leading dims) and MSE for float targets. No loss and no target is an error (``check`` alone
+    stands in the mean square of the output there: :func:`as_loss_fn`).
     """
     own = own_loss(output)
     if own is not None:
         return own
-    out = _primary(output)
     if target is None:
-        return out.float().pow(2).mean()
+        raise ValueError("the model returned no `loss` and the batch has no target: return a loss from the model "
+                         "(e.g. pass labels=), give (inputs, target) samples, or pass loss_fn=.")
     if not isinstance(target, torch.Tensor):
-        raise ValueError(f"the batch's target is a {type(target).__name__}; pass loss_fn= to check().")
+        raise ValueError(f"the batch's target is a {type(target).__name__}; pass a loss_fn that takes it (loss_fn=).")
+    out = output_logits(output)
+    if out is None:
+        raise ValueError("the model's output holds no floating-point tensor: pass loss_fn=.")
     if target.is_floating_point():
         return F.mse_loss(out.float().reshape(target.shape), target.float())
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
+def _check_loss(output: Any, target: Any) -> torch.Tensor:
+    """`check`'s default: :func:`default_loss`, and for a batch with neither a target nor a model loss the
+    mean square of the output (a stand-in that still sends gradient through every layer)."""
+    if target is None and own_loss(output) is None:
+        out = output_logits(output)
+        if out is None:
+            raise ValueError("the model's output holds no floating-point tensor: pass loss_fn=.")
+        return out.float().pow(2).mean()
+    return default_loss(output, target)
+
+
 def as_loss_fn(loss_fn: Optional[Callable]) -> Callable[[Any, Any], torch.Tensor]:
-    """Accept ``loss_fn(output, target)`` or ``loss_fn(output)``; None = :func:`default_loss`."""
+    """Accept ``loss_fn(output, target)`` or ``loss_fn(output)``; None = `check`'s default (:func:`_check_loss`)."""
     if loss_fn is None:
-        return default_loss
+        return _check_loss
     try:
         params = [p for p in inspect.signature(loss_fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
@@ -117,8 +125,8 @@ def prepare(model: nn.Module, name: str, device: torch.device, fp32_modules: Seq
     clone.train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 'fp16 on CPU is slow': known, the check runs anyway
-        # the op policy stays as training uses it: its attention kernels (bf16 GEMM attention, fp32
-        # backward) are part of the numerics being judged
+        # untuned: torch's attention kernels (AMPKIT_OP_POLICY=split|math forces ampkit's, which training
+        # uses only where ampkit.tune measured them faster)
         prec = Precision(name, device, fp32_modules=tuple(fp32_modules), channels_last=False)
     clone, _ = prec.setup(clone, None)
     return clone, prec

@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install 'ampkit[lightning]' (or pip install lightning).") from e
 
 from ..precision import Precision, resolve
-from ..precision.master import MasterWeightOptimizer
+from ..optim.master import MasterWeightOptimizer
 from ..utils.tree import cast_floating
 
 __all__ = ["AmpkitPrecision", "AmpkitFabricPrecision", "lightning_precision_name"]

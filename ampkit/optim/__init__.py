@@ -1,4 +1,6 @@
-"""Optimizers for pure bf16 training: updates that survive 16-bit weights, without fp32 masters.
+"""Optimizers for 16-bit weights: fp32 master weights, or updates that survive 16-bit weights without them.
+
+* :class:`MasterWeightOptimizer`: fp32 master copies around any torch optimizer (``*-master`` modes).
 
 * :class:`AdamW`, :class:`Adam`, :class:`SGD`: torch's update rules (foreach), with
   ``compensation="kahan"`` (a 16-bit buffer per param, default), ``"stochastic"`` (stochastic
@@ -13,11 +15,12 @@ See docs/BF16_PURE.md for the why and the numbers.
 from .adamw import Adam, AdamW
 from .base import COMPENSATIONS, CompensatedOptimizer
 from .convert import SUPPORTED, compensated_from
+from .master import MasterWeightOptimizer
 from .memory import state_bytes
 from .rounding import kahan_add_, stochastic_round, stochastic_round_
 from .sgd import SGD
 
 __all__ = [
     "AdamW", "Adam", "SGD", "CompensatedOptimizer", "COMPENSATIONS", "SUPPORTED",
-    "compensated_from", "state_bytes", "stochastic_round", "stochastic_round_", "kahan_add_",
+    "MasterWeightOptimizer", "compensated_from", "state_bytes", "stochastic_round", "stochastic_round_", "kahan_add_",
 ]

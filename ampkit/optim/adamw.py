@@ -84,7 +84,9 @@ class Adam(CompensatedOptimizer):
         del grads
         denom = torch._foreach_sqrt(exp_avg_sqs)
 
-        counts = [s.item() for s in steps]  # host tensors: no device sync
+        # host tensors (as torch keeps them): one batched read of host memory, no per-tensor scalar
+        # read and no device sync
+        counts = torch.stack(steps).tolist()
         step_size = [-lr / (1 - beta1 ** n) for n in counts]
         bias_correction2_sqrt = [(1 - beta2 ** n) ** 0.5 for n in counts]
         torch._foreach_div_(denom, bias_correction2_sqrt)

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Type
 
 import torch
 
-from ..precision.master import MasterWeightOptimizer
+from .master import MasterWeightOptimizer
 from .adamw import Adam, AdamW
 from .base import CompensatedOptimizer, check_compensation
 from .sgd import SGD

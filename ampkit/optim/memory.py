@@ -12,7 +12,7 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from ..precision.master import MasterWeightOptimizer
+from .master import MasterWeightOptimizer
 
 __all__ = ["state_bytes", "CATEGORIES"]
 

@@ -2,15 +2,16 @@
 from .convert import cast_floating, convert_model, is_norm
 from .device import auto_mode, device_info, resolve_device
 from .islands import apply_fp32_islands
-from .master import MasterWeightOptimizer
+from ..optim.master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names
 from .policy import Precision, global_policy, set_global_policy
 from .scaler import LossScaler, NonFiniteGradientsError, parse_loss_scale
+from .tuned import Tuned
 
 __all__ = [
     "ALIASES", "MODES", "Mode", "resolve", "valid_names",
     "LossScaler", "NonFiniteGradientsError", "parse_loss_scale",
     "MasterWeightOptimizer", "convert_model", "cast_floating", "is_norm", "apply_fp32_islands",
-    "Precision", "set_global_policy", "global_policy",
+    "Precision", "Tuned", "set_global_policy", "global_policy",
     "auto_mode", "device_info", "resolve_device",
 ]

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Mode", "MODES", "ALIASES", "resolve", "valid_names"]
+__all__ = ["Mode", "MODES", "ALIASES", "KERAS_DIFFERENCES", "resolve", "valid_names"]
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,11 @@ MODES = {
     for m in [
         Mode("fp32", _f32, None, False, summary="fp32 params and compute, no loss scaling"),
         Mode("fp16-mixed", _f32, _f16, True,
-             summary="fp32 params, autocast fp16 compute, dynamic loss scaling"),
+             summary="fp32 params, autocast fp16 compute, loss scaling"),
         Mode("bf16-mixed", _f32, _bf16, False,
              summary="fp32 params, autocast bf16 compute, no loss scaling"),
         Mode("fp16-master", _f16, _f16, True, master_weights=True,
-             summary="fp16 params (norms fp32), fp16 compute, dynamic loss scaling, fp32 master weights"),
+             summary="fp16 params (norms fp32), fp16 compute, loss scaling, fp32 master weights"),
         Mode("bf16-master", _bf16, _bf16, False, master_weights=True,
              summary="bf16 params (norms fp32), bf16 compute, fp32 master weights, no loss scaling"),
         Mode("bf16-pure", _bf16, _bf16, False, compensated=True,
@@ -67,17 +67,19 @@ MODES = {
     ]
 }
 
-# alias -> canonical name (lower-case keys; lookups are case-insensitive)
+# alias -> canonical name (lower-case keys; lookups are case-insensitive). The one table every entry
+# point resolves through: Precision, the CLI (--precision), ampkit.set_global_policy, the Keras policies
+# (with KERAS_DIFFERENCES on top) and apex's opt levels (O0-O3, whose table must agree with these rows).
 ALIASES = {
     # fp32
     "32": "fp32", "32-true": "fp32", "float32": "fp32", "o0": "fp32", "no": "fp32",
     "none": "fp32", "off": "fp32",
-    # fp16 autocast (Lightning, Keras, apex O1, accelerate, torch)
+    # fp16 autocast (Lightning, Keras, apex O1, accelerate, torch); a bare dtype name means autocast in it
     "16-mixed": "fp16-mixed", "16": "fp16-mixed", "mixed_float16": "fp16-mixed", "o1": "fp16-mixed",
-    "fp16": "fp16-mixed", "amp": "fp16-mixed", "float16-mixed": "fp16-mixed",
+    "fp16": "fp16-mixed", "amp": "fp16-mixed", "float16-mixed": "fp16-mixed", "float16": "fp16-mixed",
     # bf16 autocast
     "bf16-mixed": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "bf16": "bf16-mixed",
-    "bfloat16-mixed": "bf16-mixed",
+    "bfloat16-mixed": "bf16-mixed", "bfloat16": "bf16-mixed",
     # master weights (apex O2)
     "o2": "fp16-master",
     # pure
@@ -86,6 +88,13 @@ ALIASES = {
     "float8-tensorwise": "fp8-tensorwise", "float8-rowwise": "fp8-rowwise",
     "fp8-hybrid": "fp8-delayed",
 }
+
+# The only names whose meaning depends on the entry point. In Keras a policy named after a plain dtype
+# holds variables *and* compute in it (``Policy("bfloat16")``: bf16 weights, no fp32 copy), so through
+# ``ampkit.compat.keras`` these two name the pure modes; everywhere else a bare dtype name means
+# autocast in that dtype, as "fp16"/"bf16" do (Lightning, accelerate).
+KERAS_DIFFERENCES = {"float16": "fp16-pure", "bfloat16": "bf16-pure"}
+DIALECTS = {"ampkit": {}, "keras": KERAS_DIFFERENCES}
 
 AUTO = "auto"
 
@@ -96,9 +105,10 @@ def valid_names() -> str:
     return f"canonical: {', '.join(list(MODES) + [AUTO])}; aliases: {aliases}"
 
 
-def resolve(name: str) -> str:
+def resolve(name: str, dialect: str = "ampkit") -> str:
     """Map a precision name or alias to its canonical name ('auto' stays 'auto').
 
+    ``dialect="keras"``: Keras' meaning of the names in ``KERAS_DIFFERENCES``.
     Raises ValueError naming every valid choice when the name is unknown.
     """
     if isinstance(name, Mode):
@@ -106,6 +116,8 @@ def resolve(name: str) -> str:
     if not isinstance(name, (str, int)):
         raise ValueError(f"precision must be a string, got {type(name).__name__}. Valid: {valid_names()}")
     key = str(name).strip().lower()
+    if key in DIALECTS[dialect]:
+        return DIALECTS[dialect][key]
     for k in (key, key.replace("_", "-")):
         if k in MODES or k == AUTO:
             return k

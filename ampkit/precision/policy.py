@@ -8,12 +8,14 @@ A training loop written against its hooks has no precision branches::
         with precision.autocast():
             loss = loss_fn(model(x), y)
         precision.backward(loss)
-        stepped = precision.step(optimizer, max_norm=1.0)   # unscale, clip, check, step/skip, update
+        result = precision.step(optimizer, max_norm=1.0)    # unscale, clip, check, step/skip, update
         optimizer.zero_grad(set_to_none=True)
 
 Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and counted), so
-training never applies a non-finite update, in bf16 and fp32 too (there with scale 1, no
-multiplication of the loss).
+training never applies a non-finite update, in bf16 and fp32 too (there the check rides on the
+clipping norm, or one read-only pass; no scale, no unscale). With an optimizer that takes
+``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a
+step makes no host sync: ``result`` (a ``StepResult``) reads the skip flag only if asked.
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ from .convert import cast_floating, convert_model
 from .fp8 import Fp8Plan
 from .device import auto_mode, device_info, resolve_device
 from .islands import apply_fp32_islands
-from .master import MasterWeightOptimizer
+from ..optim import compensated_from
+from ..optim.master import MasterWeightOptimizer
 from .modes import AUTO, MODES, Mode, resolve
-from .scaler import LossScaler, OptState, parse_loss_scale
-from .speed import OpSpeedPolicy, policy_enabled
+from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
+from .attention import AttentionPolicy, forced_kernel, policy_setting
+from .tuned import Tuned
 
 __all__ = ["Precision", "set_global_policy", "global_policy"]
 
@@ -71,6 +75,34 @@ def _make_cast_input_hook(dtype: torch.dtype):
     return hook
 
 
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _use_fused_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Switch a fresh torch Adam/AdamW/SGD that did not choose an implementation to its fused kernel,
+    where torch has one for these params (the same flag as ``fused=True`` at construction)."""
+    d = optimizer.defaults
+    if (type(optimizer) not in _FUSABLE or optimizer.state or device.type not in ("cpu", "cuda")
+            or d.get("fused") or d.get("foreach") or d.get("differentiable")):
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params or not all(p.is_floating_point() and not p.is_sparse for p in params):
+        return False
+    d["fused"] = True
+    for g in optimizer.param_groups:
+        g["fused"] = True
+    optimizer._step_supports_amp_scaling = True
+    return True
+
+
+def _grads_params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _grads(optimizer) -> list:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
 class Precision:
     """A precision policy built from the mode table (``ampkit.precision.modes``).
 
@@ -89,21 +121,26 @@ class Precision:
             loss is computed in fp32 (default True).
         skip_nonfinite: skip (and count) steps whose gradients are non-finite, in every mode.
         channels_last: convert 4-D conv models to channels_last memory format in ``setup``;
-            None = measured: ``tune`` (given a batch: the Trainer, the bench) times both layouts on
-            this model and keeps the faster (``ampkit.precision.layout``); without ``tune``, on for
+            None = measured: ``ampkit.tune`` (given a batch: the Trainer, the bench) times both
+            layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
             CPU 16-bit compute with conv layers.
-        op_policy: speed-aware per-op dtype choice inside ``autocast()`` (``ampkit.precision.speed``:
-            e.g. attention backward in fp32 where this CPU runs it faster); None = on for CPU
-            16-bit compute unless ``AMPKIT_OP_POLICY=off``.
+        op_policy: speed-aware per-op kernel choice inside ``autocast()`` (``ampkit.precision.attention``:
+            e.g. attention backward in fp32 where this CPU runs it faster), with the verdicts
+            ``ampkit.tune`` measured; None = on for CPU 16-bit compute unless ``AMPKIT_OP_POLICY=off``.
         compensation: bf16-pure only: how updates land in the bf16 weights, ``"kahan"`` (default,
             a bf16 buffer per param), ``"stochastic"`` (stochastic rounding, no buffer) or
             ``"none"`` (plain rounding; small updates are lost). ``setup`` swaps a torch
             AdamW/Adam/SGD for its ``ampkit.optim`` equivalent; an ``ampkit.optim`` optimizer
             keeps its own setting unless this is given. Norm layers stay fp32 here too
             (``keep_norm_fp32``): see docs/BF16_PURE.md.
+        fused_optimizer: ``setup`` switches a torch Adam/AdamW/SGD built without ``fused``/``foreach``
+            to its fused kernel (which takes the skip flag on the device: no host sync per step);
+            False keeps it as built.
         fp8_recipe, fp8_skip, fp8_force: fp8 modes only: a recipe object of the mode
             (``ampkit.precision.fp8.DelayedScaling(amax_history_len=..., margin=...)``), Linear names
             kept in bf16, and names converted although first/last (see docs/FP8.md).
+        tuned: what ``ampkit.tune`` measured on the model (:class:`~ampkit.precision.tuned.Tuned`):
+            auto's mode, the memory format, attention kernels. Explicit arguments win over it.
     """
 
     def __init__(
@@ -126,25 +163,32 @@ class Precision:
         op_policy: Optional[bool] = None,
         scaler: Optional[LossScaler] = None,
         compensation: Optional[str] = None,
+        fused_optimizer: bool = True,
         fp8_recipe: Any = None,
         fp8_skip: Sequence[str] = (),
         fp8_force: Sequence[str] = (),
+        tuned: Optional[Tuned] = None,
     ) -> None:
-        self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__")}
+        self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__", "tuned")}
+        self.tuned = tuned if tuned is not None else Tuned()
         self.device = resolve_device(device)
         requested = resolve(global_policy() if name is None else name)
         self.requested = requested
         self.reason = "asked for explicitly"
-        if requested == AUTO:
+        if requested == AUTO and self.tuned.mode is not None:
+            requested, self.reason = resolve(self.tuned.mode), self.tuned.mode_reason or "tuned"
+        elif requested == AUTO:
             requested, self.reason = auto_mode(self.device)
         self.mode: Mode = MODES[requested]
         self.name = self.mode.name
         self.fp32_modules = tuple(fp32_modules or ())
         self.keep_norm_fp32 = keep_norm_fp32
         self.cast_outputs = cast_outputs
-        self.channels_last = channels_last
-        self.layout_reason: Optional[str] = None  # set when tune() measured the memory format
+        self.channels_last = channels_last if channels_last is not None else self.tuned.channels_last
+        # why the memory format is what it is, when it was measured (ampkit.tune)
+        self.layout_reason: Optional[str] = self.tuned.layout_reason if channels_last is None else None
         self.op_policy = op_policy
+        self.fused_optimizer = fused_optimizer
         self._check_hardware()
         if compensation is not None and not self.mode.compensated:
             raise ValueError(
@@ -160,7 +204,7 @@ class Precision:
         self.fp8 = Fp8Plan(self.name, fp8_recipe, fp8_skip, fp8_force) if self.mode.fp8 else None
 
         static = parse_loss_scale(loss_scale)
-        if not self.mode.scaled and (static is not None or scaler is not None or init_scale is not None):
+        if not self.mode.scaled and (loss_scale is not None or scaler is not None or init_scale is not None):
             what = "a scaler" if scaler is not None else f"loss scale {loss_scale if loss_scale is not None else init_scale!r}"
             raise ValueError(
                 f"precision={self.name!r} does not use loss scaling, found {what}. "
@@ -191,59 +235,21 @@ class Precision:
         self._scales_loss = self.mode.scaled
         self._setup_done = False
 
-    def tune(self, model: nn.Module, inputs: Any, target: Any, loss_fn, grad_accum: int = 1,
-             modes: bool = True, log=None) -> str:
-        """Before ``setup``, measure on this model and batch what was left open (cached per machine):
+    def options(self) -> Dict[str, Any]:
+        """The keyword arguments this precision was built with (``name`` and ``tuned`` aside)."""
+        return dict(self._init_kwargs)
 
-        * ``auto`` (and ``modes``): the fastest candidate mode that passes the AMP check
-          (``ampkit.precision.autotune``, timed on copies of the model);
-        * ``channels_last=None`` on a model with 2-D convolutions: the faster memory format in the
-          chosen mode (``ampkit.precision.layout``).
-
-        ``log(message)`` is called before each measurement actually taken (cached verdicts are silent).
-        Returns the mode's name; a no-op once ``setup`` ran.
-        """
+    def retuned(self, tuned: Tuned) -> "Precision":
+        """A new precision with the same request and options and these measured decisions
+        (what ``ampkit.tune`` returns); this one is left as it is."""
         if self._setup_done:
-            return self.name
-        if self.requested == AUTO and modes:
-            self._tune_mode(model, inputs, target, loss_fn, grad_accum, log)
-        if self.channels_last is None:
-            self._tune_layout(model, inputs, target, loss_fn, log)
-        return self.name
+            raise RuntimeError("retuned() after setup(): tune before setting the model up.")
+        return type(self)(self.requested, **self._init_kwargs, tuned=tuned)
 
-    def _tune_mode(self, model, inputs, target, loss_fn, grad_accum: int, log) -> None:
-        from .autotune import CannotTime, fastest_mode
-
-        try:
-            result = fastest_mode(model, inputs, target, loss_fn, self.device, grad_accum=grad_accum, log=log)
-        except CannotTime as e:
-            warnings.warn(f"precision auto: {e}; keeping the device's default, {self.name!r}. Pass a mode "
-                          "(--precision) to choose.", stacklevel=3)
-            return
-        if result["mode"] != self.name:
-            self.__init__(result["mode"], **self._init_kwargs)
-            self.requested = AUTO
-        self.reason = result["reason"]
-        self.tuned_ms = result["ms"]
-
-    def _tune_layout(self, model, inputs, target, loss_fn, log) -> None:
-        from .layout import faster_layout, has_conv2d
-
-        if not has_conv2d(model):
-            return
-        kept = ("fp32_modules", "keep_norm_fp32", "cast_outputs", "op_policy", "compensation", "loss_scale",
-                "init_scale")
-        try:
-            result = faster_layout(model, inputs, target, loss_fn, self.name, self.device, log=log,
-                                   **{k: self._init_kwargs[k] for k in kept})
-        except RuntimeError as e:  # e.g. out of memory for two more copies: the rule decides
-            # (a ValueError/TypeError is a configuration error: it surfaces as itself, now)
-            warnings.warn(f"memory format: could not time both layouts on this model ({type(e).__name__}: {e}); "
-                          "using the default rule. Pass channels_last=True/False (--memory-format) to choose.",
-                          stacklevel=3)
-            return
-        self.channels_last = result["channels_last"]
-        self.layout_reason = result["reason"]
+    @property
+    def is_setup(self) -> bool:
+        """True once ``setup`` ran (then the mode and layout are fixed)."""
+        return self._setup_done
 
     # ------------------------------------------------------------------ checks
     def _check_hardware(self) -> None:
@@ -304,6 +310,8 @@ class Precision:
         Returns ``(model, optimizer)``; build the optimizer over ``model.parameters()`` first.
         """
         model = model.to(self.device)
+        if self.fused_optimizer and optimizer is not None and not self.mode.compensated:
+            _use_fused_kernel(optimizer, self.device)
         if self.fp8 is not None:  # explicit module swap; parameters are kept, so the optimizer still holds them
             model = self.fp8.apply(model, self.device)
         if self.mode.master_weights and optimizer is not None:
@@ -318,36 +326,48 @@ class Precision:
                 model._ampkit_io_hooked = True
         if self.fp32_modules:
             apply_fp32_islands(model, self.fp32_modules)
-        if self._use_channels_last(model):
+        if self.uses_channels_last(model):
             model.to(memory_format=torch.channels_last)
         if optimizer is not None:
             self._check_eps(optimizer)
         if self.mode.compensated and optimizer is not None:
-            from ..optim import compensated_from
-
             if self.compensation is None:
                 optimizer = compensated_from(optimizer)
             else:
                 optimizer = compensated_from(optimizer, None if self.compensation == "none" else self.compensation)
         self.scaler.register_names(model)
+        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.scaler._param_names.update({id(m): names[id(p)] for p, m in
+                                             zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
         self.model = model
         self._setup_done = True
         return model, optimizer
 
-    def _check_eps(self, optimizer: torch.optim.Optimizer) -> None:
+    def _check_eps(self, optimizer: Any) -> None:
+        """fp16 optimizer state (fp16-pure, apex O3): an Adam ``eps`` below ``min_adam_eps`` is raised to it,
+        with one warning. fp16 cannot hold sqrt(v) below ~2.4e-4, so eps=1e-8 turns a gradient whose square
+        underflows into a step of m / 1e-8: inf weights on the first step (measured: the README loop with
+        torch's AdamW(lr=1e-2))."""
         low = self.min_adam_eps
-        if low is None or "Adam" not in type(optimizer).__name__:
+        if low is None or optimizer is None:
             return
-        small = sorted({g["eps"] for g in optimizer.param_groups if isinstance(g.get("eps"), float) and g["eps"] < low})
-        if small:
-            warnings.warn(
-                f"precision={self.name!r} keeps Adam's moments in fp16, where eps={small[0]:g} lets a gradient "
-                f"whose square underflows take a huge step (then inf weights): build the optimizer with "
-                f"eps={low:g}, or use 'fp16-master' (fp32 master weights and state).",
-                stacklevel=3,
-            )
+        groups = [g for g in getattr(optimizer, "param_groups", ()) if isinstance(g.get("eps"), float) and g["eps"] < low]
+        if not groups:
+            return
+        small = min(g["eps"] for g in groups)
+        for g in groups:
+            g["eps"] = low
+        warnings.warn(
+            f"precision={self.name!r} keeps the optimizer state in fp16, where eps={small:g} turns a gradient "
+            f"whose square underflows into a huge step (inf weights): eps raised to {low:g}. Build the optimizer "
+            f"with eps={low:g} to silence this, or use 'fp16-master' (fp32 master weights and state).",
+            stacklevel=3,
+        )
 
-    def _use_channels_last(self, model: nn.Module) -> bool:
+    def uses_channels_last(self, model: nn.Module) -> bool:
+        """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
+        (CPU, bf16 compute, 2-D convolutions)."""
         if self.channels_last is not None:
             return self.channels_last
         return (
@@ -362,17 +382,39 @@ class Precision:
         if dtype is None:
             return contextlib.nullcontext()
         ctx = torch.autocast(device_type=self.device.type, dtype=dtype)
-        if not self._use_op_policy():
+        policy = self.attention_policy()
+        if policy is None:
             return ctx
         stack = contextlib.ExitStack()
         stack.enter_context(ctx)
-        stack.enter_context(OpSpeedPolicy())
+        stack.enter_context(policy)
         return stack
 
-    def _use_op_policy(self) -> bool:
-        if self.op_policy is not None:
-            return self.op_policy
-        return self.device.type == "cpu" and policy_enabled() != "off"
+    def attention_policy(self) -> Optional[AttentionPolicy]:
+        """The scoped attention policy ``autocast()`` enters, or None where every call runs torch's kernel:
+        fp32, a device other than CPU, ``op_policy=False``, ``AMPKIT_OP_POLICY=off``, or no tuned
+        shape whose fastest kernel differs from torch's (then no mode is pushed at all)."""
+        if not self.op_policy_applies:
+            return None
+        forced = forced_kernel()
+        if forced == "native":
+            return None
+        kernels = {k: v for k, v in self.tuned.attention.items() if v != "native"}
+        if forced is None and not kernels:
+            return None
+        cached = getattr(self, "_attention", None)
+        if cached is None or cached.forced != forced:
+            cached = self._attention = AttentionPolicy(kernels, forced=forced)
+        return cached
+
+    @property
+    def op_policy_applies(self) -> bool:
+        """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
+        if self.mode.autocast_dtype is None or self.op_policy is False:
+            return False
+        if self.op_policy is None and self.device.type != "cpu":
+            return False
+        return policy_setting() != "off"
 
     def convert_input(self, batch: Any) -> Any:
         """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
@@ -386,38 +428,59 @@ class Precision:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the optimizer's grads real (unscaled, fp32 master grads) before inspecting them."""
+    def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
+        """Make the optimizer's grads real (unscaled, fp32 master grads) and record the non-finite check
+        (once per step). Unscaled modes have nothing to unscale: the check is ``_norm`` (a gradient norm
+        computed anyway) or one read-only pass, never a scale-1 unscale."""
+        scaler = self.scaler
+        if scaler.stage(optimizer) is not OptState.READY:
+            return
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()
-        self.scaler.ensure_initialized(self.device)  # backward() was not called through us
-        self.scaler.unscale_(optimizer)
+        if not scaler.is_enabled():
+            return
+        scaler.ensure_initialized(self.device)  # backward() may not have come through us
+        if self._scales_loss:
+            scaler.unscale_(optimizer)
+        else:
+            found = (nonfinite_from_norm(_norm, self.device) if _norm is not None
+                     else nonfinite_flag(_grads(optimizer), self.device))
+            scaler.record_found_inf(optimizer, found)
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None, norm_type: float = 2.0) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
+             norm_type: float = 2.0) -> StepResult:
         """Unscale -> clip -> non-finite check -> step or skip -> update the scale.
 
-        Returns True when the optimizer stepped, False when the step was skipped.
-        Exactly one host sync (the skip decision).
+        Returns a :class:`StepResult` (what the optimizer's ``step`` returned, if not None): truthy when
+        the optimizer stepped, falsy when the step was skipped, read from the device only when asked.
+        No host sync with an optimizer that skips on the device (torch's fused AdamW/Adam/SGD, also
+        under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
         """
-        if self.scaler.stage(optimizer) is OptState.READY:
-            if isinstance(optimizer, MasterWeightOptimizer):
-                optimizer.sync_grads()
-            if self.scaler.is_enabled():
-                self.scaler.ensure_initialized(self.device)  # backward() was not called through us
-                self.scaler.unscale_(optimizer)
         self.last_grad_norm = None
         if max_norm is not None and max_norm > 0:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
-        stepped = self.scaler.step(optimizer)
+            self.last_grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
+        else:
+            self.unscale_(optimizer)
+        result = self.scaler.step(optimizer)
+        if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
+            found = self.scaler.found_inf(optimizer)
+            result = StepResult(found) if found is not None else StepResult()
         self.scaler.update()
-        return bool(stepped) if isinstance(stepped, bool) else True
+        return result
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Unscale (once) and clip the optimizer's grads; returns the total norm (no sync)."""
-        self.unscale_(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        """Unscale (once) and clip the optimizer's grads; returns the total norm (no sync). In the
+        unscaled modes the norm is also the step's non-finite check."""
+        scaler = self.scaler
+        if self._scales_loss or not scaler.is_enabled() or scaler.stage(optimizer) is not OptState.READY:
+            self.unscale_(optimizer)
+            return torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type,
+                                                  foreach=True)
+        if isinstance(optimizer, MasterWeightOptimizer):
+            optimizer.sync_grads()
+        norm = torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
+        self.unscale_(optimizer, _norm=norm)
+        return norm
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:

@@ -16,15 +16,20 @@ Extras (all off by default):
 * ``hysteresis=N``: back off only after N consecutive overflowing steps (DeepSpeed).
 * ``max_consecutive_skips=N``: raise :class:`NonFiniteGradientsError`, naming the parameters
   whose gradients are non-finite, instead of skipping forever.
-* telemetry: ``skipped_steps``, ``optimizer_steps``, ``last_skip_step``, ``consecutive_skips``;
-  ``step()`` returns whether the optimizer stepped (when the optimizer itself returns None).
+* telemetry: ``skipped_steps``, ``optimizer_steps``, ``last_skip_step``, ``consecutive_skips``, counted
+  on the device and read when asked; ``step()`` returns a :class:`StepResult` (when the optimizer
+  itself returns None) whose truth value says whether the optimizer stepped, read only on demand.
 * under an initialised ``torch.distributed`` process group, found-inf is all-reduced (MAX, one
   collective per unscale) so all ranks skip the same steps and keep identical scales, even when
   only one rank's gradients overflow or gradients are not synchronised (FSDP shards, rank-local
   parameters, DDP's ``no_sync``). DTensor gradients (FSDP2) are checked and unscaled through
   their local shards.
 
-Host syncs: one per optimizer step (deciding whether to step), as in torch.
+Host syncs: none per step with an optimizer that takes ``found_inf`` into its kernel (torch's fused
+Adam/AdamW/SGD, ``_step_supports_amp_scaling``): the skip decision, the scale update and the
+counters stay on the device. Other optimizers need the host to decide whether to call ``step()``:
+one read per step, as in torch. ``max_consecutive_skips`` is checked one step late (at the next
+``step()``, from a copy of the count started without waiting) or on :meth:`LossScaler.check_skip_limit`.
 """
 from __future__ import annotations
 
@@ -37,11 +42,76 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-__all__ = ["LossScaler", "NonFiniteGradientsError", "OptState", "parse_loss_scale"]
+__all__ = ["LossScaler", "NonFiniteGradientsError", "OptState", "StepResult", "HostCopy", "nonfinite_flag",
+           "nonfinite_from_norm", "parse_loss_scale"]
 
 
 class NonFiniteGradientsError(FloatingPointError):
     """Raised when gradients stayed non-finite for more consecutive steps than allowed."""
+
+
+def _positive_finite(value: Any) -> bool:
+    try:
+        return 0 < float(value) < float("inf")
+    except (TypeError, ValueError):
+        return False
+
+
+class HostCopy:
+    """A device tensor's value on its way to the host without waiting for it: a non-blocking copy
+    into pinned memory and an event (CUDA), a clone elsewhere. ``value()`` waits only for that copy
+    (already done when read a step later) and reads host memory: no dispatcher-level scalar read."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event = None
+        if t.device.type == "cuda":
+            self.buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.buf.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.buf = t.detach().clone()
+
+    def value(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.buf.tolist()
+
+
+class StepResult:
+    """What ``LossScaler.step`` / ``Precision.step`` return when the optimizer returns None.
+
+    Truthy when the optimizer stepped, falsy when the step was skipped, but nothing is read until
+    someone asks: ``bool(result)`` (or ``==``) costs one host sync then, not in ``step()``.
+    ``found_inf`` is the device flag (> 0: skipped) for code that stays on the device.
+    """
+
+    __slots__ = ("found_inf", "_stepped")
+
+    def __init__(self, found_inf: Optional[torch.Tensor] = None, stepped: Optional[bool] = None) -> None:
+        self.found_inf = found_inf
+        self._stepped = stepped if found_inf is not None or stepped is not None else True
+
+    def __bool__(self) -> bool:
+        if self._stepped is None:
+            self._stepped = not self.found_inf.item() > 0  # the on-demand read
+        return self._stepped
+
+    def __eq__(self, other):
+        if isinstance(other, (bool, StepResult)):
+            return bool(self) == bool(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def to_host(self) -> Optional[HostCopy]:
+        """Start copying the flag to the host without waiting (None when there is nothing to read:
+        the outcome is already known). ``value() > 0`` then means skipped."""
+        return None if self._stepped is not None or self.found_inf is None else HostCopy(self.found_inf)
+
+    def __repr__(self) -> str:
+        state = "unread" if self._stepped is None else ("stepped" if self._stepped else "skipped")
+        return f"StepResult({state})"
 
 
 def parse_loss_scale(value: Union[str, float, int, None]) -> Optional[float]:
@@ -98,6 +168,28 @@ def _foreach_check_and_unscale_(grads: List[torch.Tensor], found_inf: torch.Tens
     torch._foreach_mul_(grads, inv_scale)
 
 
+def nonfinite_flag(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 (float32, on ``device``) when any tensor holds inf/NaN, else 0.0: one read-only pass (a
+    foreach max-abs per device and dtype), no write and no host sync. DTensors are checked through
+    their local shards, sparse tensors through their values."""
+    groups: Dict[tuple, List[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        t = t._values() if t.is_sparse else _local(t)
+        groups[(t.device, t.dtype)].append(t)
+    ok = torch.ones((), dtype=torch.bool, device=device)
+    for ts in groups.values():
+        ok = ok & torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all().to(device)
+    return torch.logical_not(ok).to(torch.float32)
+
+
+def nonfinite_from_norm(norm: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """1.0 when a gradient norm (``clip_grad_norm_``'s, computed anyway) is inf/NaN, else 0.0: a
+    non-finite gradient makes the norm non-finite, so the clipping doubles as the check."""
+    full = getattr(norm, "full_tensor", None)
+    norm = full() if full is not None else norm
+    return torch.logical_not(torch.isfinite(norm)).to(device=device, dtype=torch.float32).reshape(())
+
+
 _GRAD_SCALER_KWARG: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
@@ -141,6 +233,9 @@ class LossScaler(torch.amp.GradScaler):
         static = parse_loss_scale(loss_scale)
         if static is not None:
             init_scale, dynamic = static, False
+        if enabled and not _positive_finite(init_scale):
+            raise ValueError(f"init_scale must be a positive finite number (e.g. 65536), got {init_scale!r}: "
+                             "a scale of 0 zeroes every gradient, so no step would ever be judged non-finite.")
         if hysteresis < 1:
             raise ValueError(f"hysteresis must be >= 1 (1 = back off on every overflow), got {hysteresis}.")
         if max_consecutive_skips is not None and max_consecutive_skips < 1:
@@ -157,15 +252,13 @@ class LossScaler(torch.amp.GradScaler):
         self._distributed = distributed
         self._allow_fp16_grads = allow_fp16_grads
         self._param_names: Dict[int, str] = {}
-        # this iteration's optimizers and whether each stepped (telemetry, the skip-limit error)
+        # this iteration's optimizers (the skip-limit error names their parameters)
         self._optimizers: Dict[int, torch.optim.Optimizer] = {}
-        self._stepped: Dict[int, bool] = {}
-        # telemetry (host-side; updated from the one sync step() already makes)
-        self.optimizer_steps = 0
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
-        self.last_skip_step: Optional[int] = None
-        self._iterations = 0
+        # telemetry, counted on the scale's device: [skipped, consecutive skips, last skip (-1: none),
+        # iterations]; ``_host_counts`` until that exists (and for a disabled scaler)
+        self._counts: Optional[torch.Tensor] = None
+        self._host_counts = [0, 0, -1, 0]
+        self._pending_consecutive: Optional[HostCopy] = None
 
     # ------------------------------------------------------------------ public seams
     def register_names(self, model: torch.nn.Module) -> "LossScaler":
@@ -199,6 +292,24 @@ class LossScaler(torch.amp.GradScaler):
         return None if not self._enabled or self._dynamic else self._init_scale
 
     @property
+    def distributed(self) -> Optional[bool]:
+        """All-reduce found-inf across ranks: None = whenever a process group of >1 ranks is up; False
+        where every rank sees the same gradients anyway (DDP), True/None where they differ (FSDP shards)."""
+        return self._distributed
+
+    @distributed.setter
+    def distributed(self, value: Optional[bool]) -> None:
+        self._distributed = value
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
+        """This iteration's non-finite flag for ``optimizer`` (a device tensor, > 0: skip), once
+        ``unscale_``/``step`` recorded it and until ``update()``; None otherwise."""
+        state = self._per_optimizer_states.get(id(optimizer)) if self._enabled else None
+        if not state or not state["found_inf_per_device"]:
+            return None
+        return self._found_inf_total(state)
+
+    @property
     def max_consecutive_skips(self) -> Optional[int]:
         return self._max_consecutive_skips
 
@@ -212,6 +323,41 @@ class LossScaler(torch.amp.GradScaler):
     def get_growth_tracker(self) -> int:
         """Consecutive unskipped steps counted toward the next growth (a sync)."""
         return self._get_growth_tracker()
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._counts = torch.tensor(self._host_counts, dtype=torch.int64, device=dev)
+
+    # telemetry: read from the device when asked (a sync then; never inside step/update)
+    def _read_counts(self) -> List[int]:
+        return self._host_counts if self._counts is None else self._counts.tolist()
+
+    def _set_count(self, i: int, value: int) -> None:
+        self._host_counts[i] = value
+        if self._counts is not None:
+            self._counts[i] = value
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._read_counts()[0]
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self._read_counts()[1]
+
+    @property
+    def last_skip_step(self) -> Optional[int]:
+        last = self._read_counts()[2]
+        return None if last < 0 else last
+
+    @property
+    def optimizer_steps(self) -> int:
+        c = self._read_counts()
+        return c[3] - c[0]
+
+    def skip_counts(self) -> Optional[torch.Tensor]:
+        """The device counters ``[skipped, consecutive, last skip or -1, iterations]`` (no sync), or None."""
+        return self._counts
 
     def _use_distributed(self) -> bool:
         if self._distributed is False:
@@ -274,11 +420,12 @@ class LossScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             retval = optimizer.step(*args, **kwargs)
-            self.optimizer_steps += 1
-            return True if retval is None else retval
+            self._host_counts[3] += 1
+            return StepResult() if retval is None else retval
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
+        self.check_skip_limit(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -314,29 +461,61 @@ class LossScaler(torch.amp.GradScaler):
             if not has_kwarg:
                 del optimizer.grad_scale
                 del optimizer.found_inf
-            # the one host sync of this step: did the fused kernel skip?
-            stepped = not bool(self._found_inf_total(state))
-            self._stepped[id(optimizer)] = stepped
-            return stepped if retval is None else retval
+            # no sync: the kernel skipped on its own; the result reads the flag only if asked
+            return StepResult(self._found_inf_total(state)) if retval is None else retval
 
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if len(state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = None
-        stepped = not bool(self._found_inf_total(state))  # the one host sync of this step
+        found = self._found_inf_total(state)
+        stepped = not found.item() > 0  # this optimizer cannot skip on the device: the one read
         if stepped:
             retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
-        self._stepped[id(optimizer)] = stepped
-        return stepped if retval is None else retval
+        return StepResult(found, stepped) if retval is None else retval
 
-    @staticmethod
-    def _found_inf_total(state) -> float:
+    def _found_inf_total(self, state) -> torch.Tensor:
         vals = list(state["found_inf_per_device"].values())
-        if len(vals) == 1:
-            return vals[0].item()
-        return sum(v.item() for v in vals)
+        if len(vals) == 1 and vals[0].device == self._scale.device:
+            return vals[0]
+        return sum(v.to(self._scale.device, non_blocking=True) for v in vals)
+
+    def record_found_inf(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """Record this iteration's non-finite flag for ``optimizer`` from a check made elsewhere (e.g.
+        the gradient norm clipping computes anyway), instead of ``unscale_``'s pass over the grads. The
+        grads count as unscaled: use it only when the scale is 1 (a check-only scaler)."""
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("record_found_inf")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            raise RuntimeError("record_found_inf() must come before unscale_()/step() in an iteration.")
+        found = found_inf.to(device=self._scale.device, dtype=torch.float32).reshape(())
+        if self._use_distributed():
+            import torch.distributed as dist
+
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        state["found_inf_per_device"] = {found.device: found}
+        state["stage"] = OptState.UNSCALED
+
+    def check_skip_limit(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Raise :class:`NonFiniteGradientsError` if the last update reached ``max_consecutive_skips``.
+
+        ``update()`` starts copying the count to the host without waiting; this reads that copy (done
+        by the next step), so the limit stops the run before the next step applies anything. Call it
+        after ``update()`` to stop at once (it then waits for the copy). The error names the parameters
+        whose gradients are non-finite now (``optimizer``'s, else the last iteration's optimizers).
+        """
+        pending, self._pending_consecutive = self._pending_consecutive, None
+        if pending is None or pending.value() < self._max_consecutive_skips:
+            return
+        if optimizer is not None:
+            self._optimizers = {id(optimizer): optimizer}
+        message = self._describe_nonfinite(pending.value())
+        self._optimizers = {}
+        raise NonFiniteGradientsError(message)
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
@@ -344,7 +523,7 @@ class LossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         if new_scale is not None:
-            self._optimizers, self._stepped = {}, {}
+            self._optimizers = {}
             super().update(new_scale)
             return
         scale, tracker = self._check_scale_growth_tracker("update")
@@ -367,11 +546,9 @@ class LossScaler(torch.amp.GradScaler):
                 self._update_with_hysteresis(scale, tracker, found)
             if self._min_scale is not None or self._max_scale is not None:
                 scale.clamp_(min=self._min_scale, max=self._max_scale)
-        error = self._record_iteration()
+        if any(st["stage"] is OptState.STEPPED for st in self._per_optimizer_states.values()):
+            self._count_iteration(found)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._optimizers, self._stepped = {}, {}
-        if error is not None:
-            raise NonFiniteGradientsError(error)
 
     def _update_with_hysteresis(self, scale, tracker, found):
         """torch's update rule, except the scale backs off only after `hysteresis` overflows in a row."""
@@ -388,27 +565,20 @@ class LossScaler(torch.amp.GradScaler):
         tracker.copy_(torch.where(overflow | (successful >= self._growth_interval), 0, successful))
         self._hyst_left.copy_(torch.where(backoff, self._hysteresis, left))
 
-    def _record_iteration(self) -> Optional[str]:
-        """Host-side telemetry from the step() results of this iteration (no extra sync).
+    def _count_iteration(self, found: torch.Tensor) -> None:
+        """Telemetry on the device (no sync): a step counts as skipped when any optimizer's grads were
+        non-finite. Starts the host copy of the consecutive count that ``check_skip_limit`` reads."""
+        c = self._counts
+        skipped = found > 0
+        s = skipped.to(torch.int64)
+        c[1].add_(1).mul_(s)  # consecutive skips
+        c[2].copy_(torch.where(skipped, c[3], c[2]))  # last skipped iteration
+        c[0].add_(s)
+        c[3].add_(1)
+        if self._max_consecutive_skips is not None:
+            self._pending_consecutive = HostCopy(c[1])
 
-        Returns the error message when ``max_consecutive_skips`` is reached, else None.
-        """
-        results = list(self._stepped.values())
-        if not results:
-            return None
-        self._iterations += 1
-        if all(results):
-            self.optimizer_steps += 1
-            self.consecutive_skips = 0
-            return None
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
-        self.last_skip_step = self._iterations - 1
-        if self._max_consecutive_skips is not None and self.consecutive_skips >= self._max_consecutive_skips:
-            return self._describe_nonfinite()
-        return None
-
-    def _describe_nonfinite(self) -> str:
+    def _describe_nonfinite(self, consecutive: int) -> str:
         bad = []
         for opt in self._optimizers.values():
             for gi, group in enumerate(opt.param_groups):
@@ -418,7 +588,7 @@ class LossScaler(torch.amp.GradScaler):
                         bad.append(self._param_names.get(id(p), f"param_groups[{gi}][{pi}] {tuple(p.shape)}"))
         names = ", ".join(bad[:10]) + (f" (+{len(bad) - 10} more)" if len(bad) > 10 else "")
         return (
-            f"Gradients were non-finite for {self.consecutive_skips} consecutive steps "
+            f"Gradients were non-finite for {consecutive} consecutive steps "
             f"(scale now {self.get_scale():g}); non-finite gradients in: {names or 'unknown parameters'}. "
             "Lower the learning rate, keep the named modules in fp32 (fp32_modules=...), switch to bf16, "
             "or run `ampkit check` to find the first layer that overflows."
@@ -434,14 +604,15 @@ class LossScaler(torch.amp.GradScaler):
         sd = super().state_dict()
         if not sd:
             return sd
+        skipped, consecutive, last, iterations = self._read_counts()
         sd.update({
             "dynamic": self._dynamic,
             "hysteresis_left": self._hysteresis_left(),
-            "optimizer_steps": self.optimizer_steps,
-            "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self.consecutive_skips,
-            "last_skip_step": self.last_skip_step,
-            "iterations": self._iterations,
+            "optimizer_steps": iterations - skipped,
+            "skipped_steps": skipped,
+            "consecutive_skips": consecutive,
+            "last_skip_step": None if last < 0 else last,
+            "iterations": iterations,
         })
         return sd
 
@@ -461,18 +632,22 @@ class LossScaler(torch.amp.GradScaler):
             self._hyst_init = int(state_dict["hysteresis_left"])
             if self._hyst_left is not None:
                 self._hyst_left.fill_(self._hyst_init)
-        self.optimizer_steps = int(state_dict.get("optimizer_steps", self.optimizer_steps))
-        self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
-        self.consecutive_skips = int(state_dict.get("consecutive_skips", self.consecutive_skips))
-        self.last_skip_step = state_dict.get("last_skip_step", self.last_skip_step)
-        self._iterations = int(state_dict.get("iterations", self._iterations))
+        if "skipped_steps" in state_dict:
+            skipped = int(state_dict["skipped_steps"])
+            last = state_dict.get("last_skip_step")
+            iterations = int(state_dict.get("iterations", skipped + int(state_dict.get("optimizer_steps", 0))))
+            for i, v in enumerate((skipped, int(state_dict.get("consecutive_skips", 0)),
+                                   -1 if last is None else int(last), iterations)):
+                self._set_count(i, v)
+        self._pending_consecutive = None
 
     def __getstate__(self):
         state = super().__getstate__()
         if self._enabled:
             state["_hyst_init"] = self._hysteresis_left()
             state["_hyst_left"] = None
-        state["_optimizers"], state["_stepped"] = {}, {}
+        state["_optimizers"], state["_pending_consecutive"] = {}, None
+        state["_host_counts"], state["_counts"] = self._read_counts(), None
         return state
 
     def __repr__(self) -> str:

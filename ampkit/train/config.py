@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
@@ -57,11 +58,61 @@ class TrainConfig:
     def field_names(cls) -> List[str]:
         return [f.name for f in fields(cls)]
 
+    def checked(self) -> "TrainConfig":
+        """Each value of the type its key takes (numbers written as strings are read as numbers); a
+        ValueError naming the key otherwise."""
+        out = {}
+        for f in fields(self):
+            v, kind = getattr(self, f.name), str(f.type)
+            if v is None and (kind.startswith("Optional") or f.default is None):
+                out[f.name] = v
+                continue
+            if f.name == "loss_scale":  # 'dynamic', 0 or a number: parsed by the precision
+                out[f.name] = v if isinstance(v, str) else _number(f.name, v, float)
+                continue
+            base = kind.replace("Optional[", "").rstrip("]")
+            if base == "int":
+                v = _number(f.name, v, int)
+            elif base == "float":
+                v = _number(f.name, v, float)
+            elif base == "bool":
+                if not isinstance(v, bool):
+                    raise ValueError(f"option {f.name} = {v!r}: use true or false.")
+            elif base == "str":
+                if not isinstance(v, str):
+                    raise ValueError(f"option {f.name} = {v!r}: it takes a string (in quotes).")
+            elif base.startswith("List"):
+                if isinstance(v, str):
+                    v = [x for x in v.split(",") if x]
+                if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+                    raise ValueError(f"option {f.name} = {v!r}: it takes a list of names, e.g. [\"head\"].")
+                v = list(v)
+            out[f.name] = v
+        for key, ok, rule in (("max_norm", lambda v: v > 0, "> 0 (or leave it out: no clipping)"),
+                              ("weight_decay", lambda v: v >= 0, ">= 0"), ("warmup_steps", lambda v: v >= 0, ">= 0")):
+            if out[key] is not None and not ok(out[key]):
+                raise ValueError(f"--{key.replace('_', '-')} must be {rule}, got {out[key]:g}.")
+        return dataclasses.replace(self, **out)
+
     def updated(self, **overrides) -> "TrainConfig":
         unknown = set(overrides) - set(self.field_names())
         if unknown:
             raise ValueError(f"unknown config key(s): {', '.join(sorted(unknown))}; valid: {', '.join(self.field_names())}")
         return dataclasses.replace(self, **overrides)
+
+
+def _number(key: str, v: Any, kind: type) -> Any:
+    what = "a whole number" if kind is int else "a number"
+    if isinstance(v, str):
+        try:
+            v = kind(float(v)) if kind is float else int(v)
+        except ValueError:
+            raise ValueError(f"option {key} = {v!r} (--{key.replace('_', '-')}, or {key} in a config file): it takes {what}.") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise ValueError(f"option {key} = {v!r} (--{key.replace('_', '-')}, or {key} in a config file): it takes {what}.")
+    if not math.isfinite(v):
+        raise ValueError(f"option {key} = {v!r} (--{key.replace('_', '-')}, or {key} in a config file): it takes a finite number.")
+    return kind(v)
 
 
 def load_config_file(path: str) -> Dict[str, Any]:
@@ -88,8 +139,10 @@ def load_config_file(path: str) -> Dict[str, Any]:
                 raw = json.load(f)
         else:
             raise ValueError(f"config file {path!r}: use a .toml, .yaml/.yml or .json file.")
-    except ValueError:
-        raise
+    except ValueError as e:  # TOML/JSON syntax errors are ValueErrors too: name the file
+        if str(e).startswith(("config file", "YAML config")):
+            raise
+        raise ValueError(f"config file {path!r} could not be parsed: {e}") from e
     except Exception as e:
         raise ValueError(f"config file {path!r} could not be parsed: {e}") from e
     if not isinstance(raw, dict):

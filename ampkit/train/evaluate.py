@@ -9,24 +9,11 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import numpy as np
 import torch
 
+from .._optional import MissingDependency, require
+from ..diagnose.runner import default_loss  # the one default loss (re-exported: the Trainer's default)
 from ..utils.batch import batch_size_of, call_model, output_logits, own_loss
 
 __all__ = ["default_loss", "evaluate", "classification_text"]
-
-
-def default_loss(output: Any, target: Optional[torch.Tensor]) -> torch.Tensor:
-    """The loss the model returned itself (``output.loss``, Hugging Face style); else cross-entropy for
-    integer targets (any number of leading dims, classes last), MSE for floating ones."""
-    own = own_loss(output)
-    if own is not None:
-        return own
-    if target is None:
-        raise ValueError("the model returned no `loss` and the batch has no target: return a loss from the model "
-                         "(e.g. pass labels=), give (inputs, target) samples, or pass loss_fn=.")
-    output = output_logits(output)
-    if target.is_floating_point():
-        return torch.nn.functional.mse_loss(output.float().reshape(target.shape), target.float())
-    return torch.nn.functional.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 @torch.no_grad()
@@ -82,14 +69,22 @@ def evaluate(
 
 
 def classification_text(preds: np.ndarray, targets: np.ndarray, class_names: Optional[list] = None) -> Dict[str, Any]:
-    """scikit-learn's classification_report (text and dict) and confusion matrix."""
-    from sklearn.metrics import classification_report, confusion_matrix
-
+    """scikit-learn's classification_report (text and dict) and the confusion matrix. Without scikit-learn
+    (``ampkit[data]``) the report's text says so, its dict is None, and the confusion matrix stays."""
     labels = sorted(set(np.unique(targets)) | set(np.unique(preds)))
     names = [class_names[i] if class_names and i < len(class_names) else str(i) for i in labels]
-    text = classification_report(targets, preds, labels=labels, target_names=names, digits=4, zero_division=0)
-    as_dict = classification_report(targets, preds, labels=labels, target_names=names, output_dict=True, zero_division=0)
-    cm = confusion_matrix(targets, preds, labels=labels)
+    try:
+        metrics = require("sklearn.metrics", "the classification report")
+    except MissingDependency as e:
+        text, as_dict = f"classification report: {e}\n", None
+    else:
+        text = metrics.classification_report(targets, preds, labels=labels, target_names=names, digits=4,
+                                             zero_division=0)
+        as_dict = metrics.classification_report(targets, preds, labels=labels, target_names=names, output_dict=True,
+                                                zero_division=0)
+    index = {label: i for i, label in enumerate(labels)}
+    cm = np.zeros((len(labels), len(labels)), dtype=np.int64)
+    np.add.at(cm, ([index[t] for t in targets], [index[p] for p in preds]), 1)
     width = max(4, max(len(n) for n in names) + 1, len(str(cm.max())) + 1)
     header = " " * width + "".join(f"{n:>{width}}" for n in names)
     rows = [f"{n:>{width}}" + "".join(f"{v:>{width}}" for v in row) for n, row in zip(names, cm)]

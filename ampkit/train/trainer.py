@@ -29,9 +29,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
-from ..precision import NonFiniteGradientsError, Precision
-from ..precision.layout import has_conv2d
+from ..precision import NonFiniteGradientsError, Precision, Tuned
+from ..precision.convert import is_norm
 from ..precision.modes import AUTO, MODES
+from ..tuning import needs_tuning, tune
 from . import checkpoint as ckpt
 from . import distributed as _dist
 from .config import TrainConfig, write_config
@@ -62,13 +63,24 @@ class RunDirError(ValueError):
     """The output directory cannot be used (holds another run, not writable...)."""
 
 
-# TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (Precision.tune)
+def is_run_dir(path: str) -> bool:
+    """Does ``path`` hold an ampkit run (a config.toml of ours, metrics.jsonl, or checkpoints/)?"""
+    if not os.path.isdir(path):
+        return False
+    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        return True
+    try:
+        with open(os.path.join(path, "config.toml")) as f:
+            return f.readline().startswith("# ampkit train config")
+    except OSError:
+        return False
+
+
+# TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (ampkit.tune)
 _MEMORY_FORMATS = {"auto": None, "channels_last": True, "contiguous": False}
 
 
 def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
-    from ..precision.convert import is_norm
-
     return param.dim() <= 1 or name.endswith(".bias") or is_norm(module)
 
 
@@ -169,7 +181,7 @@ class Trainer:
         if isinstance(eval_data, DataLoader):
             self._collate[id(eval_data.dataset)] = eval_data.collate_fn
             eval_data = eval_data.dataset
-        self.config = (config or TrainConfig()).updated(**overrides)
+        self.config = (config or TrainConfig()).updated(**overrides).checked()
         cfg = self.config
         if cfg.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}.")
@@ -204,6 +216,8 @@ class Trainer:
         self.task = task or _infer_task(train_data)
         self.class_names = list(class_names) if class_names else None
         self.loss_fn = loss_fn or default_loss
+        self._peek_resume_options()
+        self._check_model_accepts_data(model)  # before timing or writing anything
         if not isinstance(precision, Precision):
             self._tune(model)
         if self._fsdp:  # shard first: the optimizer must hold the sharded (DTensor) parameters
@@ -225,6 +239,8 @@ class Trainer:
         self.raw_model = self.model
         if self.world_size > 1 and not self._fsdp:
             self.model = _dist.wrap_model(self.model, self.device)
+            # DDP all-reduces gradients: every rank sees the same ones, so found-inf needs no collective
+            self.precision.scaler.distributed = False
         if cfg.compile:
             self.model = torch.compile(self.model)
         n_batches = self._batches_per_epoch()
@@ -243,12 +259,16 @@ class Trainer:
         self._stop_signal: Optional[int] = None
         self.last_checkpoint: Optional[str] = None
         self._saved_state: Optional[tuple] = None
+        self._time_before = 0.0  # training seconds of the segments before a resume
+        self._created_dir: Optional[str] = None
+        self._t_segment: Optional[float] = None
+        self._pending_step: Optional[tuple] = None  # the last step, its skip flag not yet read
 
     def _tune(self, model: nn.Module) -> None:
-        """Measure what the run left open on this model and its first batch (``Precision.tune``; cached
-        per machine): the mode for precision auto, the memory format of a conv model. A resumed auto
-        run keeps its checkpoint's mode. Several processes keep the defaults (every rank must run the
-        same mode and layout, and timings differ per rank)."""
+        """Measure what the run left open on this model and its first batch (``ampkit.tune``; cached
+        per machine): the mode for precision auto, the memory format of a conv model, attention kernels.
+        A resumed auto run keeps its checkpoint's mode. Several processes keep the defaults (every rank
+        must run the same mode and layout, and timings differ per rank)."""
         cfg, prec = self.config, self.precision
         modes = prec.requested == AUTO
         if modes and cfg.resume:
@@ -260,17 +280,14 @@ class Trainer:
             except Exception:
                 saved = None  # fit() reports a bad checkpoint with the full message
             if saved and saved != prec.name and saved in MODES:
-                prec.__init__(saved, **prec._init_kwargs)
-                prec.requested = AUTO
-                prec.reason = "the resumed run's precision"
+                prec = self.precision = prec.retuned(Tuned(mode=saved, mode_reason="the resumed run's precision"))
             modes = False
-        layout = prec.channels_last is None and has_conv2d(model)
-        if not (modes or layout) or not cfg.autotune or self.world_size > 1 or self._fsdp:
+        if not needs_tuning(prec, model, modes) or not cfg.autotune or self.world_size > 1 or self._fsdp:
             return
         idx = torch.arange(min(cfg.batch_size, len(self.train_data)))
         x, y = self._fetch(self.train_data, idx)
-        prec.tune(model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes,
-                  log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
+        self.precision = tune(prec, model, x, y, self.loss_fn, grad_accum=cfg.grad_accum, modes=modes,
+                              log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
 
     # ------------------------------------------------------------------ data
     def _batches_per_epoch(self) -> int:
@@ -310,15 +327,22 @@ class Trainer:
         if not cfg.out or self.rank != 0:
             return cfg.out
         out = cfg.out
-        holds_run = os.path.isdir(out) and any(
-            os.path.exists(os.path.join(out, f)) for f in ("config.toml", "summary.json", "checkpoints", "metrics.jsonl"))
+        holds_run = is_run_dir(out)
         if os.path.exists(out) and not os.path.isdir(out):
             raise RunDirError(f"--out {out!r} is a file, not a directory: choose another --out.")
+        if not holds_run and os.path.isdir(out) and os.listdir(out):
+            shown = ", ".join(sorted(os.listdir(out))[:3]) + (", ..." if len(os.listdir(out)) > 3 else "")
+            raise RunDirError(f"--out {out!r} is a directory that is not an ampkit run and is not empty (it holds "
+                              f"{shown}): ampkit writes only into a new or empty directory or a run of its own: "
+                              "choose a new --out (nothing was written).")
         if holds_run and not cfg.resume:
             raise RunDirError(
                 f"--out {out!r} already holds a run: continue it with --resume auto, or choose another --out "
                 "(nothing was overwritten).")
         try:
+            if not os.path.isdir(out) or not os.listdir(out):
+                self._created_dir = out  # emptied again when this invocation fails before its first checkpoint
+                self._dir_existed = os.path.isdir(out)
             os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
             probe = os.path.join(out, ".write-test")
             with open(probe, "w") as f:
@@ -348,6 +372,57 @@ class Trainer:
         self.run_dir = self.config.out
         return path
 
+    def _check_model_accepts_data(self, model: nn.Module) -> None:
+        """One fp32 forward and loss of the user's model on two training samples (eval mode, no grad) and
+        the labels against its outputs: a model that does not fit the data is one ValueError naming the
+        fix, before anything is timed or written."""
+        from ..data import check_labels
+
+        x, y = self._fetch(self.train_data, torch.arange(min(2, len(self.train_data))))
+        dev = next((p.device for p in model.parameters()), None)
+        if dev is not None and dev != self.device:
+            x, y = to_device(x, dev), to_device(y, dev)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = call_model(model, x)
+                self.loss_fn(out, y)
+        except Exception as e:
+            text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            hint = ""
+            if isinstance(x, torch.Tensor):
+                hint = f" (a sample of x has shape {tuple(x.shape[1:])}, dtype {str(x.dtype).replace('torch.', '')})"
+                if not x.is_floating_point() and self.task != "lm":
+                    hint += ("; x holds integers: save it as float32 (e.g. x.astype('float32') / 255 for 8-bit "
+                             "images)")
+            raise ValueError(f"the model cannot train on this data: {type(e).__name__}: {text}{hint}. Use a model "
+                             "that fits the data (--model), or fix the data.") from None
+        finally:
+            model.train(was_training)
+        if (self.loss_fn is default_loss and isinstance(out, torch.Tensor) and out.dim() >= 2
+                and isinstance(y, torch.Tensor) and not y.is_floating_point()):
+            check_labels(self.train_data, out.shape[-1], "training")
+            if self.eval_data is not None:
+                check_labels(self.eval_data, out.shape[-1], "evaluation")
+
+    def _finished(self) -> bool:
+        cfg = self.config
+        return self.epoch >= cfg.epochs or bool(cfg.max_steps and self.global_step >= cfg.max_steps)
+
+    def _already_finished(self) -> Optional[Dict[str, Any]]:
+        """Resuming a run that already reached its epochs/max-steps: say so, change no file, return its summary."""
+        path = os.path.join(self.run_dir, "summary.json") if self.run_dir else None
+        if not path or not os.path.isfile(path):
+            return None  # it stopped before writing its summary: the normal path finishes it
+        if self.rank == 0:
+            print(f"ampkit: the run in {self.run_dir} already finished ({self.epoch} epoch(s), {self.global_step} "
+                  f"optimizer steps; epochs={self.config.epochs}, max_steps={self.config.max_steps}): nothing to "
+                  "train and no file changed. Pass a larger --epochs or --max-steps to train it further.",
+                  file=sys.stderr)
+        with open(path) as f:
+            return json.load(f)
+
     def _checkpoint_dir(self) -> Optional[str]:
         return os.path.join(self.run_dir, "checkpoints") if self.run_dir else None
 
@@ -367,12 +442,16 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "progress": {"epoch": self.epoch, "batch": self.batch_in_epoch, "global_step": self.global_step,
                          "attempted_steps": self.attempted_steps, "world_size": self.world_size},
+            # wall time of every segment so far (summary.json's train_time_s of a resumed run); not state
+            "train_time_s": self._time_before + (time.perf_counter() - self._t_segment
+                                                 if self._t_segment is not None else 0.0),
             "rng": ckpt.rng_state(),
             "config": {k: v for k, v in self.config.to_dict().items() if v is not None},
             "model_signature": ckpt.model_signature(self.raw_model),
         }
 
     def save_checkpoint(self) -> Optional[str]:
+        self._resolve_step()
         directory = self._checkpoint_dir()
         if directory is not None:  # every rank: all must agree on whether the final save is due
             self._saved_state = (self.epoch, self.batch_in_epoch, self.attempted_steps)
@@ -400,6 +479,8 @@ class Trainer:
         if missing:
             raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
                                        "incomplete or was not written by the ampkit Trainer.")
+        saved = ck.get("config") or {}
+        self._check_saved_options(ck, path)
         mine, theirs = ckpt.model_signature(self.raw_model), ck.get("model_signature")
         if theirs is not None and [list(x) for x in theirs] != mine:
             diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
@@ -407,23 +488,6 @@ class Trainer:
                       f"{diff[1][0]} {diff[1][1]} {diff[1][2]}" if diff else
                       f"checkpoint has {len(theirs)} tensors, model has {len(mine)}")
             raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
-        saved = ck.get("config") or {}
-        saved_world = int(ck.get("progress", {}).get("world_size", 1))
-        for key in _RESUME_MUST_MATCH:
-            if key == "batch_size" and key in saved:  # the global batch must match; the world size may change
-                theirs, ours = saved[key] * saved_world, self.config.batch_size * self.world_size
-                if theirs != ours:
-                    raise ckpt.CheckpointError(
-                        f"checkpoint {path!r} was written with a global batch of {theirs} (batch_size={saved[key]} x "
-                        f"{saved_world} process(es)), this run has {ours} (batch_size={self.config.batch_size} x "
-                        f"{self.world_size}): its saved position would not match the data. Resume with the run's own "
-                        "options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
-                continue
-            if key in saved and saved[key] != getattr(self.config, key):
-                raise ckpt.CheckpointError(
-                    f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
-                    f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume with "
-                    "the run's own options (ampkit train --config RUN_DIR/config.toml --resume auto), or start a new run.")
         note = self._schedule_change(saved) if self._own_schedule and saved else None
         if note:
             warnings.warn(note, stacklevel=2)
@@ -445,8 +509,48 @@ class Trainer:
             self.batch_in_epoch = _dist.rescale_position(
                 self.batch_in_epoch, saved_batch, self.world_size * self.config.batch_size, path)
         self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
+        self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
+
+    def _check_saved_options(self, ck: Dict[str, Any], path: str) -> None:
+        """The options that define what a checkpoint's position means must match this run's."""
+        saved = ck.get("config") or {}
+        saved_world = int(ck.get("progress", {}).get("world_size", 1))
+        for key in _RESUME_MUST_MATCH:
+            if key == "batch_size" and key in saved:  # the global batch must match; the world size may change
+                theirs, ours = saved[key] * saved_world, self.config.batch_size * self.world_size
+                if theirs != ours:
+                    fix = (f"resume with --batch-size {theirs // self.world_size} ({theirs} = "
+                           f"{theirs // self.world_size} x {self.world_size} process(es))" if theirs % self.world_size == 0
+                           else f"resume on a number of processes that divides {theirs}")
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {path!r} was written with a global batch of {theirs} (batch_size={saved[key]} x "
+                        f"{saved_world} process(es)), this run has {ours} (batch_size={self.config.batch_size} x "
+                        f"{self.world_size}): its saved position would not match the data. Keep the global batch: "
+                        f"{fix}; or start a new run.")
+                continue
+            if key in saved and saved[key] != getattr(self.config, key):
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
+                    f"{key}={getattr(self.config, key)!r}: its saved position would not match the data. Resume "
+                    f"without --{key.replace('_', '-')} (a resumed run keeps its saved options), or start a new run.")
+
+    def _peek_resume_options(self) -> None:
+        """Resuming: refuse options that contradict the checkpoint before the data is even tried on the
+        model (another --data can make the model fail on it first, with a less useful message)."""
+        cfg = self.config
+        if not cfg.resume:
+            return
+        path = cfg.resume
+        if path == "auto":
+            path = ckpt.latest_checkpoint(os.path.join(cfg.out, "checkpoints")) if cfg.out else None
+        try:
+            ck = ckpt.load_checkpoint(path, map_location="cpu") if path else None
+        except Exception:
+            return  # fit() reports a bad checkpoint with the full message
+        if ck is not None:
+            self._check_saved_options(ck, path)
 
     def _schedule_change(self, saved: Dict[str, Any]) -> Optional[str]:
         """What a resume with other schedule options changes, in one sentence, or None.
@@ -470,8 +574,8 @@ class Trainer:
         if not changes:
             return None
         return ("resuming with other learning-rate options: " + "; ".join(changes) + ". The learning rate will "
-                "differ from the uninterrupted run's; resume with the run's own options (ampkit train --config "
-                "RUN_DIR/config.toml --resume auto) to keep it.")
+                "differ from the uninterrupted run's; resume without those flags (a resumed run keeps its saved "
+                "options) to keep it.")
 
     def _resolve_resume(self) -> Optional[str]:
         spec = self.config.resume
@@ -510,6 +614,28 @@ class Trainer:
         """Train for the configured epochs/steps; returns the summary dict."""
         cfg = self.config
         resume_path = self._prepare_run()
+        try:
+            return self._fit(resume_path)
+        except BaseException:
+            self._remove_stub_run_dir()
+            raise
+
+    def _remove_stub_run_dir(self) -> None:
+        """A run directory this invocation created (or found empty) that holds no checkpoint yet is emptied on
+        failure, so the retry does not find 'a run' in its way; one that held anything is never touched."""
+        out = getattr(self, "_created_dir", None)
+        if not out or self.rank != 0 or self.last_checkpoint or not os.path.isdir(out):
+            return
+        if ckpt.list_checkpoints(os.path.join(out, "checkpoints")):
+            return
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        if getattr(self, "_dir_existed", False):  # the user's empty directory stays, empty
+            os.makedirs(out, exist_ok=True)
+
+    def _fit(self, resume_path: Optional[str]) -> Dict[str, Any]:
+        cfg = self.config
         if resume_path:
             try:
                 self.load_checkpoint(resume_path)
@@ -521,6 +647,13 @@ class Trainer:
                 raise
         else:
             torch.manual_seed(cfg.seed)
+            if cfg.resume == "auto" and self.rank == 0:
+                print(f"ampkit: --resume auto: no checkpoint in {self._checkpoint_dir()}: starting a new run there",
+                      file=sys.stderr)
+        if resume_path and self._finished():
+            done = self._already_finished()
+            if done is not None:
+                return done
         self._check_inputs_finite()
         is_main = self.rank == 0
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None
@@ -536,13 +669,13 @@ class Trainer:
             reduce=_mean_loss_over_ranks if self.world_size > 1 else None,
         )
         if self.run_dir and is_main:
-            write_config(cfg, os.path.join(self.run_dir, "config.toml"),
+            write_config(cfg.updated(resume=None), os.path.join(self.run_dir, "config.toml"),
                          {"precision (resolved)": self.precision.describe()})
         if is_main:
             print(f"ampkit: {self.precision.describe()}", file=sys.stderr)
             if resume_path:
                 print(f"ampkit: resumed from {resume_path} (epoch {self.epoch}, step {self.global_step})", file=sys.stderr)
-        t_start = time.perf_counter()
+        t_start = self._t_segment = time.perf_counter()
         samples_seen = 0
         try:
             with self._signal_guard():
@@ -554,7 +687,7 @@ class Trainer:
         except TrainingInterrupted:
             logger.close()
             raise
-        train_time = time.perf_counter() - t_start
+        train_time = self._time_before + time.perf_counter() - t_start  # all segments of a resumed run
         summary = self._finish(logger, samples_seen, train_time, is_main)
         logger.close()
         return summary
@@ -596,29 +729,23 @@ class Trainer:
                 progress.advance()
                 if not last_in_window:
                     continue
-                try:
-                    stepped = precision.step(optimizer, max_norm=cfg.max_norm)
-                except NonFiniteGradientsError:
-                    self._check_window_inputs(window_inputs)  # bad data explains it better
-                    self.attempted_steps += 1
-                    self._log_step(logger, window_loss, stepped=False)  # the stopping step is counted too
-                    raise
-                if not stepped:
-                    self._check_window_inputs(window_inputs)
-                window_inputs = []
-                optimizer.zero_grad(set_to_none=True)
+                # the previous step's skip flag, one step late: its copy to the host finished while this
+                # window's forward/backward was queued, so reading it does not wait for this step
+                self._resolve_step()
+                result = precision.step(optimizer, max_norm=cfg.max_norm)
                 self.attempted_steps += 1
-                if stepped:
-                    self.global_step += 1
-                    if self.scheduler is not None:
-                        self.scheduler.step()
-                self._log_step(logger, window_loss, stepped)
+                record = self._log_step(logger, window_loss)
+                self._pending_step = (record, result.to_host(), window_inputs, self.batch_in_epoch)
+                window_inputs = []
                 window_loss = torch.zeros((), device=self.device)
                 log_due = self.attempted_steps % cfg.log_every == 0 or i == n
                 save_due = bool(cfg.save_every) and self.attempted_steps % cfg.save_every == 0
                 # a signal is local to a rank: with several, they flush (a collective) and stop only at
                 # log boundaries, where all agree
                 stop_pending = self._stop_signal is not None and self.world_size == 1
+                if log_due or save_due or stop_pending or (cfg.max_steps and self.attempted_steps >= cfg.max_steps):
+                    self._resolve_step()  # global_step can reach max_steps only once attempted_steps has
+                optimizer.zero_grad(set_to_none=True)  # after: a skip-limit error names the bad grads
                 if log_due or save_due or stop_pending:
                     # metrics reach the file before any checkpoint: a kill never loses logged steps
                     now = time.perf_counter()
@@ -663,14 +790,40 @@ class Trainer:
             self.save_checkpoint()  # the final state, whatever --save-every said
         return samples_seen
 
-    def _log_step(self, logger: MetricsLogger, window_loss: torch.Tensor, stepped: bool) -> None:
+    def _log_step(self, logger: MetricsLogger, window_loss: torch.Tensor) -> Dict[str, Any]:
+        """Queue this step's record; ``optimizer_step``, ``skipped`` and ``lr`` are filled in when the
+        skip flag is resolved (``_resolve_step``, always before the record is written)."""
         scaler = self.precision.scaler
-        logger.step({
-            "kind": "train", "step": self.attempted_steps, "optimizer_step": self.global_step,
+        record = {
+            "kind": "train", "step": self.attempted_steps, "optimizer_step": None,
             "epoch": self.epoch, "loss": window_loss.clone(),
             "scale": scaler.scale_tensor.clone() if scaler.scale_tensor is not None else 1.0,
-            "skipped": not stepped, "lr": self.optimizer.param_groups[0]["lr"],
-        })
+            "skipped": None, "lr": None,
+        }
+        logger.step(record)
+        return record
+
+    def _resolve_step(self) -> None:
+        """Apply the last step's outcome on the host: count it, advance the LR schedule only on a real
+        step, check a skipped window's inputs, stop at the skip limit. Called before the next optimizer
+        step (the copy of the flag is done by then: no wait in steady state) and at log/save points."""
+        pending, self._pending_step = self._pending_step, None
+        if pending is None:
+            return
+        record, flag, window_inputs, batch_in_epoch = pending
+        stepped = True if flag is None else not flag.value() > 0
+        if stepped:
+            self.global_step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        record.update(optimizer_step=self.global_step, skipped=not stepped, lr=self.optimizer.param_groups[0]["lr"])
+        if not stepped:
+            try:
+                self._check_window_inputs(window_inputs)  # bad data explains a skip better
+                self.precision.scaler.check_skip_limit(self.optimizer)
+            except NonFiniteGradientsError:
+                self.batch_in_epoch = batch_in_epoch  # where the stopping step was (for the report)
+                raise
 
     def _stop_now(self, boundary: bool) -> bool:
         """Stop after a signal. Ranks get signals at different steps, so with several they agree at
@@ -714,7 +867,7 @@ class Trainer:
                         first = int(idx[int(bad.nonzero()[0])])
                         raise ValueError(
                             f"the training data holds NaN/inf in its {what}: epoch {self.epoch + 1}, batch {b}, "
-                            f"sample {first} ({int(bad.sum())} bad sample(s) in that batch); the step was skipped. "
+                            f"{_row_of(self.train_data, first)} ({int(bad.sum())} bad sample(s) in that batch); the step was skipped. "
                             "Clean or filter the data before training.")
 
     def _check_inputs_finite(self) -> None:
@@ -734,8 +887,8 @@ class Trainer:
                                     where = f" (epoch {self.epoch + 1}, batch {b})"
                                     break
                         raise ValueError(
-                            f"the {name} data holds NaN/inf in the {what} of {int(bad.sum())} sample(s); first at sample "
-                            f"{first}{where}. Clean or filter the data before training.")
+                            f"the {name} data holds NaN/inf in the {what} of {int(bad.sum())} sample(s); first at "
+                            f"{_row_of(ds, first)}{where}. Clean or filter the data before training.")
 
     def _finish(self, logger: MetricsLogger, samples_seen: int, train_time: float, is_main: bool) -> Dict[str, Any]:
         final = self._evaluate(collect=True) if self.eval_data is not None else None
@@ -811,6 +964,12 @@ class Trainer:
         ]
         with open(os.path.join(self.run_dir, "nonfinite_report.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def _row_of(dataset: Dataset, index: int) -> str:
+    from ..data import row_of
+
+    return row_of(dataset, index)
 
 
 def _mean_loss_over_ranks(values: torch.Tensor, keys: List[str]) -> torch.Tensor:

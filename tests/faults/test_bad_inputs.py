@@ -106,7 +106,7 @@ def test_cli_reports_the_batch(tmp_path, monkeypatch, capsys, ledger):
     with ledger.trial("NaN/inf in the data reported", note="CLI, .npz file"):
         # caught while loading, before the split into batches: the sample index in the file
         line = _one_line(capsys, ["train", "--data", "inf.npz", "--out", "a"] + fast)
-        assert "'inf.npz': x holds NaN/inf (first at sample 33)" in line, line
+        assert "'inf.npz': x holds NaN/inf (first at row 33)" in line, line
     with ledger.trial("NaN/inf in the data reported", note="CLI, map-style dataset factory"):
         line = _one_line(capsys, ["train", "--data", f"{__package__}.hostile_data:digits_with_nan", "--model", "mlp",
                                   "--out", "b"] + fast)

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ....precision.master import MasterWeightOptimizer, _foreach_copy, delegated
+from ....optim.master import MasterWeightOptimizer, _foreach_copy, delegated
 from ....precision.scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ....precision.convert import cast_floating
-from ....precision.master import _foreach_copy
+from ....optim.master import _foreach_copy
 
 __all__ = [
     "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network", "FP16Model",

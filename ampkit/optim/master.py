@@ -132,6 +132,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def copy_masters_to_model(self) -> None:
         _foreach_copy(self.model_params, self.master_params)
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's fused-optimizer protocol, passed through: a fused inner optimizer takes the scaler's
+        ``grad_scale``/``found_inf`` and skips on the device (the masters stay, so the model does too)."""
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
+
     def step(self, closure=None):
         if closure is not None:
             raise RuntimeError(
@@ -139,7 +145,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 "precision.backward(loss)) before step()."
             )
         self.sync_grads()
-        retval = self.optimizer.step()
+        handed = [name for name in ("grad_scale", "found_inf") if name in self.__dict__]
+        for name in handed:  # set on us by the scaler (fused protocol): the inner optimizer reads them
+            setattr(self.optimizer, name, self.__dict__[name])
+        try:
+            retval = self.optimizer.step()
+        finally:
+            for name in handed:
+                self.optimizer.__dict__.pop(name, None)
         self.copy_masters_to_model()
         self._grads_synced = False
         return retval

@@ -6,7 +6,7 @@ weights with bf16 params save autocast's per-forward weight casts and memory, bu
 and a master-to-model copy per step, which pays on some models and not on others. So, when a
 model and a batch are at hand (the Trainer has both), `auto` times a few optimizer steps of each
 candidate on deep copies of the model, and keeps the fastest. Verdicts are cached on disk next to
-the op policy's (``$AMPKIT_CACHE_DIR`` or ``~/.cache/ampkit/automode.json``), keyed by device,
+the op-speed verdicts (``$AMPKIT_CACHE_DIR`` or ``~/.cache/ampkit/automode.json``), keyed by device,
 torch version, threads, the model's parameter signature and the batch shapes, so a model is timed
 once per machine.
 
@@ -30,11 +30,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .cache import cache_file, load_entries, store_entry
-from .device import auto_mode, device_info, machine_key, resolve_device
-from .modes import MODES
+from ..diagnose import verdict
+from ..precision import Precision
+from ..precision.device import auto_mode, device_info, machine_key, resolve_device
+from ..precision.modes import MODES
 from ..utils.batch import call_model
 from ..utils.tree import iter_tensors, to_device
+from .cache import cache_file, load_entries, store_entry
 
 __all__ = ["CannotTime", "auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
 
@@ -98,7 +100,7 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
     dev = resolve_device(device)
     inputs, target = to_device(inputs, dev), to_device(target, dev)
     args = inputs if isinstance(inputs, (list, tuple, Mapping)) else (inputs,)  # call_model: a Mapping is kwargs
-    make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7))
+    make_optimizer = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-7, eps=1e-4))
     # the user's training sees the same random streams (CPU, and this GPU's) as without the timing
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         times = _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds, make_optimizer,
@@ -108,8 +110,6 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
 
 def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds,
                  make_optimizer, budget_s=None) -> Dict[str, List[float]]:
-    from .policy import Precision
-
     runs = {}
     for label, kwargs in candidates.items():
         try:
@@ -193,7 +193,7 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     if len(passed) == 1:  # nothing left to time
         if not hit:
             remember({})
-        return {"mode": passed[0], "reason": f"{dev_reason}; {check_note}", "ms": {}, "cached": bool(hit),
+        return {"mode": passed[0], "reason": _why(passed[0], cands[0], dev_reason, check_note), "ms": {}, "cached": bool(hit),
                 "checked": checked}
     cached = set(hit.get("ms", {})) == set(passed)
     if not cached and log:
@@ -205,9 +205,16 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     best = min(passed, key=ms.get)
     mode = best if ms[best] < 0.97 * ms[passed[0]] else passed[0]
     timing = ", ".join(f"{m} {fmt_ms(ms[m])}" for m in passed)
-    reason = (f"{dev_reason}; {check_note}; fastest here, measured per step ({timing}"
-              f"{', cached' if cached else ''})")
+    reason = _why(mode, cands[0], dev_reason, f"{check_note}; {mode} fastest here, measured per step ({timing}"
+                                              f"{', cached' if cached else ''})")
     return {"mode": mode, "reason": reason, "ms": ms, "cached": cached, "checked": checked}
+
+
+def _why(mode: str, device_choice: str, dev_reason: str, measured: str) -> str:
+    """The reason line: the device's own argument only where it is the mode that was kept."""
+    if mode == device_choice:
+        return f"{dev_reason}; {measured}"
+    return f"{measured}; the device alone suggested {device_choice} ({dev_reason})"
 
 
 def _probe(mode: str) -> str:
@@ -224,8 +231,6 @@ def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mod
     `auto` keeps only the modes whose check is ok: the fastest mode that passes the accuracy check.
     A check that cannot run on this model says so and rules nothing out.
     """
-    from ..diagnose.verdict import amp_verdicts
-
     probes = sorted({_probe(m) for m in modes} - {"fp32"})
     if not probes:
         return {}
@@ -233,7 +238,7 @@ def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mod
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            verdicts = amp_verdicts(model, batch, loss_fn, probes, device)
+            verdicts = verdict.amp_verdicts(model, batch, loss_fn, probes, device)
     except Exception as e:  # a model the check cannot drive: timing alone decides, and the reason says so
         warnings.warn(f"precision auto: the AMP check could not run on this model ({type(e).__name__}: {e}); "
                       "choosing by speed alone.", stacklevel=3)

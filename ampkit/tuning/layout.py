@@ -4,7 +4,7 @@ Whether NHWC (channels_last) beats NCHW depends on the device, the dtype *and* t
 2-core AVX2 EPYC in fp32, one training step of the reference ResNet ran ~1.2x faster in
 channels_last, the two-conv SimpleCNN ~0.9x (slower); on AMX CPUs bf16 convolutions want
 channels_last (the oneDNN kernels are blocked for it). A fixed rule is wrong for some model, so
-when a batch is at hand (``Precision.tune``: the Trainer, the bench's ampkit runner) and the
+when a batch is at hand (``ampkit.tune``: the Trainer, the bench's ampkit runner) and the
 user did not say, ``setup`` uses the layout measured on deep copies of the model: a few optimizer
 steps in each, alternating, in the mode that will train. channels_last is kept only when at least
 3% faster (a tie keeps the default layout). Verdicts are cached with the auto-mode timings
@@ -21,8 +21,10 @@ from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
+from ..precision.device import machine_key, resolve_device
+from . import autotune
+from .autotune import fmt_ms, signature
 from .cache import cache_file, load_entries, store_entry
-from .device import machine_key, resolve_device
 
 __all__ = ["has_conv2d", "faster_layout", "layout_cache_path", "MARGIN"]
 
@@ -52,8 +54,6 @@ def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
     ``precision_kwargs`` are the rest of the ``Precision`` settings the run uses (fp32 modules...);
     ``log`` is told once before a measurement is taken (not when the verdict is cached).
     """
-    from .autotune import fmt_ms, signature, time_precisions
-
     dev = resolve_device(device)
     key = f"{machine_key(dev)}|{mode}|{signature(model, inputs, target)}"
     hit = load_entries(layout_cache_path()).get(key)
@@ -65,7 +65,7 @@ def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
             log(f"timing NCHW vs channels_last in {mode} on the first batch (at most {2 * (warmup + steps * rounds)} "
                 "steps, once per model on this machine; --memory-format skips it)")
         kwargs = {k: v for k, v in precision_kwargs.items() if k != "channels_last"}
-        ms = time_precisions(model, inputs, target, loss_fn,
+        ms = autotune.time_precisions(model, inputs, target, loss_fn,
                              {"contiguous": {"name": mode, "channels_last": False, **kwargs},
                               "channels_last": {"name": mode, "channels_last": True, **kwargs}},
                              dev, steps=steps, warmup=warmup, rounds=rounds)

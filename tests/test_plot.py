@@ -1,0 +1,79 @@
+"""`ampkit plot` (issue 20): a diverged run still shows its skips and scale, the evaluation axis says what
+it shows, a run without metrics is a one-line error."""
+import json
+import math
+import os
+
+import pytest
+
+def _run_dir(path, train, evals=()):
+    path.mkdir()
+    with open(path / "metrics.jsonl", "w") as f:
+        for r in train:
+            f.write(json.dumps({"kind": "train", **r}) + "\n")
+        for r in evals:
+            f.write(json.dumps({"kind": "eval", **r}) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    return kept
+
+
+def test_diverged_run_draws_its_skips_and_scale(tmp_path, figures):
+    from ampkit.plot import plot_runs
+
+    train = [{"step": i, "loss": 1.0 if i < 3 else math.nan, "scale": 2.0 ** (10 - i) if i < 3 else 0.0,
+              "skipped": i >= 3} for i in range(1, 9)]
+    d = _run_dir(tmp_path / "div", train)
+    plot_runs([d], str(tmp_path / "c.png"), smooth=3)
+    ax_loss, _, ax_scale = figures[0].axes
+    skip_marks = [ln for ln in ax_loss.lines if ln.get_marker() == "x"]
+    assert skip_marks and len(skip_marks[0].get_xdata()) == 6
+    zero_marks = [ln for ln in ax_scale.lines if ln.get_marker() == "v"]
+    assert zero_marks and len(zero_marks[0].get_xdata()) == 6
+    assert any(len(ln.get_xdata()) == 2 for ln in ax_scale.lines)  # the positive scales, on a log axis
+    assert ax_scale.get_yscale() == "log"
+
+
+def test_eval_axis_is_labelled_by_what_it_shows(tmp_path, figures):
+    from ampkit.plot import plot_runs
+
+    train = [{"step": 1, "loss": 1.0, "scale": 1.0, "skipped": False}]
+    cls = _run_dir(tmp_path / "cls", train, [{"step": 1, "epoch": 1, "loss": 0.5, "accuracy": 0.9}])
+    reg = _run_dir(tmp_path / "reg", train, [{"step": 1, "epoch": 1, "loss": 0.25, "accuracy": None}])
+    plot_runs([cls, reg], str(tmp_path / "c.png"))
+    ax_eval = figures[0].axes[1]
+    assert ax_eval.get_ylabel() == "eval loss"
+    assert sorted(float(ln.get_ydata()[0]) for ln in ax_eval.lines) == [0.25, 0.5]  # both losses, no accuracy
+    plot_runs([cls], str(tmp_path / "d.png"))
+    assert figures[1].axes[1].get_ylabel() == "eval accuracy"
+
+
+def test_run_without_metrics_is_one_line_and_exit_2(tmp_path, capsys):
+    from ampkit.cli import main
+
+    d = _run_dir(tmp_path / "empty", [])
+    code = main(["plot", d])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().count("\n") == 0 and "no metrics records yet" in err
+    assert not os.path.exists(os.path.join(d, "curves.png"))
+
+
+def test_several_runs_never_replace_a_users_curves_png(tmp_path, monkeypatch, capsys):
+    from ampkit.cli import main
+
+    train = [{"step": 1, "loss": 1.0, "scale": 1.0, "skipped": False}]
+    a, b = _run_dir(tmp_path / "a", train), _run_dir(tmp_path / "b", train)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "curves.png").write_bytes(b"mine")
+    assert main(["plot", a, b]) == 2
+    assert (tmp_path / "curves.png").read_bytes() == b"mine"
