@@ -82,22 +82,25 @@ def test_preset_trains_and_reports_mfu_at_a_tiny_size(monkeypatch):
     assert x.shape == (2, 32) and int(x.max()) < 100 and wl.tokens_per_step == 64
     assert wl.model.head.weight is wl.model.tok.weight
     assert wl.model_flops_per_step == wl.model.model_flops_per_token(32) * 64
-    cfg = {"model": "gpt2", "precision": "bf16-mixed", "runner": "ampkit", "batch_size": 2, "steps": 2, "warmup": 1,
+    cfg = {"model": "gpt2", "precision": "fp32", "runner": "ampkit", "batch_size": 2, "steps": 2, "warmup": 1,
            "device": "cpu", "lr": 1e-3, "seed": 0, "count_flops": True, "profile": False}
     r = measure(cfg)
     assert r["tokens_per_step"] == 64 and r["model_flops_per_step"] == wl.model_flops_per_step
-    assert r["flops_per_step"] > r["model_flops_per_step"] and math.isfinite(r["final_loss"])
+    # torch's count: + the flash backward's recomputed scores (2*L*d*T per token); a GEMM attention has none
+    extra = 2 * 2 * 64 * 32 * 64
+    assert r["flops_per_step"] in (r["model_flops_per_step"], r["model_flops_per_step"] + extra)
+    assert math.isfinite(r["final_loss"])
     assert r["n_params"] == count_params(wl.model)
-    p = measure_paired({**cfg, "runner": "paired", "loop_precision": "bf16-mixed"})
+    p = measure_paired({**cfg, "runner": "paired", "loop_precision": "fp32"})
     assert len(p["ratios"]) == 2 and math.isfinite(p["final_loss"])
     # MFU: model FLOPs per second over the measured peak of the mode's dtype
     row = {**r, "ms_per_step": 10.0, "ms_per_step_spread": 0.0}
-    device = {"type": "cpu", "peak_flops": {"fp32": 1e12, "bf16": 2e12}}
+    device = {"type": "cpu", "peak_flops": {"fp32": 2e12, "bf16": 1e12}}
     finalize([row], device)
     assert row["mfu"] == pytest.approx(r["model_flops_per_step"] * 100 / 2e12, rel=1e-3)
-    assert row["mfu"] < row["utilisation"]
+    assert row["mfu"] <= row["utilisation"]
     md = markdown(device, [row], {"steps": 2, "warmup": 1, "repeats": 1, "command": "ampkit bench --models gpt2"}, [])
-    assert "## Model FLOPs utilisation" in md and "| gpt2 | bf16-mixed | ampkit | 6400 |" in md
+    assert "## Model FLOPs utilisation" in md and "| gpt2 | fp32 | ampkit | 6400 |" in md
     assert configs.REFERENCE_MODELS["gpt2"]["what"].startswith("GPT-2 small (124M)")
 
 
