@@ -1,8 +1,11 @@
 """Adam and AdamW whose updates survive bf16 weights (Kahan or stochastic rounding).
 
-The update rule is torch's foreach Adam, op for op: on fp32 params with ``compensation=None``
-the result is bitwise equal to ``torch.optim.AdamW(foreach=True)`` (tested), so any difference
-in bf16 comes from where the update lands, never from a different algorithm.
+The update rule is torch's foreach Adam: on fp32 params with ``compensation=None`` the moments
+are bitwise equal to ``torch.optim.AdamW(foreach=True)``'s and the params equal to float rounding
+(tested): the step counts stay on the device, as in torch's capturable/fused Adam, so the bias
+corrections are device tensors (float32 factors) instead of Python doubles, and the update
+``step_size * m / (sqrt(v) / bc2 + eps)`` is computed in fp32 for bf16 state too. Any other
+difference in bf16 comes from where the update lands, never from a different algorithm.
 
 Memory for bf16 params, per parameter: weight 2 + grad 2 + exp_avg 2 + exp_avg_sq 2 +
 Kahan buffer 2 = 10 bytes (8 with stochastic rounding), against 16 for fp32 AdamW.
