@@ -1,7 +1,8 @@
 """Reference models (written here; torchvision does not import beside this torch) and model specs.
 
 ``build_model(spec)`` takes a reference name (``cnn``/``simple_cnn``, ``resnet``, ``gpt``, ``mlp``)
-or a user factory ``pkg.module:factory`` (called with keyword arguments it accepts).
+or a user factory ``pkg.module:factory`` (called with keyword arguments it accepts); ``gpt2`` is
+GPT-2 small (124M parameters) built by :func:`gpt2` from the same :class:`GPT` class.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["SimpleCNN", "ResNet", "GPT", "MLP", "REFERENCE", "build_model", "load_factory"]
+__all__ = ["SimpleCNN", "ResNet", "GPT", "MLP", "GPT2_SMALL", "gpt2", "REFERENCE", "build_model", "load_factory"]
 
 
 class SimpleCNN(nn.Module):
@@ -74,11 +75,14 @@ class ResNet(nn.Module):
 class GPT(nn.Module):
     """A small GPT-style causal LM built from torch's own blocks (nn.TransformerEncoderLayer).
 
-    Defaults match DESIGN.md's measured model: d=384, 4 layers, 6 heads, context 256.
+    Defaults match DESIGN.md's measured model: d=384, 4 layers, 6 heads, context 256. Pre-norm
+    blocks (LayerNorm, causal self-attention, GELU MLP 4x), learned positions, a final LayerNorm;
+    attention runs through ``F.scaled_dot_product_attention`` with ``is_causal`` (nn.MultiheadAttention's
+    training path). ``tie_weights=True`` makes the LM head share the token embedding's weight (GPT-2).
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 384, n_layers: int = 4, n_heads: int = 6,
-                 block_size: int = 256, dropout: float = 0.0) -> None:
+                 block_size: int = 256, dropout: float = 0.0, tie_weights: bool = False) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok = nn.Embedding(vocab_size, d_model)
@@ -89,6 +93,8 @@ class GPT(nn.Module):
         self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_weights:
+            self.head.weight = self.tok.weight
         self.apply(self._init)
 
     @staticmethod
@@ -98,6 +104,16 @@ class GPT(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
+    def model_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, forward + backward, as MFU counts them (PaLM, appendix B; nanoGPT):
+        ``6 * N + 12 * n_layers * d_model * seq_len``. N counts the weights matmuls use (the blocks' matrices
+        and the LM head, i.e. the tied embedding once; not the position table, biases or norms); the second
+        term is attention's two T x T matmuls, dense (a causal mask is not halved), without the score
+        recomputation a flash backward does (torch's FlopCounterMode counts that: 14 instead of 12)."""
+        layers = self.blocks.layers
+        n = sum(p.numel() for p in self.blocks.parameters() if p.dim() == 2) + self.head.weight.numel()
+        return 6 * n + 12 * len(layers) * self.tok.embedding_dim * int(seq_len)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.block_size:
@@ -106,6 +122,21 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(pos)
         x = self.blocks(x, is_causal=True, mask=nn.Transformer.generate_square_subsequent_mask(t, device=idx.device))
         return self.head(self.norm(x))
+
+
+#: GPT-2 small (Radford et al. 2019): 124,439,808 parameters with the LM head tied to the embedding
+GPT2_SMALL: Dict[str, Any] = {"vocab_size": 50257, "block_size": 1024, "d_model": 768, "n_layers": 12, "n_heads": 12}
+
+
+def gpt2(vocab_size: int = 50257, block_size: int = 1024, d_model: int = 768, n_layers: int = 12, n_heads: int = 12,
+         dropout: float = 0.0) -> GPT:
+    """GPT-2 small (124M): 12 pre-norm layers, 12 heads, d_model 768, 1024-token context, vocab 50257,
+    GELU MLP 4x, LM head tied to the token embedding. Every size is an argument, so a smaller model of
+    the same shape (a test's, or ``ampkit train --model gpt2 --data sequences``'s vocab and context) is
+    the same code. Dropout defaults to 0 (as in nanoGPT's benchmark); exact GELU (nanoGPT's) rather than
+    GPT-2's tanh approximation."""
+    return GPT(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, block_size=block_size,
+               dropout=dropout, tie_weights=True)
 
 
 class MLP(nn.Module):
@@ -129,6 +160,7 @@ REFERENCE: Dict[str, Callable[..., nn.Module]] = {
     "simple_cnn": SimpleCNN,
     "resnet": ResNet,
     "gpt": GPT,
+    "gpt2": gpt2,
     "mlp": MLP,
 }
 

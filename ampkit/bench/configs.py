@@ -15,6 +15,7 @@ import torch
 from ..precision.modes import AUTO, MODES, resolve
 
 __all__ = ["Settings", "DEFAULTS", "QUICK", "RUNNERS", "REFERENCE_MODELS", "plan", "default_precisions",
+           "gpt2_batch_size",
            "baseline_precision", "has_compensated_optim", "config_key"]
 
 #: reference workloads: batch size and what one sample is (DESIGN.md's measured shapes)
@@ -23,8 +24,27 @@ REFERENCE_MODELS: Dict[str, Dict] = {
     "resnet": {"batch_size": 64, "what": "ResNet (3 stages, width 32, BatchNorm), 3x32x32 images, AdamW"},
     "gpt": {"batch_size": 16, "what": "GPT d=384, 4 layers, 6 heads, 256 tokens, vocab 256, AdamW"},
     "mlp": {"batch_size": 64, "what": "MLP 3x32x32 -> 256 -> 256 -> 10, AdamW"},
+    # the GPU-sized preset: batch from the device's memory (gpt2_batch_size), 1 sequence on a CPU
+    "gpt2": {"batch_size": 1, "what": "GPT-2 small (124M): 12 layers, 12 heads, d=768, 1024 tokens, vocab 50257, "
+             "tied LM head, AdamW"},
 }
 USER_BATCH_SIZE = 32
+
+#: GPU memory budgeted per 1024-token GPT-2 sequence, and the batch cap. Estimated, not measured here: fp32
+#: keeps ~0.75 GB of activations per sequence (12 layers x 1024 tokens x ~20 d_model fp32 values) plus ~0.6 GB
+#: of logits and their softmax; the 3 GiB budget also covers the paired rows' second model and fragmentation.
+#: 16 x 1024 tokens per step is where nanoGPT-class runs are (12-16 sequences x 1024 per GPU).
+GPT2_GIB_PER_SEQUENCE = 3.0
+GPT2_MAX_BATCH = 16
+
+
+def gpt2_batch_size(device: torch.device) -> int:
+    """Sequences per step for the gpt2 preset: on CUDA ~3/4 of the GPU's memory at GPT2_GIB_PER_SEQUENCE
+    each, capped at GPT2_MAX_BATCH (an 80 GB H100 -> 16, 40 GB -> 9, 24 GB -> 5); on a CPU 1."""
+    if device.type != "cuda":
+        return REFERENCE_MODELS["gpt2"]["batch_size"]
+    total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return max(1, min(GPT2_MAX_BATCH, int(0.75 * total_gib / GPT2_GIB_PER_SEQUENCE)))
 
 #: ampkit = Precision hooks (the Trainer's code path); torch-loop = plain nanoGPT-style loop
 RUNNERS = ("ampkit", "torch-loop")
@@ -123,6 +143,10 @@ def _check_model(spec: str) -> str:
 
     key = spec.strip()
     if key.lower() in REFERENCE:
+        if key.lower() == "gpt2":
+            from .workload import gpt2_size
+
+            gpt2_size()  # a bad $AMPKIT_BENCH_GPT2 is an input error before any measurement
         return "cnn" if key.lower() == "simple_cnn" else key.lower()
     if ":" in key:
         import os
@@ -132,7 +156,7 @@ def _check_model(spec: str) -> str:
             sys.path.insert(0, os.getcwd())
         load_factory(key, "model")  # raises ValueError with the fix
         return key
-    raise ValueError(f"Unknown model {spec!r}: use cnn, resnet, gpt, mlp or 'pkg.module:factory'.")
+    raise ValueError(f"Unknown model {spec!r}: use cnn, resnet, gpt, gpt2, mlp or 'pkg.module:factory'.")
 
 
 def config_key(cfg: Dict) -> Tuple[str, str, str]:
@@ -186,8 +210,9 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
                      "steps would take minutes each (run without --quick to measure them anyway).")
     configs = []
     for i, model in enumerate(models):
-        batch = s.batch_size or s.batch_sizes.get(model) or REFERENCE_MODELS.get(model, {}).get(
-            "batch_size", USER_BATCH_SIZE)
+        default = (gpt2_batch_size(device) if model == "gpt2"
+                   else REFERENCE_MODELS.get(model, {}).get("batch_size", USER_BATCH_SIZE))
+        batch = s.batch_size or s.batch_sizes.get(model) or default
         for runner in s.runners:
             if runner == "ampkit":
                 modes = precisions

@@ -73,7 +73,7 @@ def finalize(results: List[Dict], device: Dict) -> List[Dict]:
         r["noisy"] = is_noisy(r)
     for r in results:
         for k in ("speedup_vs_fp32", "loss_delta_vs_fp32", "loss_rel_delta_vs_fp32", "samples_per_s",
-                  "tokens_per_s", "tflops", "utilisation", "vs_torch_loop", "explanation"):
+                  "tokens_per_s", "tflops", "utilisation", "mfu", "vs_torch_loop", "explanation"):
             r.setdefault(k, None)
         ms = r.get("ms_per_step")
         if not ms:
@@ -95,6 +95,10 @@ def finalize(results: List[Dict], device: Dict) -> List[Dict]:
             peak = max(peaks.get(low_dtype_of(r.get("resolved_precision") or r["precision"]) or "fp32", 0.0),
                        peaks.get("fp32", 0.0))
             r["utilisation"] = _sig(rate / peak) if peak else None
+        if r.get("model_flops_per_step"):  # MFU: the model's FLOPs (6N + 12*L*d*T per token), same peak
+            peak = max(peaks.get(low_dtype_of(r.get("resolved_precision") or r["precision"]) or "fp32", 0.0),
+                       peaks.get("fp32", 0.0))
+            r["mfu"] = _sig(r["model_flops_per_step"] * 1000.0 / ms / peak) if peak else None
         if r["runner"] == "ampkit":
             loop = by_key.get((r["model"], baseline_precision(r.get("resolved_precision") or r["precision"]),
                                "torch-loop"))
@@ -154,6 +158,16 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
                   "not reliable: re-run on a quiet machine."]
     if any((r.get("utilisation") or 0) > 1 for r in results):
         lines += ["", "Utilisation above 100% means the peak GEMM measurement itself was slowed by other jobs."]
+    mfu = [r for r in results if r.get("mfu") is not None]
+    if mfu:
+        lines += ["", "## Model FLOPs utilisation (transformer models)", "",
+                  "MFU = the model's training FLOPs (6 x matmul weights + 12 x layers x d_model x context, per token; "
+                  "PaLM's definition) per second over the measured GEMM peak of the mode's dtype. `util` above "
+                  "divides the FLOPs torch counts instead (attention backward with the flash recomputation).", "",
+                  "| model | precision | runner | tokens/s | model TFLOP/s | MFU |", "|---|---|---|---:|---:|---:|"]
+        for r in mfu:
+            lines.append(f"| {r['model']} | {r['precision']} | {r['runner']} | {_f(r.get('tokens_per_s'), '.0f')} "
+                         f"| {r['model_flops_per_step'] * 1e-9 / r['ms_per_step']:.3g} | {r['mfu']:.1%} |")
     paired = [r for r in results if r.get("vs_torch_loop_paired") is not None or r.get("paired_error")]
     if paired:
         lines += ["", "## ampkit vs the plain loop, paired in one process (`--paired`)", "",

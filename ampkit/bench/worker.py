@@ -106,7 +106,7 @@ def measure(cfg: Dict) -> Dict:
         "step_ms": [round(t, 3) for t in times], "final_loss": final_loss,
         "peak_mem_mb": round(peak_mb, 1), "rss_base_mb": round(rss_base, 1) if device.type == "cpu" else None,
         "n_params": n_params, "state_bytes": sb, "state_bytes_per_param": round(sb["total"] / max(1, n_params), 3),
-        "flops_per_step": flops, "loop": step.describe, "wall_s": None, "profile": None,
+        "flops_per_step": flops, "model_flops_per_step": wl.model_flops_per_step, "loop": step.describe, "wall_s": None, "profile": None,
         "emulated": _fp8_emulated(step),
     }
     if cfg.get("profile"):

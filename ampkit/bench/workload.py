@@ -15,10 +15,16 @@ User models (``pkg.module:factory``) get their inputs from, in order:
    in_channels, ``Embedding`` -> 256 token ids, ``Linear`` -> vectors of its in_features; the
    targets are class indices over the output's last dimension. If that fails, the error says
    to define ``example_batch``.
+
+``gpt2`` is GPT-2 small (124M, 1024 tokens, vocab 50257): the GPU-sized preset. ``AMPKIT_BENCH_GPT2``
+(e.g. ``n_layers=2,d_model=64,n_heads=2,block_size=64,vocab_size=512``) shrinks it for smoke tests:
+the same code at a size a CPU runs in seconds. Its sequences are the Markov tokens below, at the
+model's context length and vocabulary.
 """
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
@@ -31,7 +37,9 @@ from ..diagnose.runner import default_loss
 from ..utils.batch import batch_size_of
 from ..utils.tree import first_tensor, to_device
 
-__all__ = ["Workload", "build_workload", "default_loss"]
+__all__ = ["Workload", "build_workload", "default_loss", "gpt2_size", "GPT2_ENV"]
+
+GPT2_ENV = "AMPKIT_BENCH_GPT2"
 
 
 @dataclass
@@ -41,6 +49,28 @@ class Workload:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     samples_per_step: int
     tokens_per_step: Optional[int] = None  # sequence models: tokens per optimizer step
+    model_flops_per_step: Optional[int] = None  # the reference GPTs: 6N + 12*L*d*T per token (for MFU)
+
+
+def gpt2_size() -> dict:
+    """GPT-2 small's sizes, with the overrides of ``$AMPKIT_BENCH_GPT2`` (``key=int,...``) applied."""
+    import inspect
+
+    from ..models import gpt2
+
+    allowed = [k for k in inspect.signature(gpt2).parameters if k != "dropout"]
+    size = {k: inspect.signature(gpt2).parameters[k].default for k in allowed}
+    text = os.environ.get(GPT2_ENV, "").strip()
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, val = item.partition("=")
+        key = key.strip()
+        if key not in allowed or not val.strip().isdigit() or int(val) < 1:
+            raise ValueError(f"${GPT2_ENV} entry {item!r} is not key=positive integer with key one of "
+                             f"{', '.join(allowed)} (e.g. n_layers=2,d_model=64,n_heads=2).")
+        size[key] = int(val)
+    if size["d_model"] % size["n_heads"]:
+        raise ValueError(f"${GPT2_ENV}: d_model {size['d_model']} must be a multiple of n_heads {size['n_heads']}.")
+    return size
 
 
 def _images(n: int, seed: int):
@@ -133,10 +163,21 @@ def build_workload(spec: str, batch_size: int, n_batches: int, seed: int, device
                    for i in range(n_batches)]
         tokens = batch_size * x.shape[1]
         loss_fn = default_loss
+    elif spec == "gpt2":
+        from ..models import gpt2
+
+        size = gpt2_size()
+        model = gpt2(**size)
+        x, y = _tokens(batch_size * n_batches, seed, seq_len=size["block_size"], vocab=size["vocab_size"])
+        batches = [((x[i * batch_size:(i + 1) * batch_size],), y[i * batch_size:(i + 1) * batch_size])
+                   for i in range(n_batches)]
+        tokens = batch_size * x.shape[1]
+        loss_fn = default_loss
     else:
         model = build_model(spec)
         batches, loss_fn, tokens = _user_batches(spec, model, batch_size, n_batches, seed)
     model = model.to(device)
     batches = [(to_device(xs, device), to_device(y, device)) for xs, y in batches]
     samples = batch_size_of(batches[0][1], batches[0][0])
-    return Workload(model, batches, loss_fn, samples, tokens)
+    model_flops = model.model_flops_per_token(tokens // batch_size) * tokens if isinstance(model, GPT) and tokens else None
+    return Workload(model, batches, loss_fn, samples, tokens, model_flops)

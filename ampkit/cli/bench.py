@@ -16,8 +16,9 @@ def _csv(s: str):
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     # defaults are None: they come from the full preset, or from --quick
-    p.add_argument("--models", type=_csv, help="comma-separated: cnn, resnet, gpt, mlp or pkg.module:factory "
-                   "(default cnn,resnet,gpt; a user module may define example_batch(batch_size) -> (inputs, targets))")
+    p.add_argument("--models", type=_csv, help="comma-separated: cnn, resnet, gpt, gpt2, mlp or pkg.module:factory "
+                   "(default cnn,resnet,gpt; gpt2 = GPT-2 small, 124M, 1024 tokens, batch from the GPU's memory; "
+                   "a user module may define example_batch(batch_size) -> (inputs, targets))")
     p.add_argument("--precisions", type=_csv, help="comma-separated modes or aliases (default: every mode that makes "
                    "sense on the device; fp32 is always added as the reference)")
     p.add_argument("--runners", type=_csv, help="ampkit (Precision hooks, the Trainer's path), torch-loop (plain "
@@ -25,7 +26,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 10; --quick 3)")
     p.add_argument("--warmup", type=int, help="untimed steps before timing (default 2; --quick 2)")
     p.add_argument("--repeats", type=int, help="interleaved runs of each configuration (default 3; --quick 2)")
-    p.add_argument("--batch-size", type=int, help="override the models' batch sizes (cnn/resnet 64, gpt 16)")
+    p.add_argument("--batch-size", type=int, help="override the models' batch sizes (cnn/resnet 64, gpt 16, "
+                   "gpt2 up to 16 on CUDA by memory, 1 on CPU)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every configuration "
                    "(compile time is spent in warm-up, not timed)")

@@ -119,7 +119,7 @@ class _Core:
                 optimizer, None if comp == "none" else comp)
         else:
             made = optimizer
-        self.ampkit._check_eps(made)
+        self.ampkit.check_optimizer_eps(made)
         self._prepared[id(optimizer)] = made
         return made
 

@@ -113,18 +113,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._grads_synced = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.model_params:
+        for p in (*self.model_params, *self.master_params):
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
                 else:
                     p.grad.detach_().zero_()
-        for m in self.master_params:
-            if m.grad is not None:
-                if set_to_none:
-                    m.grad = None
-                else:
-                    m.grad.detach_().zero_()
         self._grads_synced = False
 
     # ------------------------------------------------------------------ step

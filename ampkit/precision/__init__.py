@@ -5,6 +5,8 @@ from .islands import apply_fp32_islands
 from ..optim.master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names
 from .policy import Precision, global_policy, set_global_policy
+from .kinds import (AutocastPrecision, Fp8Precision, Fp32Precision, MasterPrecision,  # registers the kinds
+                    PurePrecision, precision_class)
 from .scaler import LossScaler, NonFiniteGradientsError, parse_loss_scale
 from .tuned import Tuned
 
@@ -12,6 +14,7 @@ __all__ = [
     "ALIASES", "MODES", "Mode", "resolve", "valid_names",
     "LossScaler", "NonFiniteGradientsError", "parse_loss_scale",
     "MasterWeightOptimizer", "convert_model", "cast_floating", "is_norm", "apply_fp32_islands",
-    "Precision", "Tuned", "set_global_policy", "global_policy",
+    "Precision", "Fp32Precision", "AutocastPrecision", "MasterPrecision", "PurePrecision",
+    "Fp8Precision", "precision_class", "Tuned", "set_global_policy", "global_policy",
     "auto_mode", "device_info", "resolve_device",
 ]

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..utils.tree import cast_floating  # one structure-keeping walk for every cast
 
-__all__ = ["NORM_TYPES", "is_norm", "convert_model", "cast_floating"]
+__all__ = ["NORM_TYPES", "is_norm", "convert_model", "cast_floating", "hook_io"]
 
 NORM_TYPES: Tuple[Type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
@@ -78,6 +78,28 @@ def convert_model(
                 module.register_forward_pre_hook(_norm_pre_hook)
                 module.register_forward_hook(_make_norm_post_hook(dtype))
             module._ampkit_norm_hooked = True
+    return model
+
+
+def _cast_output_hook(module, args, output):
+    return cast_floating(output, torch.float32)
+
+
+def _make_cast_input_hook(dtype: torch.dtype):
+    def hook(module, args, kwargs):
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    return hook
+
+
+def hook_io(model: nn.Module, dtype: torch.dtype, cast_outputs: bool = True) -> nn.Module:
+    """Cast a param-cast model's floating inputs to ``dtype`` (and, with ``cast_outputs``, its floating
+    outputs to fp32: apex O2, so the loss is computed in fp32) with forward hooks; once per model."""
+    if not getattr(model, "_ampkit_io_hooked", False):
+        model.register_forward_pre_hook(_make_cast_input_hook(dtype), with_kwargs=True)
+        if cast_outputs:
+            model.register_forward_hook(_cast_output_hook)
+        model._ampkit_io_hooked = True
     return model
 
 

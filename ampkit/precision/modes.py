@@ -38,6 +38,19 @@ class Mode:
             return self.autocast_dtype
         return self.param_dtype if self.param_dtype != torch.float32 else None
 
+    @property
+    def kind(self) -> str:
+        """Which class runs this row (``ampkit.precision.kinds``): ``fp32``, ``autocast`` (fp32 params,
+        16-bit autocast), ``master`` (16-bit params, fp32 master weights), ``pure`` (16-bit params and
+        state, compensated updates where the row says so) or ``fp8`` (bf16 autocast plus fp8 Linears)."""
+        if self.fp8 is not None:
+            return "fp8"
+        if self.master_weights:
+            return "master"
+        if self.param_dtype != torch.float32:
+            return "pure"
+        return "fp32" if self.autocast_dtype is None else "autocast"
+
 
 _f32, _f16, _bf16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -1,4 +1,4 @@
-"""`Precision`: one object per run that owns every precision decision.
+"""`Precision`: one object per run that owns every precision decision; the base class of the kinds.
 
 A training loop written against its hooks has no precision branches::
 
@@ -16,36 +16,32 @@ training never applies a non-finite update, in bf16 and fp32 too (there the chec
 clipping norm, or one read-only pass; no scale, no unscale). With an optimizer that takes
 ``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a
 step makes no host sync: ``result`` (a ``StepResult``) reads the skip flag only if asked.
+
+The kinds (fp32, autocast, cast with masters, pure, fp8) are in ``kinds.py``, each overriding only
+its hooks; the checks are functions in ``checks.py``. Why this file is still ~430 lines: ~90 are the
+constructor's documented arguments (the public API, shared by every kind), the rest the step hooks
+every kind shares (backward, unscale, clip, step, state), which read best in one place.
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from .convert import cast_floating, convert_model
-from .fp8 import Fp8Plan
+from ..optim.master import MasterWeightOptimizer
+from . import checks
 from .device import auto_mode, device_info, resolve_device
 from .islands import apply_fp32_islands
-from ..optim import compensated_from
-from ..optim.master import MasterWeightOptimizer
 from .modes import AUTO, MODES, Mode, resolve
 from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
-from .attention import AttentionPolicy, forced_kernel, policy_setting
 from .tuned import Tuned
 
-__all__ = ["Precision", "set_global_policy", "global_policy"]
+__all__ = ["Precision", "set_global_policy", "global_policy", "choose_mode", "FP16_STATE_MIN_EPS"]
 
+FP16_STATE_MIN_EPS = checks.FP16_STATE_MIN_EPS
 _GLOBAL_POLICY = AUTO
-
-# Adam's eps where the optimizer state is fp16 (fp16-pure): the second moment v is stored in fp16,
-# whose smallest subnormal is 6e-8, so sqrt(v) is either 0 or >= 2.4e-4. With eps=1e-8 a gradient
-# whose square underflows gives m / 1e-8: a huge step, then inf weights (measured: the digits CNN
-# diverged to NaN within 10 steps at eps=1e-8, and reached 0.86 accuracy in 3 epochs at 1e-4).
-FP16_STATE_MIN_EPS = 1e-4
 
 
 def set_global_policy(name: Union[str, "Precision", None]) -> None:
@@ -64,47 +60,34 @@ def global_policy() -> str:
     return _GLOBAL_POLICY
 
 
-def _cast_output_hook(module, args, output):
-    return cast_floating(output, torch.float32)
+class Choice(NamedTuple):
+    requested: str  # canonical name asked for ("auto" included)
+    mode: Mode  # the row that runs
+    reason: str  # why that row
+    device: torch.device
 
 
-def _make_cast_input_hook(dtype: torch.dtype):
-    def hook(module, args, kwargs):
-        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
-
-    return hook
-
-
-_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-
-
-def _use_fused_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
-    """Switch a fresh torch Adam/AdamW/SGD that did not choose an implementation to its fused kernel,
-    where torch has one for these params (the same flag as ``fused=True`` at construction)."""
-    d = optimizer.defaults
-    if (type(optimizer) not in _FUSABLE or optimizer.state or device.type not in ("cpu", "cuda")
-            or d.get("fused") or d.get("foreach") or d.get("differentiable")):
-        return False
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not params or not all(p.is_floating_point() and not p.is_sparse for p in params):
-        return False
-    d["fused"] = True
-    for g in optimizer.param_groups:
-        g["fused"] = True
-    optimizer._step_supports_amp_scaling = True
-    return True
+def choose_mode(name: Optional[str], device: Union[str, torch.device, None], tuned: Optional[Tuned]) -> Choice:
+    """The mode a ``Precision(name, device, tuned=...)`` runs: the name (or the global policy) resolved
+    through the alias table; ``auto`` is what ``ampkit.tune`` measured, else the device rule."""
+    device = resolve_device(device)
+    requested = resolve(global_policy() if name is None else name)
+    chosen, reason = requested, "asked for explicitly"
+    if requested == AUTO and tuned is not None and tuned.mode is not None:
+        chosen, reason = resolve(tuned.mode), tuned.mode_reason or "tuned"
+    elif requested == AUTO:
+        chosen, reason = auto_mode(device)
+    return Choice(requested, MODES[chosen], reason, device)
 
 
 def _grads_params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
-def _grads(optimizer) -> list:
-    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-
 class Precision:
-    """A precision policy built from the mode table (``ampkit.precision.modes``).
+    """A precision policy built from the mode table (``ampkit.precision.modes``): ``Precision(name)``
+    returns the class of the mode's kind (``ampkit.precision.kinds``: fp32, autocast, cast with fp32
+    masters, pure with compensation, fp8), each overriding only the hooks its kind needs.
 
     Args:
         name: canonical name or alias (``fp32``, ``fp16-mixed``, ``bf16-mixed``, ``fp16-master``,
@@ -169,17 +152,15 @@ class Precision:
         fp8_force: Sequence[str] = (),
         tuned: Optional[Tuned] = None,
     ) -> None:
-        self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__", "tuned")}
+        kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__", "tuned")}
+        choice = self.__dict__.pop("_choice", None) or choose_mode(name, device, tuned)
+        if choice.mode.kind != self.kind:
+            raise TypeError(f"{type(self).__name__} runs the {self.kind!r} modes, not {choice.mode.name!r}: "
+                            f"build it with ampkit.Precision({choice.mode.name!r}).")
+        self._init_kwargs = kwargs
         self.tuned = tuned if tuned is not None else Tuned()
-        self.device = resolve_device(device)
-        requested = resolve(global_policy() if name is None else name)
-        self.requested = requested
-        self.reason = "asked for explicitly"
-        if requested == AUTO and self.tuned.mode is not None:
-            requested, self.reason = resolve(self.tuned.mode), self.tuned.mode_reason or "tuned"
-        elif requested == AUTO:
-            requested, self.reason = auto_mode(self.device)
-        self.mode: Mode = MODES[requested]
+        self.device = choice.device
+        self.requested, self.mode, self.reason = choice.requested, choice.mode, choice.reason
         self.name = self.mode.name
         self.fp32_modules = tuple(fp32_modules or ())
         self.keep_norm_fp32 = keep_norm_fp32
@@ -189,29 +170,13 @@ class Precision:
         self.layout_reason: Optional[str] = self.tuned.layout_reason if channels_last is None else None
         self.op_policy = op_policy
         self.fused_optimizer = fused_optimizer
-        self._check_hardware()
-        if compensation is not None and not self.mode.compensated:
-            raise ValueError(
-                f"compensation={compensation!r} applies to precision='bf16-pure' only (got {self.name!r}): "
-                "drop it, or use precision='bf16-pure'."
-            )
-        if compensation is not None and str(compensation).lower() not in ("kahan", "stochastic", "none"):
-            raise ValueError(f"compensation={compensation!r} is not supported: use 'kahan', 'stochastic' or 'none'.")
-        self.compensation = None if compensation is None else str(compensation).lower()
-        if (fp8_recipe is not None or fp8_skip or fp8_force) and not self.mode.fp8:
-            raise ValueError(f"fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only (got {self.name!r}): "
-                             "drop them, or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
-        self.fp8 = Fp8Plan(self.name, fp8_recipe, fp8_skip, fp8_force) if self.mode.fp8 else None
-
+        if self.mode.low_dtype is not None:
+            checks.check_hardware(self.mode, self.device, device_info(self.device))
+        self.compensation = checks.check_options(
+            self.mode, compensation=compensation, fp8_options=fp8_recipe is not None or bool(fp8_skip or fp8_force),
+            loss_scale=loss_scale, init_scale=init_scale, scaler=scaler)
+        self._configure(fp8_recipe=fp8_recipe, fp8_skip=fp8_skip, fp8_force=fp8_force)
         static = parse_loss_scale(loss_scale)
-        if not self.mode.scaled and (loss_scale is not None or scaler is not None or init_scale is not None):
-            what = "a scaler" if scaler is not None else f"loss scale {loss_scale if loss_scale is not None else init_scale!r}"
-            raise ValueError(
-                f"precision={self.name!r} does not use loss scaling, found {what}. "
-                + ("bf16 has fp32's exponent range, so gradients do not underflow: drop the loss scale, "
-                   if "bf16" in self.name else "fp32 gradients do not underflow: drop the loss scale, ")
-                + "or pick an fp16 mode (fp16-mixed, fp16-master)."
-            )
         if scaler is not None:
             self.scaler = scaler
         elif self.mode.scaled:
@@ -235,45 +200,90 @@ class Precision:
         self._scales_loss = self.mode.scaled
         self._setup_done = False
 
+    def __new__(cls, name: Optional[str] = None, device: Union[str, torch.device, None] = None, **kwargs: Any):
+        """``Precision(...)`` builds the class of the mode's kind (the factory over the mode table);
+        a kind's class built directly (or copied, unpickled) is itself."""
+        if cls is not Precision:
+            return super().__new__(cls)
+        choice = choose_mode(name, device, kwargs.get("tuned"))
+        self = super().__new__(_KINDS[choice.mode.kind])
+        self._choice = choice  # __init__ picks it up: the mode is resolved (and auto measured) once
+        return self
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            _KINDS[cls.kind] = cls
+
+    # ------------------------------------------------------------------ kind hooks (overridden per kind)
+    #: the ``Mode.kind`` this class runs
+    kind = ""
+    #: the fp8 plan (fp8 modes only)
+    fp8 = None
+
+    def _configure(self, **kind_options: Any) -> None:
+        """Take the options only this kind uses (the fp8 recipe...): nothing here."""
+
+    def _convert(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
+        """Make the model and optimizer this kind's (``setup``, after ``model.to(device)``): here only
+        torch's Adam/AdamW/SGD switched to their fused kernel (no host sync per step)."""
+        if self.fused_optimizer and optimizer is not None:
+            checks.use_fused_kernel(optimizer, self.device)
+        return model, optimizer
+
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer ``setup`` returns (after the eps check): as given here."""
+        return optimizer
+
+    def _details(self) -> List[str]:
+        """``describe``'s clauses after the mode summary."""
+        extra = []
+        if self._scales_loss:
+            extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler.static_scale:g}")
+        if self.fp32_modules:
+            extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
+        if self.layout_reason:
+            extra.append(f"memory format {self.layout_reason}")
+        return extra
+
+    def autocast(self):
+        """Context for forward + loss: torch.autocast in the mode's compute dtype (or nothing)."""
+        return contextlib.nullcontext()
+
+    def attention_policy(self):
+        """The scoped attention policy ``autocast()`` enters, or None (always, without autocast)."""
+        return None
+
+    @property
+    def op_policy_applies(self) -> bool:
+        """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
+        return False
+
+    def convert_input(self, batch: Any) -> Any:
+        """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
+        return batch
+
+    @property
+    def min_adam_eps(self) -> Optional[float]:
+        """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
+        return None
+
+    # ------------------------------------------------------------------ construction
     def options(self) -> Dict[str, Any]:
         """The keyword arguments this precision was built with (``name`` and ``tuned`` aside)."""
         return dict(self._init_kwargs)
 
     def retuned(self, tuned: Tuned) -> "Precision":
         """A new precision with the same request and options and these measured decisions
-        (what ``ampkit.tune`` returns); this one is left as it is."""
+        (what ``ampkit.tune`` returns; auto may land on another kind); this one is left as it is."""
         if self._setup_done:
             raise RuntimeError("retuned() after setup(): tune before setting the model up.")
-        return type(self)(self.requested, **self._init_kwargs, tuned=tuned)
+        return Precision(self.requested, **self._init_kwargs, tuned=tuned)
 
     @property
     def is_setup(self) -> bool:
         """True once ``setup`` ran (then the mode and layout are fixed)."""
         return self._setup_done
-
-    # ------------------------------------------------------------------ checks
-    def _check_hardware(self) -> None:
-        low = self.mode.low_dtype
-        if low is None:
-            return
-        info = device_info(self.device)
-        if low == torch.bfloat16 and self.device.type == "cuda" and not info.bf16_supported:
-            raise RuntimeError(
-                f"precision={self.name!r} needs bf16, which {info.name} does not support: "
-                "use 'fp16-mixed' (with loss scaling) or 'fp32'."
-            )
-        if low == torch.bfloat16 and self.device.type == "cpu" and not info.bf16_fast:
-            warnings.warn(
-                f"precision={self.name!r}: this CPU has no bf16 units (AMX/AVX512-BF16); bf16 is "
-                "emulated and likely slower than fp32.",
-                stacklevel=3,
-            )
-        if low == torch.float16 and self.device.type == "cpu":
-            warnings.warn(
-                f"precision={self.name!r} on CPU: torch's CPU fp16 kernels are far slower than fp32 "
-                "(measured 0.76x on an MLP, far worse on convs). Use 'bf16-mixed' or 'auto' on CPU.",
-                stacklevel=3,
-            )
 
     # ------------------------------------------------------------------ properties
     @property
@@ -283,12 +293,6 @@ class Precision:
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.mode.low_dtype or torch.float32
-
-    @property
-    def min_adam_eps(self) -> Optional[float]:
-        """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
-        fp16_state = self.param_dtype == torch.float16 and not self.mode.master_weights
-        return FP16_STATE_MIN_EPS if fp16_state else None
 
     @property
     def loss_scale(self) -> float:
@@ -310,115 +314,33 @@ class Precision:
         Returns ``(model, optimizer)``; build the optimizer over ``model.parameters()`` first.
         """
         model = model.to(self.device)
-        if self.fused_optimizer and optimizer is not None and not self.mode.compensated:
-            _use_fused_kernel(optimizer, self.device)
-        if self.fp8 is not None:  # explicit module swap; parameters are kept, so the optimizer still holds them
-            model = self.fp8.apply(model, self.device)
-        if self.mode.master_weights and optimizer is not None:
-            # masters are taken from the fp32 weights *before* the model is cast
-            optimizer = MasterWeightOptimizer(optimizer)
-        if self.param_dtype != torch.float32:
-            convert_model(model, self.param_dtype, keep_norm_fp32=self.keep_norm_fp32, skip=self.fp32_modules)
-            if not getattr(model, "_ampkit_io_hooked", False):
-                model.register_forward_pre_hook(_make_cast_input_hook(self.param_dtype), with_kwargs=True)
-                if self.cast_outputs:
-                    model.register_forward_hook(_cast_output_hook)
-                model._ampkit_io_hooked = True
+        model, optimizer = self._convert(model, optimizer)
         if self.fp32_modules:
             apply_fp32_islands(model, self.fp32_modules)
         if self.uses_channels_last(model):
             model.to(memory_format=torch.channels_last)
         if optimizer is not None:
-            self._check_eps(optimizer)
-        if self.mode.compensated and optimizer is not None:
-            if self.compensation is None:
-                optimizer = compensated_from(optimizer)
-            else:
-                optimizer = compensated_from(optimizer, None if self.compensation == "none" else self.compensation)
+            self.check_optimizer_eps(optimizer)
+            optimizer = self._wrap_optimizer(optimizer)
         self.scaler.register_names(model)
         if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
             names = {id(p): n for n, p in model.named_parameters()}
-            self.scaler._param_names.update({id(m): names[id(p)] for p, m in
-                                             zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
+            self.scaler.register_aliases({id(m): names[id(p)] for p, m in
+                                          zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
         self.model = model
         self._setup_done = True
         return model, optimizer
 
-    def _check_eps(self, optimizer: Any) -> None:
-        """fp16 optimizer state (fp16-pure, apex O3): an Adam ``eps`` below ``min_adam_eps`` is raised to it,
-        with one warning. fp16 cannot hold sqrt(v) below ~2.4e-4, so eps=1e-8 turns a gradient whose square
-        underflows into a step of m / 1e-8: inf weights on the first step (measured: the README loop with
-        torch's AdamW(lr=1e-2))."""
-        low = self.min_adam_eps
-        if low is None or optimizer is None:
-            return
-        groups = [g for g in getattr(optimizer, "param_groups", ()) if isinstance(g.get("eps"), float) and g["eps"] < low]
-        if not groups:
-            return
-        small = min(g["eps"] for g in groups)
-        for g in groups:
-            g["eps"] = low
-        warnings.warn(
-            f"precision={self.name!r} keeps the optimizer state in fp16, where eps={small:g} turns a gradient "
-            f"whose square underflows into a huge step (inf weights): eps raised to {low:g}. Build the optimizer "
-            f"with eps={low:g} to silence this, or use 'fp16-master' (fp32 master weights and state).",
-            stacklevel=3,
-        )
+    def check_optimizer_eps(self, optimizer: Any) -> None:
+        """Raise a too-small Adam ``eps`` to ``min_adam_eps`` (fp16 optimizer state), with one warning."""
+        checks.check_eps(optimizer, self.name, self.min_adam_eps)
 
     def uses_channels_last(self, model: nn.Module) -> bool:
         """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
         (CPU, bf16 compute, 2-D convolutions)."""
         if self.channels_last is not None:
             return self.channels_last
-        return (
-            self.device.type == "cpu"
-            and self.compute_dtype == torch.bfloat16
-            and any(isinstance(m, nn.Conv2d) for m in model.modules())
-        )
-
-    def autocast(self):
-        """Context for forward + loss: torch.autocast in the mode's compute dtype (or nothing)."""
-        dtype = self.mode.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        ctx = torch.autocast(device_type=self.device.type, dtype=dtype)
-        policy = self.attention_policy()
-        if policy is None:
-            return ctx
-        stack = contextlib.ExitStack()
-        stack.enter_context(ctx)
-        stack.enter_context(policy)
-        return stack
-
-    def attention_policy(self) -> Optional[AttentionPolicy]:
-        """The scoped attention policy ``autocast()`` enters, or None where every call runs torch's kernel:
-        fp32, a device other than CPU, ``op_policy=False``, ``AMPKIT_OP_POLICY=off``, or no tuned
-        shape whose fastest kernel differs from torch's (then no mode is pushed at all)."""
-        if not self.op_policy_applies:
-            return None
-        forced = forced_kernel()
-        if forced == "native":
-            return None
-        kernels = {k: v for k, v in self.tuned.attention.items() if v != "native"}
-        if forced is None and not kernels:
-            return None
-        cached = getattr(self, "_attention", None)
-        if cached is None or cached.forced != forced:
-            cached = self._attention = AttentionPolicy(kernels, forced=forced)
-        return cached
-
-    @property
-    def op_policy_applies(self) -> bool:
-        """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
-        if self.mode.autocast_dtype is None or self.op_policy is False:
-            return False
-        if self.op_policy is None and self.device.type != "cpu":
-            return False
-        return policy_setting() != "off"
-
-    def convert_input(self, batch: Any) -> Any:
-        """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
-        return cast_floating(batch, self.param_dtype) if self.param_dtype != torch.float32 else batch
+        return checks.channels_last_rule(self.device, self.compute_dtype, model)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """loss.backward(), with the loss scaled first in the scaled modes."""
@@ -444,7 +366,7 @@ class Precision:
             scaler.unscale_(optimizer)
         else:
             found = (nonfinite_from_norm(_norm, self.device) if _norm is not None
-                     else nonfinite_flag(_grads(optimizer), self.device))
+                     else nonfinite_flag([p.grad for p in _grads_params(optimizer)], self.device))
             scaler.record_found_inf(optimizer, found)
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
@@ -484,10 +406,7 @@ class Precision:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        state = {"name": self.name, "scaler": self.scaler.state_dict()}
-        if self.fp8 is not None:
-            state["fp8"] = self.fp8.state_dict()
-        return state
+        return {"name": self.name, "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state.get("name")
@@ -496,28 +415,18 @@ class Precision:
                 f"Checkpoint was trained with precision={saved!r}, this run uses {self.name!r}: "
                 f"resume with --precision {saved}, or start a new run."
             )
-        if self.fp8 is not None:
-            self.fp8.check_state(state.get("fp8"))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
     def describe(self) -> str:
         """One line: the mode, what it does, and why it was chosen."""
-        extra = []
-        if self._scales_loss:
-            extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler.static_scale:g}")
-        if self.mode.compensated:
-            extra.append({None: "Kahan compensation", "kahan": "Kahan compensation",
-                          "stochastic": "stochastic rounding",
-                          "none": "no compensation (plain bf16 rounding)"}[self.compensation])
-        if self.fp32_modules:
-            extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
-        if self.layout_reason:
-            extra.append(f"memory format {self.layout_reason}")
-        if self.fp8 is not None:
-            extra.append(self.fp8.describe())
+        extra = self._details()
         chosen = f"auto -> {self.name} ({self.reason})" if self.requested == AUTO else self.name
         return f"{chosen}: {self.mode.summary} on {self.device}" + (f"; {'; '.join(extra)}" if extra else "")
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r}, device={str(self.device)!r})"
+
+
+#: Mode.kind -> the class that runs it; filled by each kind's class (``ampkit.precision.kinds``)
+_KINDS: Dict[str, type] = {}

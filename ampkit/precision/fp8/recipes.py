@@ -32,28 +32,29 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+class _CurrentScaling:
+    """torchao's current scaling: each scale from this tensor's amax now, E4M3 everywhere."""
+
+    def dtypes(self):
+        return {"input": E4M3, "weight": E4M3, "grad_output": E4M3}
+
+
 @dataclass(frozen=True)
-class TensorwiseScaling:
+class TensorwiseScaling(_CurrentScaling):
     """Current scaling, one scale per tensor (E4M3 for input, weight and grad-output)."""
 
     name = "tensorwise"
     mode = "fp8-tensorwise"
     rowwise = False
 
-    def dtypes(self):
-        return {"input": E4M3, "weight": E4M3, "grad_output": E4M3}
-
 
 @dataclass(frozen=True)
-class RowwiseScaling:
+class RowwiseScaling(_CurrentScaling):
     """Current scaling, one scale per row along the contraction dim (E4M3 everywhere)."""
 
     name = "rowwise"
     mode = "fp8-rowwise"
     rowwise = True
-
-    def dtypes(self):
-        return {"input": E4M3, "weight": E4M3, "grad_output": E4M3}
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def initialize(
             model.register_forward_hook(_CastOutput(cast_model_outputs))
     if not uses_masters:  # O3: the optimizer's state is fp16 like the weights; an eps fp16 cannot hold is raised
         for opt in opt_list:
-            precision._check_eps(opt)
+            precision.check_optimizer_eps(opt)
 
     dynamic = props.dynamic
     for _ in range(num_losses):

@@ -1,0 +1,167 @@
+"""One class per kind of precision mode, each overriding only the hooks its kind needs (as Lightning
+Fabric's precision plugins do). ``ampkit.Precision(name)`` builds the right one from the mode table
+(``Mode.kind``); ``isinstance(p, ampkit.Precision)`` holds for all.
+
+* :class:`Fp32Precision`: fp32 params and compute; the base class's hooks as they are.
+* :class:`AutocastPrecision`: fp32 params, ``torch.autocast`` in fp16/bf16 (fp16 with a loss scaler),
+  plus the scoped per-op attention policy.
+* :class:`MasterPrecision`: 16-bit params (norms fp32) under autocast, fp32 master weights own the update.
+* :class:`PurePrecision`: 16-bit params and optimizer state, no master copy; bf16-pure compensates
+  the update (Kahan or stochastic rounding), fp16-pure needs a large enough Adam ``eps``.
+* :class:`Fp8Precision`: bf16 autocast plus Linears swapped to fp8 GEMMs (``Fp8Plan``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..optim import compensated_from
+from ..optim.master import MasterWeightOptimizer
+from .attention import AttentionPolicy, forced_kernel, policy_setting
+from .checks import FP16_STATE_MIN_EPS
+from .convert import cast_floating, convert_model, hook_io
+from .fp8 import Fp8Plan
+from .modes import MODES, resolve
+from .policy import _KINDS, Precision
+
+__all__ = ["Fp32Precision", "AutocastPrecision", "MasterPrecision", "PurePrecision", "Fp8Precision",
+           "precision_class"]
+
+
+class Fp32Precision(Precision):
+    """fp32: nothing to convert, no autocast, no scale; steps are still checked for inf/NaN."""
+
+    kind = "fp32"
+
+
+class AutocastPrecision(Precision):
+    """fp16-mixed / bf16-mixed: ``torch.autocast`` in the compute dtype, with the attention policy."""
+
+    kind = "autocast"
+
+    def autocast(self):
+        ctx = torch.autocast(device_type=self.device.type, dtype=self.mode.autocast_dtype)
+        policy = self.attention_policy()
+        if policy is None:
+            return ctx
+        stack = contextlib.ExitStack()
+        stack.enter_context(ctx)
+        stack.enter_context(policy)
+        return stack
+
+    def attention_policy(self) -> Optional[AttentionPolicy]:
+        """The scoped attention policy ``autocast()`` enters, or None where every call runs torch's kernel:
+        a device other than CPU, ``op_policy=False``, ``AMPKIT_OP_POLICY=off``, or no tuned shape whose
+        fastest kernel differs from torch's (then no mode is pushed at all)."""
+        if not self.op_policy_applies:
+            return None
+        forced = forced_kernel()
+        if forced == "native":
+            return None
+        kernels = {k: v for k, v in self.tuned.attention.items() if v != "native"}
+        if forced is None and not kernels:
+            return None
+        cached = getattr(self, "_attention", None)
+        if cached is None or cached.forced != forced:
+            cached = self._attention = AttentionPolicy(kernels, forced=forced)
+        return cached
+
+    @property
+    def op_policy_applies(self) -> bool:
+        if self.op_policy is False or (self.op_policy is None and self.device.type != "cpu"):
+            return False
+        return policy_setting() != "off"
+
+
+class _CastParams(AutocastPrecision):
+    """The 16-bit-parameter kinds: params (norms and ``fp32_modules`` aside) cast in ``setup``, inputs
+    cast by a forward pre-hook (outputs back to fp32 with ``cast_outputs``)."""
+
+    def _cast(self, model: nn.Module) -> None:
+        convert_model(model, self.param_dtype, keep_norm_fp32=self.keep_norm_fp32, skip=self.fp32_modules)
+        hook_io(model, self.param_dtype, self.cast_outputs)
+
+    def convert_input(self, batch: Any) -> Any:
+        return cast_floating(batch, self.param_dtype)
+
+
+class MasterPrecision(_CastParams):
+    """fp16-master / bf16-master: 16-bit params, fp32 master copies (``MasterWeightOptimizer``) own the update."""
+
+    kind = "master"
+
+    def _convert(self, model, optimizer):
+        model, optimizer = super()._convert(model, optimizer)
+        if optimizer is not None:  # masters are taken from the fp32 weights *before* the model is cast
+            optimizer = MasterWeightOptimizer(optimizer)
+        self._cast(model)
+        return model, optimizer
+
+
+class PurePrecision(_CastParams):
+    """bf16-pure / fp16-pure: 16-bit params and optimizer state, no master copy. bf16-pure swaps the
+    optimizer for its compensated ``ampkit.optim`` form; fp16-pure raises a too-small Adam ``eps``."""
+
+    kind = "pure"
+
+    def _convert(self, model, optimizer):
+        if not self.mode.compensated:  # the compensated optimizers replace torch's (fused or not)
+            model, optimizer = super()._convert(model, optimizer)
+        self._cast(model)
+        return model, optimizer
+
+    def _wrap_optimizer(self, optimizer):
+        if not self.mode.compensated:
+            return optimizer
+        if self.compensation is None:  # an ampkit.optim optimizer keeps its own setting
+            return compensated_from(optimizer)
+        return compensated_from(optimizer, None if self.compensation == "none" else self.compensation)
+
+    @property
+    def min_adam_eps(self) -> Optional[float]:
+        return FP16_STATE_MIN_EPS if self.param_dtype == torch.float16 else None
+
+    def _details(self) -> List[str]:
+        extra = super()._details()
+        if self.mode.compensated:
+            extra.insert(0, {None: "Kahan compensation", "kahan": "Kahan compensation",
+                             "stochastic": "stochastic rounding",
+                             "none": "no compensation (plain bf16 rounding)"}[self.compensation])
+        return extra
+
+
+class Fp8Precision(AutocastPrecision):
+    """fp8-tensorwise / -rowwise / -delayed: bf16 autocast, with the Linears ``Fp8Plan`` picks swapped for
+    fp8 modules (an explicit module swap; parameters are kept, so the optimizer still holds them)."""
+
+    kind = "fp8"
+
+    def _configure(self, *, fp8_recipe=None, fp8_skip=(), fp8_force=(), **_) -> None:
+        self.fp8 = Fp8Plan(self.name, fp8_recipe, fp8_skip, fp8_force)
+
+    def _convert(self, model, optimizer):
+        model, optimizer = super()._convert(model, optimizer)
+        return self.fp8.apply(model, self.device), optimizer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "fp8": self.fp8.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        saved = state.get("name")
+        if saved is None or saved == self.name:  # a mode mismatch is the base class's error
+            self.fp8.check_state(state.get("fp8"))
+        super().load_state_dict(state)
+
+    def _details(self) -> List[str]:
+        return super()._details() + [self.fp8.describe()]
+
+
+def precision_class(name: str) -> type:
+    """The class that runs mode ``name`` (canonical or alias; ``auto`` depends on the device: build it)."""
+    canonical = resolve(name)
+    if canonical not in MODES:
+        raise ValueError(f"precision_class({name!r}): auto picks its mode per device; use ampkit.Precision({name!r}).")
+    return _KINDS[MODES[canonical].kind]

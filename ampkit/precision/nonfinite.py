@@ -1,0 +1,90 @@
+"""Finding inf/NaN in gradients without a host sync: torch's fused check-and-unscale where it has a
+kernel, foreach max-abs norms elsewhere, DTensor grads through their local shards, and the one
+all-reduce that makes every rank see the same flag."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NonFiniteGradientsError", "local_shard", "foreach_check_and_unscale_", "nonfinite_flag",
+           "nonfinite_from_norm", "distributed_active", "all_reduce_max", "nonfinite_param_names"]
+
+
+class NonFiniteGradientsError(FloatingPointError):
+    """Raised when gradients stayed non-finite for more consecutive steps than allowed."""
+
+
+def local_shard(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor grad (FSDP2's ``fully_shard``, tensor parallel) as this rank's shard, else itself.
+
+    The shard shares storage with the DTensor, so unscaling it in place unscales the gradient;
+    checking only local values keeps the check free of collectives (the one all-reduce of
+    found-inf then covers every rank's shard).
+    """
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad
+
+
+def foreach_check_and_unscale_(grads: List[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` from foreach ops, for grads its kernel lacks.
+
+    torch's CUDA kernel has no bf16 (its CPU kernel does); bf16 grads come from bf16-pure and bf16
+    model params. Same contract, still without a host sync: ``found_inf`` becomes 1.0 when any grad
+    holds inf/NaN (the max-abs norm of such a tensor is inf or NaN), and every grad is multiplied by
+    ``inv_scale``.
+    """
+    max_abs = torch.stack(torch._foreach_norm(grads, float("inf")))
+    bad = torch.logical_not(torch.isfinite(max_abs).all()).to(found_inf.dtype)
+    torch.maximum(found_inf, bad, out=found_inf)
+    torch._foreach_mul_(grads, inv_scale)
+
+
+def nonfinite_flag(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 (float32, on ``device``) when any tensor holds inf/NaN, else 0.0: one read-only pass (a
+    foreach max-abs per device and dtype), no write and no host sync. DTensors are checked through
+    their local shards, sparse tensors through their values."""
+    groups: Dict[tuple, List[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        t = t._values() if t.is_sparse else local_shard(t)
+        groups[(t.device, t.dtype)].append(t)
+    ok = torch.ones((), dtype=torch.bool, device=device)
+    for ts in groups.values():
+        ok = ok & torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all().to(device)
+    return torch.logical_not(ok).to(torch.float32)
+
+
+def nonfinite_from_norm(norm: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """1.0 when a gradient norm (``clip_grad_norm_``'s, computed anyway) is inf/NaN, else 0.0: a
+    non-finite gradient makes the norm non-finite, so the clipping doubles as the check."""
+    full = getattr(norm, "full_tensor", None)
+    norm = full() if full is not None else norm
+    return torch.logical_not(torch.isfinite(norm)).to(device=device, dtype=torch.float32).reshape(())
+
+
+def distributed_active(setting: Optional[bool]) -> bool:
+    """Whether found-inf must be all-reduced: never with ``setting=False``, else whenever a process
+    group of more than one rank is up."""
+    if setting is False:
+        return False
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_max(flag: torch.Tensor) -> torch.Tensor:
+    """The flag's maximum over the ranks, in place (one collective): any rank's overflow skips them all."""
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
+
+
+def nonfinite_param_names(optimizers: Iterable[torch.optim.Optimizer], names: Dict[int, str]) -> List[str]:
+    """Names (``names`` by id, else ``param_groups[i][j] shape``) of the parameters whose grads hold inf/NaN now."""
+    bad = []
+    for opt in optimizers:
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is not None and not torch.isfinite(g._values() if g.is_sparse else local_shard(g)).all():
+                    bad.append(names.get(id(p), f"param_groups[{gi}][{pi}] {tuple(p.shape)}"))
+    return bad
