@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from . import UsageError
 
@@ -91,50 +90,6 @@ def _typed_values(args) -> dict:
     return values
 
 
-def _resumed_run(values: dict, announce: bool = False):
-    """(run directory, its saved options) when this invocation resumes a run, else (None, None).
-
-    ``--resume auto`` continues ``--out`` (or the config file's ``out``); ``--resume PATH`` the run whose
-    ``checkpoints/`` holds PATH. The saved options are the run's config.toml, or where that is gone the
-    checkpoint's own copy."""
-    from ..train import checkpoint as ckpt
-    from ..train.config import load_config_file
-
-    resume = values.get("resume")
-    if not resume:
-        return None, None
-    out = values.get("out")
-    path = None
-    if resume != "auto":
-        path = resume
-        parent = os.path.dirname(os.path.abspath(resume))
-        if out is None and os.path.basename(parent) == "checkpoints":
-            out = os.path.dirname(parent)
-    if not out:  # a checkpoint outside a run directory: its own copy of the options, into a new --out
-        if not path or not os.path.isfile(path):
-            return None, None
-        saved = dict(ckpt.load_checkpoint(path, map_location="cpu").get("config") or {})
-        saved.pop("resume", None)
-        saved.pop("out", None)
-        return None, saved
-    saved_path = os.path.join(out, "config.toml")
-    saved = None
-    if os.path.isfile(saved_path):
-        try:
-            saved = load_config_file(saved_path)
-        except ValueError as e:  # an edited or unreadable file: the checkpoint's own copy is the truth
-            if announce and not env_is_secondary():
-                print(f"ampkit train: {e}; using the checkpoint's copy of the run's options", file=sys.stderr)
-    if saved is None:
-        path = path or ckpt.latest_checkpoint(os.path.join(out, "checkpoints"))
-        if not path or not os.path.isfile(path):
-            return out, None
-        saved = dict(ckpt.load_checkpoint(path, map_location="cpu").get("config") or {})
-    saved.pop("resume", None)
-    saved["out"] = out
-    return out, saved
-
-
 def _config_from_args(args, announce: bool = False):
     from ..train.config import TrainConfig
 
@@ -142,7 +97,13 @@ def _config_from_args(args, announce: bool = False):
     for k in ("out", "resume", "data", "model", "precision", "device"):
         if isinstance(values.get(k), str) and not values[k].strip():
             raise ValueError(f"--{k} is empty: give a value, or leave the flag out.")
-    _, saved = _resumed_run(values, announce)
+    from ..train.resume import saved_run_options
+
+    def note(msg: str) -> None:
+        if announce and not env_is_secondary():
+            print(f"ampkit train: {msg}", file=sys.stderr)
+
+    _, saved = saved_run_options(values, note)
     if saved:
         changed = {k: (saved[k], v) for k, v in values.items()
                    if k in saved and k not in ("resume", "out") and saved[k] != v}
@@ -163,16 +124,6 @@ def _config_from_args(args, announce: bool = False):
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}.")
     return cfg
-
-
-def _default_out(cfg) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = os.path.join("runs", f"{os.path.basename(str(cfg.data)).replace(':', '_')}-{cfg.precision}-{stamp}")
-    out, n = base, 1
-    while os.path.exists(out):
-        n += 1
-        out = f"{base}-{n}"
-    return out
 
 
 def run(args) -> int:
@@ -204,6 +155,7 @@ def _run(args, env) -> int:
     from ..models import build_model
     from ..precision import NonFiniteGradientsError
     from ..train import CheckpointError, RunDirError, Trainer, TrainingInterrupted
+    from ..train.rundir import default_run_dir
 
     try:
         cfg = _config_from_args(args, announce=True)
@@ -214,7 +166,7 @@ def _run(args, env) -> int:
         if cfg.out is None:
             if cfg.resume == "auto":
                 raise ValueError("--resume auto needs --out DIR (the run directory to continue).")
-            cfg = cfg.updated(out=_default_out(cfg) if not env_is_secondary() else None)
+            cfg = cfg.updated(out=default_run_dir(cfg.data, cfg.precision) if not env_is_secondary() else None)
             if env is not None:  # every rank uses rank 0's (time-stamped) choice
                 from ..train.distributed import broadcast_object
 

@@ -1,8 +1,11 @@
 """Adam and AdamW whose updates survive bf16 weights (Kahan or stochastic rounding).
 
-The update rule is torch's foreach Adam, op for op: on fp32 params with ``compensation=None``
-the result is bitwise equal to ``torch.optim.AdamW(foreach=True)`` (tested), so any difference
-in bf16 comes from where the update lands, never from a different algorithm.
+The update rule is torch's foreach Adam: on fp32 params with ``compensation=None`` the moments
+are bitwise equal to ``torch.optim.AdamW(foreach=True)``'s and the params equal to float rounding
+(tested): the step counts stay on the device, as in torch's capturable/fused Adam, so the bias
+corrections are device tensors (float32 factors) instead of Python doubles, and the update
+``step_size * m / (sqrt(v) / bc2 + eps)`` is computed in fp32 for bf16 state too. Any other
+difference in bf16 comes from where the update lands, never from a different algorithm.
 
 Memory for bf16 params, per parameter: weight 2 + grad 2 + exp_avg 2 + exp_avg_sq 2 +
 Kahan buffer 2 = 10 bytes (8 with stochastic rounding), against 16 for fp32 AdamW.
@@ -13,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .base import CompensatedOptimizer, check_moment_rounding, _Target, foreach_cast, scalar
+from .base import CompensatedOptimizer, check_moment_rounding, _Target, foreach_cast, lr_of, scalar
 from .rounding import stochastic_round_
 
 __all__ = ["Adam", "AdamW"]
@@ -50,14 +53,15 @@ class Adam(CompensatedOptimizer):
 
     def _init_state(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
         dtype = self.state_dtype_for(p)
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)  # on the host, as torch keeps it
+        # on the param's device, as torch's fused/capturable Adam keep it: bias corrections without a read
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
     def _update(self, group: Dict[str, Any], params: List[torch.Tensor], grads: List[torch.Tensor],
                 states: List[Dict[str, Any]], target: _Target) -> None:
         beta1, beta2 = group["betas"]
-        lr, eps, wd = scalar(group["lr"]), group["eps"], group["weight_decay"]
+        lr, eps, wd = lr_of(group, params[0].device), group["eps"], group["weight_decay"]
         steps = [s["step"] for s in states]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
@@ -82,19 +86,29 @@ class Adam(CompensatedOptimizer):
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
         del grads
-        denom = torch._foreach_sqrt(exp_avg_sqs)
 
-        # host tensors (as torch keeps them): one batched read of host memory, no per-tensor scalar
-        # read and no device sync
-        counts = torch.stack(steps).tolist()
-        step_size = [-lr / (1 - beta1 ** n) for n in counts]
-        bias_correction2_sqrt = [(1 - beta2 ** n) ** 0.5 for n in counts]
+        # bias corrections from the device step counts (float64 math, float32 factors, as torch's
+        # capturable Adam keeps them): no read. The update is computed in fp32 whatever the state's
+        # dtype: update = step_size * exp_avg / (sqrt(exp_avg_sq) / bias_correction2_sqrt + eps)
+        n = torch.stack(steps).to(torch.float64)
+        bias_correction2_sqrt = (1 - torch.pow(beta2, n)).sqrt_().float().unbind()
+        step_size = (-lr / (1 - torch.pow(beta1, n))).float().unbind()
+        if exp_avg_sqs[0].dtype == torch.float32:
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+        else:
+            denom = foreach_cast(exp_avg_sqs, torch.float32)[1]
+            torch._foreach_sqrt_(denom)
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, eps)
-        # (fp32 weight copies under stochastic rounding make this a mixed-dtype op, slower on CPU;
-        # splitting it into div/mul/add is faster but foreach mul rounds its scalars to bf16)
-        torch._foreach_addcdiv_(target.tensors, exp_avgs, denom, step_size)
+        if exp_avgs[0].dtype == torch.float32:
+            update = torch._foreach_div(exp_avgs, denom)
+        else:
+            update = foreach_cast(exp_avgs, torch.float32)[1]
+            torch._foreach_div_(update, denom)
         del denom
+        torch._foreach_mul_(update, step_size)
+        torch._foreach_add_(target.tensors, update)
+        del update
         target.finish()
 
     @staticmethod

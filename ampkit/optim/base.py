@@ -12,6 +12,15 @@ Each ``step`` groups a param group's tensors by (device, dtype), in batches of a
 
 So one update rule serves every dtype and compensation, and fp32 params keep plain fp32 updates
 (no buffer) next to bf16 ones in the same optimizer.
+
+No host reads per step: step counts live on the params' device (as in torch's fused/capturable
+Adam), a tensor ``lr`` stays a tensor, and the skip decision is taken on the device through torch's
+amp protocol (``_step_supports_amp_scaling``: the scaler sets ``found_inf`` and ``grad_scale``).
+A step whose ``found_inf`` is set computes its update and then selects, bit for bit, the state it
+started from (:func:`_Undo`): params, moments, Kahan buffers and step counts come back identical.
+Stochastic rounding draws its random bits before the outcome is known, so a skipped step does
+consume draws (deterministically: the same run with the same seed skips and draws the same way,
+and the generator state is saved in ``state_dict``).
 """
 from __future__ import annotations
 
@@ -69,17 +78,55 @@ def check_moment_rounding(value: Any) -> None:
 
 
 def scalar(value: Any) -> float:
-    """A hyperparameter as a Python float (a tensor lr costs one read, as in torch)."""
+    """A hyperparameter as a Python float (a tensor costs one read: for checks at construction only)."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def lr_of(group: Dict[str, Any], device: torch.device) -> Any:
+    """The group's lr: a Python float, or a tensor lr as a float32 tensor on ``device`` (no read)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        return lr.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+    return lr
+
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _Undo:
+    """Bit-exact ``x = old if skip else x`` for the tensors one bucket's step writes, with foreach ops.
+
+    The tensors are seen as integers of their width: ``snapshot = bits * skip`` before the step,
+    ``bits = bits * (1 - skip) + snapshot`` after it. Integer products by 0/1 and a sum where one
+    side is 0 are exact, so a skipped step leaves every bit as it was (NaN payloads, -0.0 included)
+    and a taken step every bit as computed.
+    """
+
+    def __init__(self, tensors: List[torch.Tensor], skip: torch.Tensor) -> None:
+        self.groups: Dict[torch.dtype, Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor]] = {}
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(_INT_VIEW[t.element_size()], []).append(t.view(_INT_VIEW[t.element_size()]))
+        for idt, views in by_dtype.items():
+            s = skip.to(idt)
+            self.groups[idt] = (views, torch._foreach_mul(views, s), 1 - s)
+
+    def __call__(self) -> None:
+        for views, saved, keep in self.groups.values():
+            torch._foreach_mul_(views, keep)
+            torch._foreach_add_(views, saved)
 
 
 class _Target:
     """Where one bucket's update accumulates, and how it lands in the params (see module doc)."""
 
     def __init__(self, mode: Optional[str], params: List[torch.Tensor], states: List[dict],
-                 generator_fn: Callable[[], torch.Generator]) -> None:
+                 generator_fn: Callable[[], torch.Generator], skip: Optional[torch.Tensor] = None) -> None:
         self.mode = mode
         self.params = params
+        #: the step's skip flag on the device (bool, 0-dim) or None: the bucket is restored after the
+        #: update when it is set; state created during the update must honour it itself
+        self.skip = skip
         self._generator_fn = generator_fn
         self._flat: Optional[torch.Tensor] = None
         if mode == "kahan":
@@ -94,9 +141,15 @@ class _Target:
         """The stochastic-rounding generator of this bucket's device (created on first use)."""
         return self._generator_fn()
 
-    def decay_(self, amount: float) -> None:
-        """Decoupled weight decay ``w -= amount * w``: multiplied into a weight, added to a Kahan buffer."""
-        if self.mode == "kahan":
+    def decay_(self, amount: Any) -> None:
+        """Decoupled weight decay ``w -= amount * w``: multiplied into a weight, added to a Kahan buffer.
+        ``amount`` may be a device tensor (a tensor lr)."""
+        if isinstance(amount, torch.Tensor):
+            if self.mode == "kahan":
+                torch._foreach_add_(self.tensors, torch._foreach_mul(self.params, -amount))
+            else:
+                torch._foreach_mul_(self.tensors, 1.0 - amount)
+        elif self.mode == "kahan":
             torch._foreach_add_(self.tensors, self.params, alpha=-amount)
         else:
             torch._foreach_mul_(self.tensors, 1.0 - amount)
@@ -135,6 +188,10 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     #: makes ~20 passes over fp32 copies; batches that stay in cache ran 2.4x faster on CPU than
     #: one pass over all params, and they bound the transient fp32 copies to the batch.
     bucket_numel: Optional[int] = None
+
+    #: torch's amp protocol: a scaler sets ``found_inf`` (and ``grad_scale`` when the grads are still
+    #: scaled) and the step skips on the device, as torch's fused Adam does: no host read
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults: Dict[str, Any], *, compensation: Optional[str] = "kahan",
                  state_dtype: Optional[torch.dtype] = None, seed: Optional[int] = None) -> None:
@@ -204,6 +261,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf: Optional[torch.Tensor] = getattr(self, "found_inf", None)
+        grad_scale: Optional[torch.Tensor] = getattr(self, "grad_scale", None)
         for group in self.param_groups:
             for (device, dtype), (params, grads, states) in self._buckets(group).items():
                 mode = group["compensation"] if dtype in LOW_PRECISION else None
@@ -213,10 +272,21 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                         "Use compensation='kahan' for float16 params."
                     )
                 gen = functools.partial(self._generator, device)
+                skip = None
+                if found_inf is not None:
+                    skip = found_inf.to(device, non_blocking=True).reshape(()) > 0
+                if grad_scale is not None:  # grads still scaled: unscale copies (the model's grads stay)
+                    grads = torch._foreach_div(grads, grad_scale.to(device, non_blocking=True).reshape(()))
                 cap = self.bucket_numel or (1 << 20 if device.type == "cpu" else 1 << 24)
                 for lo, hi in spans([p.numel() for p in params], cap):
                     ps, ss = params[lo:hi], states[lo:hi]
-                    self._update(group, ps, grads[lo:hi], ss, _Target(mode, ps, ss, gen))
+                    undo = None
+                    if skip is not None:
+                        undo = _Undo(ps + [v for st in ss for v in st.values() if isinstance(v, torch.Tensor)],
+                                     skip)
+                    self._update(group, ps, grads[lo:hi], ss, _Target(mode, ps, ss, gen, skip))
+                    if undo is not None:
+                        undo()
         return loss
 
     # ------------------------------------------------------------------ state
@@ -248,8 +318,11 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             if p is None:
                 continue
             for key, value in saved.items():
-                if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
-                        and value.dtype != p.dtype):
+                if key == "step":
+                    # step counts live on the param's device as float32 (a checkpoint written when they
+                    # were host tensors or numbers loads too)
+                    self.state[p][key] = torch.as_tensor(value, dtype=torch.float32).to(p.device).clone()
+                elif isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != p.dtype:
                     self.state[p][key] = value.to(device=p.device)
         for key, rng in (rng_states or {}).items():
             self._generator(torch.device(key)).set_state(rng.cpu())  # map_location may have moved it

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .base import CompensatedOptimizer, check_moment_rounding, _Target, foreach_cast, scalar
+from .base import CompensatedOptimizer, check_moment_rounding, _Target, foreach_cast, lr_of, scalar
 from .rounding import stochastic_round_
 
 __all__ = ["SGD"]
@@ -43,7 +43,7 @@ class SGD(CompensatedOptimizer):
 
     def _update(self, group: Dict[str, Any], params: List[torch.Tensor], grads: List[torch.Tensor],
                 states: List[Dict[str, Any]], target: _Target) -> None:
-        lr, wd = scalar(group["lr"]), group["weight_decay"]
+        lr, wd = lr_of(group, params[0].device), group["weight_decay"]
         momentum, dampening = group["momentum"], group["dampening"]
         own = False  # whether `grads` is our copy (never write into the model's .grad)
         if group["maximize"]:
@@ -74,9 +74,20 @@ class SGD(CompensatedOptimizer):
                 else:
                     torch._foreach_mul_(bufs, momentum)
                     torch._foreach_add_(bufs, old_grads, alpha=1 - dampening)
+                # a buffer created by a step that was then skipped: this step starts it (torch's rule)
+                pending = [i for i in old if "momentum_pending" in states[i]]
+                for i in pending:
+                    buf, flag = states[i]["momentum_buffer"], states[i]["momentum_pending"]
+                    torch.where(flag > 0, grads[i].to(buf.dtype), buf, out=buf)
+                    flag.zero_()  # (the step's undo puts it back if this step is skipped too)
             for i in fresh:  # first step of these params: the buffer starts as the gradient
-                states[i]["momentum_buffer"] = grads[i].detach().to(
+                states[i]["momentum_buffer"] = buf = grads[i].detach().to(
                     self.state_dtype_for(params[i]), memory_format=torch.preserve_format, copy=True)
+                if target.skip is not None:
+                    # created now, so the undo does not know it: a skipped first step leaves a zero
+                    # buffer marked pending (a later step starts it from its gradient)
+                    buf.masked_fill_(target.skip, 0)
+                    states[i]["momentum_pending"] = target.skip.to(torch.float32).clone()
             bufs = [s["momentum_buffer"] for s in states]
             if group["nesterov"]:
                 if own:
@@ -86,6 +97,9 @@ class SGD(CompensatedOptimizer):
             else:
                 grads = bufs
 
-        torch._foreach_add_(target.tensors, grads, alpha=-lr)
+        if isinstance(lr, torch.Tensor):
+            torch._foreach_add_(target.tensors, torch._foreach_mul(grads, -lr))
+        else:
+            torch._foreach_add_(target.tensors, grads, alpha=-lr)
         del grads
         target.finish()

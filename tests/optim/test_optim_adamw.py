@@ -57,8 +57,11 @@ def test_bf16_moments_need_stochastic_rounding():
     (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
 ])
 @pytest.mark.parametrize("compensation", [None, "kahan", "stochastic"])
-def test_fp32_params_match_torch_bitwise(cls, kw, compensation):
-    """On fp32 params compensation is a no-op and the rule is torch's foreach Adam, bit for bit."""
+def test_fp32_params_match_torch(cls, kw, compensation):
+    """On fp32 params compensation is a no-op and the rule is torch's foreach Adam: the moments bit for
+    bit; the params to float rounding, since our step counts stay on the device (no read per step) and
+    the bias corrections are computed there (float32 factors) where torch's foreach Adam reads the
+    count and computes them in Python doubles."""
     shapes = [(5, 3), (7,), (2, 3, 4)]
     a, b = twin_params(shapes)
     ta = cls(a, foreach=True, **kw)
@@ -68,8 +71,9 @@ def test_fp32_params_match_torch_bitwise(cls, kw, compensation):
     run(ta, a, stream)
     run(tb, b, stream)
     for p, q in zip(a, b):
-        assert torch.equal(p, q)
+        torch.testing.assert_close(q, p, rtol=2e-6, atol=1e-7)
         assert "compensation" not in tb.state[q]
+        assert torch.equal(ta.state[p]["exp_avg"], tb.state[q]["exp_avg"])
         assert torch.equal(ta.state[p]["exp_avg_sq"], tb.state[q]["exp_avg_sq"])
 
 
@@ -98,9 +102,11 @@ def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, 
     stochastic_round_bucket_(v32, gen)
     for p, s, t, v in zip(params, states, targets, v32):
         s["exp_avg_sq"].copy_(v)
-        n = s["step"].item()
-        denom = s["exp_avg_sq"].sqrt().div_((1 - beta2 ** n) ** 0.5).add_(eps)  # bf16, as torch's bf16 AdamW
-        t.addcdiv_(s["exp_avg"], denom, value=-lr / (1 - beta1 ** n))
+        n = s["step"].double()
+        bc2_sqrt = (1 - torch.pow(beta2, n)).sqrt().float()
+        step_size = (-lr / (1 - torch.pow(beta1, n))).float()
+        denom = s["exp_avg_sq"].float().sqrt().div_(bc2_sqrt).add_(eps)  # fp32 update
+        t.add_(s["exp_avg"].float().div_(denom).mul_(step_size))
     land_(params, targets, compensation, gen)
 
 

@@ -1,0 +1,85 @@
+"""The end of a run: summary.json, report.txt (and the printed report), nonfinite_report.txt."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+from ..precision import Precision
+from .evaluate import classification_text
+from .rundir import write_atomic
+
+__all__ = ["build_summary", "report_text", "write_reports", "nonfinite_report"]
+
+
+def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Optional[Dict[str, Any]],
+                  *, device, task: str, epochs: int, optimizer_steps: int, train_time: float, world_size: int,
+                  strategy: Optional[str], class_names=None):
+    """(summary dict, classification report or None) from the run's history and its final evaluation."""
+    rates = [r["samples_per_s"] for r in history if r.get("kind") == "train" and "samples_per_s" in r]
+    train_losses = [r["loss"] for r in history if r.get("kind") == "train" and not r.get("skipped")]
+    summary = {
+        "precision": precision.name,
+        "precision_requested": precision.requested,
+        "precision_reason": precision.reason,
+        "device": str(device),
+        "task": task,
+        "accuracy": final["accuracy"] if final else None,
+        "eval_loss": final["loss"] if final else None,
+        "final_train_loss": train_losses[-1] if train_losses else None,
+        "epochs": epochs,
+        "optimizer_steps": optimizer_steps,
+        "skipped_steps": precision.skipped_steps,
+        "final_loss_scale": precision.loss_scale,
+        "samples_per_s": (sorted(rates)[len(rates) // 2] if rates else None),
+        "train_time_s": train_time,
+        "world_size": world_size,
+        "strategy": strategy,
+    }
+    if final and "perplexity" in final:
+        summary["perplexity"] = final["perplexity"]
+    report = None
+    if final and "preds" in final:
+        report = classification_text(final["preds"], final["targets"], class_names)
+        summary["classification_report"] = report["dict"]
+        summary["confusion_matrix"] = report["confusion_matrix"]
+    return summary, report
+
+
+def report_text(precision: Precision, summary: Dict[str, Any], report: Optional[Dict[str, Any]]) -> str:
+    lines = [f"precision: {precision.describe()}",
+             f"optimizer steps: {summary['optimizer_steps']} (skipped {summary['skipped_steps']}), "
+             f"final loss scale: {summary['final_loss_scale']:g}, epochs: {summary['epochs']}"]
+    if summary["samples_per_s"]:
+        lines.append(f"throughput: {summary['samples_per_s']:.0f} samples/s (median), train time {summary['train_time_s']:.1f} s")
+    if summary["eval_loss"] is not None:
+        acc = f", accuracy {summary['accuracy']:.4f}" if summary["accuracy"] is not None else ""
+        ppl = f", perplexity {summary['perplexity']:.3f}" if "perplexity" in summary else ""
+        lines.append(f"eval loss {summary['eval_loss']:.4f}{acc}{ppl}")
+    if report:
+        lines += ["", "classification report (scikit-learn)", report["text"], report["confusion_text"]]
+    return "\n".join(lines)
+
+
+def write_reports(run_dir: Optional[str], text: str, summary: Dict[str, Any]) -> None:
+    """report.txt, then summary.json (atomically: its presence marks a finished run)."""
+    if not run_dir:
+        return
+    with open(os.path.join(run_dir, "report.txt"), "w") as f:
+        f.write(text + "\n")
+    write_atomic(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
+
+
+def nonfinite_report(message: str, *, attempted: int, applied: int, skipped: int, epoch: int,
+                     batch_in_epoch: int, grad_accum: int, last_checkpoint: Optional[str]) -> str:
+    """The scaler's message (which parameters) plus where in the run it stopped and how to go on."""
+    last = batch_in_epoch - 1
+    first = last - (last % grad_accum)
+    return "\n".join([
+        "training stopped: gradients stayed non-finite (no update was applied on any of those steps)",
+        message,
+        f"stopped at: step {attempted} ({applied} applied, {skipped} skipped in all), epoch {epoch + 1}, "
+        f"micro-batches {first}-{last} of that epoch",
+        f"last checkpoint: {last_checkpoint or 'none'}",
+        "continue after fixing the cause: the same command with --resume auto",
+    ]) + "\n"

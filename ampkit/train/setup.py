@@ -1,0 +1,212 @@
+"""Everything the Trainer decides before its first step: config checks, the `Precision` (built,
+then tuned on the model), the model checked against the data, the optimizer and LR schedule, and
+the DDP/FSDP/compile wrapping."""
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..data import check_labels
+from ..precision import Precision, Tuned
+from ..precision.convert import is_norm
+from ..precision.modes import AUTO, MODES
+from ..tuning import needs_tuning, tune
+from ..utils.batch import batch_target, call_model
+from ..utils.tree import to_device
+from . import distributed as _dist
+from .batches import Batches
+from .config import TrainConfig
+from .evaluate import default_loss
+from .metrics import require_tensorboard
+
+__all__ = ["build_optimizer", "build_scheduler", "check_config", "make_precision", "tune_for_run",
+           "check_model_accepts_data", "infer_task", "wire"]
+
+# TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (ampkit.tune)
+MEMORY_FORMATS = {"auto": None, "channels_last": True, "contiguous": False}
+
+
+def _no_decay(name: str, param: torch.Tensor, module: nn.Module) -> bool:
+    return param.dim() <= 1 or name.endswith(".bias") or is_norm(module)
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, device: torch.device,
+                    sharded: bool = False, eps: Optional[float] = None):
+    """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it
+    (for ``sharded`` DTensor parameters, torch has fused Adam/AdamW but no fused SGD: foreach then).
+    ``eps``: Adam's epsilon (torch's 1e-8 when None; ``Precision.min_adam_eps`` for fp16 optimizer state)."""
+    decay, no_decay, seen = [], [], set()
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:  # a tied weight (embedding = LM head) is stepped once
+                continue
+            seen.add(id(p))
+            (no_decay if _no_decay(p_name, p, module) else decay).append(p)
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    if not groups:
+        raise ValueError("the model has no trainable parameters.")
+    key = name.lower()
+    fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
+    adam = {**fused, **({} if eps is None else {"eps": eps})}
+    if key == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, **adam)
+    if key == "adam":
+        return torch.optim.Adam(groups, lr=lr, **adam)
+    if key == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **({} if sharded else fused))
+    raise ValueError(f"Unknown optimizer {name!r}: use adamw, adam or sgd (or pass your own to Trainer).")
+
+
+def build_scheduler(optimizer, kind: str, total_steps: int, warmup_steps: int):
+    """constant | cosine | linear, each with an optional linear warm-up; None for constant without warm-up."""
+    kind = kind.lower()
+    if kind not in ("constant", "cosine", "linear"):
+        raise ValueError(f"Unknown lr schedule {kind!r}: use constant, cosine or linear.")
+    if kind == "constant" and warmup_steps <= 0:
+        return None
+    total = max(1, total_steps)
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def check_config(cfg: TrainConfig, train_data: Dataset) -> None:
+    """Refuse what cannot train, before anything is built or written."""
+    if cfg.grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}.")
+    if cfg.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}.")
+    if cfg.epochs < 1 and not cfg.max_steps:
+        raise ValueError(f"epochs must be >= 1, got {cfg.epochs}.")
+    if len(train_data) == 0:
+        raise ValueError("the training set is empty: it needs at least one sample.")
+    if cfg.tensorboard:
+        require_tensorboard()  # before the run directory exists: a failed start leaves nothing behind
+    if cfg.strategy not in _dist.STRATEGIES:
+        raise ValueError(f"Unknown strategy {cfg.strategy!r}: use {' or '.join(_dist.STRATEGIES)}.")
+    if cfg.strategy == "fsdp" and not _dist.is_initialized():
+        raise ValueError("strategy 'fsdp' needs torch.distributed: launch with "
+                         "torchrun --nproc-per-node N -m ampkit train --strategy fsdp ...")
+    if cfg.memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"Unknown memory_format {cfg.memory_format!r}: use {', '.join(MEMORY_FORMATS)}.")
+
+
+def make_precision(precision: Any, cfg: TrainConfig) -> Precision:
+    """A ready `Precision` as given, else one built from a name (or the config's) and the config's options."""
+    if isinstance(precision, Precision):
+        return precision
+    return Precision(
+        precision or cfg.precision, _dist.default_device(cfg.device),
+        loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
+        max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
+        compensation=cfg.compensation, channels_last=MEMORY_FORMATS[cfg.memory_format],
+    )
+
+
+def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: Batches, loss_fn: Callable,
+                 saved_mode: Optional[str], single_process: bool) -> Precision:
+    """Measure what the run left open on this model and its first batch (``ampkit.tune``; cached
+    per machine): the mode for precision auto, the memory format of a conv model, attention kernels.
+    A resumed auto run keeps its checkpoint's mode (``saved_mode``). Several processes keep the defaults
+    (every rank must run the same mode and layout, and timings differ per rank)."""
+    modes = prec.requested == AUTO
+    if modes and cfg.resume:
+        if saved_mode and saved_mode != prec.name and saved_mode in MODES:
+            prec = prec.retuned(Tuned(mode=saved_mode, mode_reason="the resumed run's precision"))
+        modes = False
+    if not needs_tuning(prec, model, modes) or not cfg.autotune or not single_process:
+        return prec
+    x, y = batches.first(cfg.batch_size)
+    return tune(prec, model, x, y, loss_fn, grad_accum=cfg.grad_accum, modes=modes,
+                log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
+
+
+def check_model_accepts_data(model: nn.Module, batches: Batches, loss_fn: Callable, task: str) -> None:
+    """One fp32 forward and loss of the user's model on two training samples (eval mode, no grad) and
+    the labels against its outputs: a model that does not fit the data is one ValueError naming the
+    fix, before anything is timed or written."""
+    x, y = batches.first(2)
+    dev = next((p.device for p in model.parameters()), None)
+    if dev is not None and dev != batches.device:
+        x, y = to_device(x, dev), to_device(y, dev)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = call_model(model, x)
+            loss_fn(out, y)
+    except Exception as e:
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        hint = ""
+        if isinstance(x, torch.Tensor):
+            hint = f" (a sample of x has shape {tuple(x.shape[1:])}, dtype {str(x.dtype).replace('torch.', '')})"
+            if not x.is_floating_point() and task != "lm":
+                hint += ("; x holds integers: save it as float32 (e.g. x.astype('float32') / 255 for 8-bit "
+                         "images)")
+        raise ValueError(f"the model cannot train on this data: {type(e).__name__}: {text}{hint}. Use a model "
+                         "that fits the data (--model), or fix the data.") from None
+    finally:
+        model.train(was_training)
+    if (loss_fn is default_loss and isinstance(out, torch.Tensor) and out.dim() >= 2
+            and isinstance(y, torch.Tensor) and not y.is_floating_point()):
+        check_labels(batches.train_data, out.shape[-1], "training")
+        if batches.eval_data is not None:
+            check_labels(batches.eval_data, out.shape[-1], "evaluation")
+
+
+def infer_task(ds: Dataset) -> str:
+    sample = ds[0]
+    if isinstance(sample, Mapping) or not isinstance(sample, (list, tuple)):
+        y = batch_target(sample)  # a dict sample: its labels (token labels: lm; one label: classification)
+        if y is None:
+            return "lm"  # the model's own loss on unlabeled inputs (e.g. causal LM with labels built inside)
+        y = torch.as_tensor(y)
+        return "regression" if y.is_floating_point() else ("lm" if y.dim() >= 1 else "classification")
+    x, y = sample[0], sample[1]
+    y = torch.as_tensor(y)
+    if y.is_floating_point():
+        return "regression"
+    return "lm" if y.dim() == 1 and not torch.as_tensor(x).is_floating_point() else "classification"
+
+
+def wire(model: nn.Module, optimizer, prec: Precision, cfg: TrainConfig, world_size: int):
+    """(model to call, model as built, optimizer): the precision applied, then sharded (FSDP, the optimizer
+    built on the shards) or wrapped (DDP), then compiled when asked."""
+    device = prec.device
+    if cfg.strategy == "fsdp":  # shard first: the optimizer must hold the sharded (DTensor) parameters
+        if optimizer is not None:
+            raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
+                             "optimizer=None and set optimizer/lr/weight_decay in the config.")
+        _dist.mixed_precision_policy(prec)  # refuses modes that cast parameters
+        _dist.fsdp_memory_format(prec)  # FSDP shards contiguous parameters only
+        model = _dist.shard_fsdp(prec.setup(model, None)[0], prec)
+        optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, device, sharded=True,
+                                    eps=prec.min_adam_eps)
+        prec.scaler.register_names(model)
+    else:
+        if optimizer is None:
+            optimizer = build_optimizer(model.to(device), cfg.optimizer, cfg.lr, cfg.weight_decay, device,
+                                        eps=prec.min_adam_eps)
+        model, optimizer = prec.setup(model, optimizer)
+    raw_model = model
+    if world_size > 1 and cfg.strategy != "fsdp":
+        model = _dist.wrap_model(model, device)
+        # DDP all-reduces gradients: every rank sees the same ones, so found-inf needs no collective
+        prec.scaler.distributed = False
+    if cfg.compile:
+        model = torch.compile(model)
+    return model, raw_model, optimizer
