@@ -9,7 +9,7 @@ import pytest
 
 from ampkit._startup import launched_as_cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _INJECT = """
 import builtins, sys
