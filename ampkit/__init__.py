@@ -3,15 +3,21 @@
 Core objects are imported eagerly; the heavier parts (trainer, diagnostics, bench, compat)
 load on first use so ``import ampkit`` stays cheap.
 """
-from .precision import (
-    LossScaler,
-    MasterWeightOptimizer,
-    NonFiniteGradientsError,
-    Precision,
-    convert_model,
-    global_policy,
-    set_global_policy,
-)
+try:  # torch imports here (seconds): Ctrl-C meanwhile, as the `ampkit` command, is one line and exit 130
+    from .precision import (
+        LossScaler,
+        MasterWeightOptimizer,
+        NonFiniteGradientsError,
+        Precision,
+        convert_model,
+        global_policy,
+        set_global_policy,
+    )
+except KeyboardInterrupt:
+    from ._startup import exit_if_cli
+
+    exit_if_cli()
+    raise
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Tiny models with planted numerics problems, shared by the tests/test_check*.py files.
+"""Tiny models with planted numerics problems, shared by the tests/diagnose/test_check*.py and tests/cli/test_check_cli.py.
 
 Also used as ``pkg.module:factory`` specs by the CLI tests (the tests directory is put on sys.path).
 """

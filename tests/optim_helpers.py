@@ -1,4 +1,4 @@
-"""Shared pieces of the compensated-optimizer tests (tests/test_optim_adamw.py, test_optim_sgd.py).
+"""Shared pieces of the compensated-optimizer tests (tests/optim/test_optim_adamw.py, test_optim_sgd.py).
 
 A regression task whose loss shows what the optimizer's precision costs, seeded gradient
 streams, and the two steps every per-tensor reference shares: rounding a bucket stochastically

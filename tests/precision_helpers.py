@@ -1,4 +1,4 @@
-"""Shared pieces of the precision-mode tests (tests/test_precision.py, test_bf16_pure.py):
+"""Shared pieces of the precision-mode tests (tests/precision/test_precision.py, test_bf16_pure.py):
 one small model with a norm layer, a fixed batch, and the loop written against the hooks."""
 import warnings
 

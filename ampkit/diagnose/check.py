@@ -159,8 +159,12 @@ def check(
             stale[str(dtype).replace("torch.", "")] = simulated_stale(ref_model, ref.grads, dtype, lr, fp32_modules)
         _flag_stale(verdicts, stale)
 
-    # 5. recommendation
-    auto = choose_auto(verdicts, dev)
+    # 5. fp8 numerics per converted Linear, then the recommendation (every checked mode, fp8 included)
+    fp8 = {}
+    if any(is_fp8(n) for n in names) and ref.nonfinite is None:
+        fp8 = {"fp8": fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
+                                fp8_skip, fp8_force)}
+    auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if fp8 else None)
     if ref.nonfinite is not None:  # no precision is the safe choice for a model that fails in fp32
         auto["reason"] = ("the model is non-finite in fp32 already (see reference.first_nonfinite): no precision "
                           "is safe until the model, its init or the data is fixed")
@@ -178,10 +182,6 @@ def check(
     grads["binades"] = scale["grad_binades"]
 
     info = device_info(dev).as_dict()
-    fp8 = {}
-    if any(is_fp8(n) for n in names) and ref.nonfinite is None:
-        fp8 = {"fp8": fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
-                                fp8_skip, fp8_force)}
     return CheckReport(
         device={"device": str(dev), **info},
         auto={k: auto[k] for k in ("mode", "reason", "device_choice", "device_reason")},

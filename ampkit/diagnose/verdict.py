@@ -30,11 +30,13 @@ import torch
 from torch import nn
 
 from ..precision import MODES, auto_mode, device_info, resolve, resolve_device
+from .fp8 import FP8_ORDER
 from .hooks import finite_number
 from .localise import localise_nonfinite
 from .runner import (RunResult, as_loss_fn, default_forward, prepare, run_once, step_fn, to_device)
 
-__all__ = ["THRESHOLDS", "compare", "verdict_of", "amp_verdicts", "choose_auto", "preference_order", "unmeasured"]
+__all__ = ["THRESHOLDS", "compare", "verdict_of", "amp_verdicts", "choose_auto", "preference_order", "safe_modes", "mode_family",
+           "unmeasured"]
 
 #: metric -> (risky above, unsafe above)
 THRESHOLDS: Dict[str, tuple] = {
@@ -194,39 +196,114 @@ def _canonical(name: str, device: torch.device) -> str:
     return auto_mode(device)[0] if c == "auto" else c
 
 
-def choose_auto(verdicts: Dict[str, Dict[str, Any]], device: Any = None) -> Dict[str, Any]:
-    """`auto` with the AMP check: the device's preferred precision if its verdict is ok, else the next.
+def mode_family(mode: str, device: Any = None, grad_accum: int = 1) -> List[str]:
+    """``mode`` and the modes judged by the same AMP check (same compute dtype) that `auto` may pick.
 
-    Candidates are the checked precisions in :func:`preference_order`; a precision that is not ok
-    on its own but ok with fp32 modules (``verdicts[p]["with_fp32_modules"]``) is taken with them.
-    fp32 is the fallback (it is the reference, so always ok).
-    Returns ``{"mode", "reason", "fp32_modules", "device_choice", "device_reason"}``.
+    An autocast mode brings its master-weights variant (16-bit params, fp32 masters), except where
+    gradients accumulate over micro-batches (the 16-bit model grads would accumulate in 16 bits) or
+    for fp16 off CUDA. bf16-pure (bf16 weights and optimizer state) is opt-in only.
+    """
+    mode = resolve(mode)
+    low = MODES[mode].low_dtype
+    if MODES[mode].fp8 is not None or MODES[mode].param_dtype != torch.float32 or low is None or grad_accum > 1:
+        return [mode]
+    master = "bf16-master" if low == torch.bfloat16 else "fp16-master"
+    if low == torch.float16 and resolve_device(device).type != "cuda":
+        return [mode]
+    return [mode, master]
+
+
+def _verdict_level(v: Any) -> str:
+    return v if isinstance(v, str) else v["verdict"]
+
+
+def safe_modes(verdicts: Dict[str, Any], device: Any = None, grad_accum: int = 1, *,
+               fp8: Optional[Dict[str, Dict[str, Any]]] = None, unchecked_ok: bool = False) -> Dict[str, Any]:
+    """The one rule behind `auto`: the modes the AMP check calls safe here, in the device's preference order.
+
+    ``verdicts``: ``{autocast mode: verdict record or "ok"|"risky"|"unsafe"}`` (:func:`amp_verdicts`).
+    Candidates, fastest first: the checked fp8 modes whose verdict is ok and whose every converted
+    Linear passes (``fp8``: the check's per-recipe verdicts, :mod:`.fp8`); then the first compute dtype
+    of :func:`preference_order` whose verdict is ok (or ok with fp32 modules, ``verdicts[p]
+    ["with_fp32_modules"]``), with its :func:`mode_family`; fp32 last (the reference, always safe).
+    A dtype without a verdict is passed over, or taken as ok with ``unchecked_ok`` (a check that could
+    not run rules nothing out).
+
+    Returns ``{"modes": [{"mode", "fp32_modules", "note"}...], "skipped": [why...]}``: the check's
+    recommendation is ``modes[0]``; tuning times ``modes`` and keeps the fastest.
     """
     device = resolve_device(device)
     dev_choice, dev_reason = auto_mode(device)
-    skipped = []
+    modes: List[Dict[str, Any]] = []
+    skipped: List[str] = []
+
+    def why_not(name: str, v: Any) -> str:
+        reasons = v.get("reasons") if isinstance(v, dict) else None
+        return f"{name} was {_verdict_level(v)}" + (f" ({reasons[0]})" if reasons else "")
+
+    for name in sorted((n for n in verdicts if n in MODES and MODES[n].fp8 is not None), key=_fp8_rank):
+        v, recipe = verdicts[name], (fp8 or {}).get(name)
+        if _verdict_level(v) != "ok":
+            skipped.append(why_not(name, v))
+        elif recipe is None:
+            skipped.append(f"{name} has no per-layer fp8 verdict")
+        elif recipe["verdict"] != "ok":
+            skipped.append(f"{name} was {recipe['verdict']} per layer"
+                           + (f" ({recipe['reasons'][0]})" if recipe.get("reasons") else ""))
+        else:
+            modes.append({"mode": name, "fp32_modules": [], "note": "AMP check ok; every converted Linear passes in fp8"})
     for name in preference_order(device):
         if name == "fp32":
             break
         v = verdicts.get(name)
         if v is None:
-            continue
-        if v["verdict"] == "ok":
-            why = "AMP check ok" + (f"; {'; '.join(skipped)}" if skipped else "")
-            return {"mode": name, "reason": f"{dev_reason if name == dev_choice else 'fastest checked mode that is ok'}; {why}",
-                    "fp32_modules": [], "device_choice": dev_choice, "device_reason": dev_reason}
-        fix = v.get("with_fp32_modules")
+            if not unchecked_ok:
+                continue
+            v = "ok"
+        note = "" if name == dev_choice else "fastest checked mode that is ok"
+        if _verdict_level(v) == "ok":
+            modes += [{"mode": m, "fp32_modules": [], "note": "AMP check ok"} for m in mode_family(name, device, grad_accum)]
+            break
+        fix = v.get("with_fp32_modules") if isinstance(v, dict) else None
         if fix and fix.get("verdict") == "ok":
-            mods = fix["modules"]
-            return {"mode": name, "reason": f"{name} is {v['verdict']} as is, ok with fp32 modules {', '.join(mods)}"
-                    + (f"; {'; '.join(skipped)}" if skipped else ""),
-                    "fp32_modules": list(mods), "device_choice": dev_choice, "device_reason": dev_reason}
-        skipped.append(f"{name} was {v['verdict']}" + (f" ({v['reasons'][0]})" if v.get("reasons") else ""))
-    if dev_choice == "fp32":
-        reason = dev_reason
-    elif skipped:
-        reason = "; ".join(skipped) + ": fp32 is the safe choice"
+            mods = list(fix["modules"])
+            modes += [{"mode": m, "fp32_modules": mods,
+                       "note": f"{name} is {v['verdict']} as is, ok with fp32 modules {', '.join(mods)}"}
+                      for m in mode_family(name, device, grad_accum)]
+            break
+        skipped.append(why_not(name, v))
+    modes.append({"mode": "fp32", "fp32_modules": [], "note": "the fp32 reference"})
+    return {"modes": modes, "skipped": skipped, "device_choice": dev_choice, "device_reason": dev_reason}
+
+
+def _fp8_rank(name: str) -> tuple:
+    return (FP8_ORDER.index(name) if name in FP8_ORDER else len(FP8_ORDER), name)
+
+
+def choose_auto(verdicts: Dict[str, Dict[str, Any]], device: Any = None,
+                fp8: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """`auto` with the AMP check, no timing: the first of :func:`safe_modes` (the device's preferred
+    precision if its verdict is ok, else the next; a checked fp8 mode first where it passes).
+
+    Returns ``{"mode", "reason", "fp32_modules", "device_choice", "device_reason"}``.
+    """
+    safe = safe_modes(verdicts, device, fp8=fp8)
+    first, skipped = safe["modes"][0], safe["skipped"]
+    dev_choice, dev_reason = safe["device_choice"], safe["device_reason"]
+    name = first["mode"]
+    tail = f"; {'; '.join(skipped)}" if skipped else ""
+    if name == "fp32":
+        if dev_choice == "fp32" and not any(MODES[n].fp8 is not None for n in verdicts if n in MODES):
+            reason = dev_reason
+        elif skipped:
+            reason = "; ".join(skipped) + ": fp32 is the safe choice"
+        else:
+            reason = f"{dev_reason}, but no precision faster than fp32 was checked: fp32"
+    elif first["fp32_modules"]:
+        reason = first["note"] + tail
+    elif MODES[name].fp8 is not None:
+        reason = f"{first['note']}{tail}"
     else:
-        reason = f"{dev_reason}, but no precision faster than fp32 was checked: fp32"
-    return {"mode": "fp32", "reason": reason, "fp32_modules": [], "device_choice": dev_choice,
+        reason = f"{dev_reason if name == dev_choice else 'fastest checked mode that is ok'}; AMP check ok{tail}"
+    return {"mode": name, "reason": reason, "fp32_modules": list(first["fp32_modules"]), "device_choice": dev_choice,
             "device_reason": dev_reason}

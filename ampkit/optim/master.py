@@ -74,6 +74,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     masters.append(m)
                 group["params"] = masters
         self._grads_synced = False
+        self._in_step = False
         # torch.optim machinery that schedulers and hooks look up on the instance
         self._optimizer_step_pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
         self._optimizer_step_post_hooks = getattr(optimizer, "_optimizer_step_post_hooks", {})
@@ -112,6 +113,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             _foreach_copy(dst, src)
         self._grads_synced = True
 
+    def invalidate_grads(self) -> None:
+        """The model's grads changed after :meth:`sync_grads` (e.g. the masters' grads were stashed away):
+        the next ``sync_grads`` copies them anew."""
+        self._grads_synced = False
+
+    @property
+    def in_step(self) -> bool:
+        """True while :meth:`step` runs (so a wrapper of the inner optimizer's ``step`` can tell the
+        master step calling it from a script calling it directly)."""
+        return getattr(self, "_in_step", False)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in (*self.model_params, *self.master_params):
             if p.grad is not None:
@@ -142,9 +154,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         handed = [name for name in ("grad_scale", "found_inf") if name in self.__dict__]
         for name in handed:  # set on us by the scaler (fused protocol): the inner optimizer reads them
             setattr(self.optimizer, name, self.__dict__[name])
+        self._in_step = True
         try:
             retval = self.optimizer.step()
         finally:
+            self._in_step = False
             for name in handed:
                 self.optimizer.__dict__.pop(name, None)
         self.copy_masters_to_model()

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..diagnose import verdict
 from ..precision import Precision
-from ..precision.device import auto_mode, device_info, machine_key, resolve_device
+from ..precision.device import auto_mode, machine_key, resolve_device
 from ..precision.modes import MODES
 from ..utils.batch import call_model
 from ..utils.tree import iter_tensors, to_device
@@ -50,20 +50,14 @@ def autotune_cache_path() -> str:
 
 
 def auto_candidates(device: Any = None, grad_accum: int = 1) -> List[str]:
-    """The modes `auto` may pick on this device, the device's default first."""
+    """Every mode `auto` may time on this device, the device's default first: each compute dtype of
+    :func:`ampkit.diagnose.verdict.preference_order` with its :func:`~ampkit.diagnose.verdict.mode_family`,
+    then fp32. Which of them are timed is :func:`~ampkit.diagnose.verdict.safe_modes`' answer."""
     dev = resolve_device(device)
-    first, _ = auto_mode(dev)
-    if first == "fp32":
-        return ["fp32"]
-    info = device_info(dev)
-    low = "bf16" if first.startswith("bf16") else "fp16"
-    out = [first]
-    if grad_accum <= 1 and (low == "bf16" or info.type == "cuda"):
-        out.append(f"{low}-master")
     # a small model can be overhead-bound, where 16-bit only adds casts (measured on an H100: the digits-size
     # CNN ran 0.8x of fp32 in bf16): fp32 always passes the accuracy check, so it competes too
-    out.append("fp32")
-    return out
+    return [m for p in verdict.preference_order(dev) if p != "fp32"
+            for m in verdict.mode_family(p, dev, grad_accum)] + ["fp32"]
 
 
 def fmt_ms(ms: float) -> str:
@@ -182,7 +176,8 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     if checked is None:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # dropout draws: not the user's
             checked = amp_check(model, inputs, target, loss_fn, cands, dev)
-    passed = [c for c in cands if checked.get(_probe(c), "ok") == "ok"]
+    # the one rule (diagnose): the safe modes in the device's preference order; timing only picks among them
+    passed = [m["mode"] for m in verdict.safe_modes(checked, dev, grad_accum, unchecked_ok=True)["modes"]]
     dropped = [f"{p} {v}" for p, v in checked.items() if v != "ok"]
     check_note = "AMP check ok" if not dropped else f"AMP check: {', '.join(dropped)}, so not a candidate"
 

@@ -44,7 +44,7 @@ class _Stash:
     def collect(self) -> None:
         """After a backward pass: under O2, move the new 16-bit grads into fresh master grads."""
         if self.master is not None:
-            self.master._grads_synced = False  # the masters' grads were stashed: copy anew
+            self.master.invalidate_grads()  # the masters' grads were stashed: copy anew
             self.master.sync_grads()
 
     def combine(self) -> None:
@@ -79,16 +79,11 @@ class _AmpMasterOptimizer(MasterWeightOptimizer):
     """O2's optimizer: fp32 masters (ampkit), plus apex's skip-after-overflow."""
 
     _amp_stash: _Stash
-    _in_step = False
 
     def step(self, closure=None):
         if self._amp_stash.consume_skip():
             return None
-        self._in_step = True
-        try:
-            return super().step(closure)
-        finally:
-            self._in_step = False
+        return super().step(closure)
 
 
 def _guard_plain_step(optimizer, stash: _Stash) -> None:
@@ -115,7 +110,7 @@ def _route_inner_step(optimizer, master: _AmpMasterOptimizer) -> None:
     original = optimizer.step
 
     def step(self, *args, **kwargs):
-        if master._in_step:
+        if master.in_step:
             return original(*args, **kwargs)
         return master.step(*args, **kwargs)
 

@@ -17,7 +17,7 @@ from ampkit.precision.fp8 import (E4M3, E5M2, DelayedScaling, DelayedScalingLine
                                   fake_quantise, fp8_layers, plan)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = torch.device("cpu")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from ampkit.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 
 

@@ -130,7 +130,7 @@ def test_cli_trains_a_model_factory_on_dict_data_factory(tmp_path, monkeypatch, 
 
     (tmp_path / "hfmods.py").write_text(
         "import torch, sys\n"
-        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[1])!r})\n"
         "from hf_models import DictDataset, build\n"
         "def make_model():\n    return build('bert')\n"
         "def make_data():\n    return DictDataset('bert', 16), DictDataset('bert', 8, seed=1)\n"

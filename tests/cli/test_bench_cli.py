@@ -9,7 +9,7 @@ import pytest
 
 from ampkit.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORD_FIELDS = {"model", "precision", "runner", "ms_per_step", "ms_per_step_spread", "speedup_vs_fp32",
                  "peak_mem_mb", "state_bytes_per_param", "final_loss", "loss_delta_vs_fp32", "tflops", "utilisation",
                  "samples_per_s", "tokens_per_s", "steps", "state_bytes", "explanation", "vs_torch_loop"}

@@ -169,7 +169,7 @@ class _Uncopyable(nn.Module):
 def test_a_model_that_cannot_be_copied_trains_with_the_defaults(monkeypatch, tmp_path):
     import pytest
 
-    from tests.test_autotune import _bf16_cpu
+    from tests.tuning.test_autotune import _bf16_cpu
 
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
     x, y = _batch(16)

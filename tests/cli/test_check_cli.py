@@ -8,7 +8,7 @@ import pytest
 
 from ampkit.cli import main
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where check_models.py lies
 ROOT = os.path.dirname(HERE)
 TINY = ["--data", "check_models:tiny_data", "--batch-size", "8"]
 

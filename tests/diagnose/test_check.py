@@ -149,3 +149,46 @@ def test_auto_precision_for_the_trainer():
         assert choice["mode"] == "fp32" and choice["verdicts"] == {}
     else:
         assert choice["verdicts"][device_choice]["verdict"] == "ok" and choice["mode"] == device_choice
+
+
+# ------------------------------------------------------------------ one `auto` rule (issue 19)
+def _bf16_device(monkeypatch):
+    from ampkit.diagnose import verdict
+    from ampkit.precision.device import device_info
+
+    fast = type(device_info("cpu"))(**{**device_info("cpu").__dict__, "bf16_fast": True})
+    monkeypatch.setattr(verdict, "device_info", lambda d=None: fast)
+    monkeypatch.setattr(verdict, "auto_mode", lambda d=None: ("bf16-mixed", "test CPU has bf16"))
+    return verdict
+
+
+def test_safe_modes_is_the_one_rule_for_check_and_tuning(monkeypatch):
+    verdict = _bf16_device(monkeypatch)
+    ok = {"verdict": "ok", "reasons": []}
+    modes = lambda v, **kw: [m["mode"] for m in verdict.safe_modes(v, "cpu", **kw)["modes"]]
+    assert modes({"bf16-mixed": ok}) == ["bf16-mixed", "bf16-master", "fp32"]
+    assert modes({"bf16-mixed": ok}, grad_accum=4) == ["bf16-mixed", "fp32"]
+    assert modes({"bf16-mixed": {"verdict": "risky", "reasons": ["x"]}}) == ["fp32"]
+    assert modes({}) == ["fp32"] and modes({}, unchecked_ok=True) == ["bf16-mixed", "bf16-master", "fp32"]
+    fixed = {"verdict": "risky", "reasons": ["x"], "with_fp32_modules": {"verdict": "ok", "modules": ["head"]}}
+    first = verdict.safe_modes({"bf16-mixed": fixed}, "cpu")["modes"][0]
+    assert first["mode"] == "bf16-mixed" and first["fp32_modules"] == ["head"]
+    # the check's recommendation is the first safe mode; tuning times exactly this list
+    assert choose_auto({"bf16-mixed": ok}, "cpu")["mode"] == "bf16-mixed"
+    # a checked fp8 mode comes first where its end-to-end verdict and every converted layer pass
+    fp8_ok = {"fp8-rowwise": {"verdict": "ok", "reasons": []}}
+    assert modes({"bf16-mixed": ok, **{"fp8-rowwise": ok}}, fp8=fp8_ok)[:2] == ["fp8-rowwise", "bf16-mixed"]
+    bad_layer = {"fp8-rowwise": {"verdict": "risky", "reasons": ["1: output_sqnr 12 dB < 18"]}}
+    a = choose_auto({"bf16-mixed": ok, "fp8-rowwise": ok}, "cpu", fp8=bad_layer)
+    assert a["mode"] == "bf16-mixed" and "fp8-rowwise was risky per layer" in a["reason"]
+    a = choose_auto({"fp8-rowwise": ok}, "cpu", fp8=bad_layer)
+    assert a["mode"] == "fp32" and "fp8-rowwise was risky per layer" in a["reason"]
+
+
+def test_check_fp8_alone_recommends_the_fp8_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 8))
+    r = check(model, (torch.randn(16, 32), torch.randint(0, 8, (16,))), precisions=["fp8-rowwise"], device="cpu")
+    assert r["fp8"]["recipes"]["fp8-rowwise"]["verdict"] == "ok", r["fp8"]["recipes"]
+    assert r["auto"]["mode"] == r["recommendation"]["precision"] == "fp8-rowwise", r["auto"]

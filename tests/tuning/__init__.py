@@ -1,0 +1,1 @@
+"""Tests of ampkit.tuning (module names tuning.test_*: the package keeps equal basenames in other folders apart)."""

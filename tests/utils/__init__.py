@@ -1,0 +1,1 @@
+"""Tests of ampkit.utils (module names utils.test_*: the package keeps equal basenames in other folders apart)."""
