@@ -11,6 +11,9 @@ Exact resume: the data order of each epoch comes from a generator seeded with (s
 so a resumed run regenerates the epoch's order and skips the micro-batches already consumed;
 model, optimizer (fp32 masters included), scaler, scheduler and RNG states come from the
 checkpoint. On CPU a stopped-and-resumed run ends bitwise equal to an uninterrupted one.
+
+Longer than ~300 lines because the checkpoint methods (`state_dict`, `save_checkpoint`,
+`load_checkpoint`) are public Trainer API and read/write every part of the run's state held here.
 """
 from __future__ import annotations
 

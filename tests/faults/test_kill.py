@@ -52,10 +52,11 @@ def _resume_and_compare(forkserver, name, out, ref, trial):
     trial.lost += len(bad)
     assert not bad, f"checkpoints that do not load after a kill: {bad}"
     latest = latest_checkpoint(ckpt_dir(out))
+    finished = os.path.exists(os.path.join(out, "summary.json"))  # the kill came after the run ended
     r = forkserver.run(CONFIGS[name] + ["--out", out, "--resume", "auto"])
     assert r["returncode"] == 0, r["stderr"]
     if latest:
-        assert f"resumed from {latest}" in r["stderr"]
+        assert ("already finished" if finished else f"resumed from {latest}") in r["stderr"], r["stderr"]
     assert not temp_files(out), "a partial checkpoint write was left behind after resuming"
     lost, problems = compare_to_reference(out, ref)
     trial.lost += lost

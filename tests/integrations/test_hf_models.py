@@ -106,7 +106,8 @@ def test_trainer_takes_a_dataloader_and_its_collate_fn():
     loader = torch.utils.data.DataLoader(DictDataset("gpt2", 12), batch_size=3, collate_fn=collate)
     trainer = Trainer(build("gpt2"), loader, precision="bf16-mixed", epochs=1, autotune=False, progress=False)
     summary = trainer.fit()
-    assert summary["optimizer_steps"] == 4 and set(calls) == {3}
+    # 4 training batches of 3; the one other call is the fp32 probe of two samples before training
+    assert summary["optimizer_steps"] == 4 and calls.count(3) == 4 and sorted(set(calls) - {3}) in ([], [2])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
