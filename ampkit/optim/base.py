@@ -13,6 +13,10 @@ Each ``step`` groups a param group's tensors by (device, dtype), in batches of a
 So one update rule serves every dtype and compensation, and fp32 params keep plain fp32 updates
 (no buffer) next to bf16 ones in the same optimizer.
 
+Why ~330 lines: bucketing, the device-side skip (snapshot and bit-exact restore, so a skip needs no
+host read), the RNG streams and state I/O all act on the same per-bucket state lists; split apart they
+would pass those lists between modules on every step.
+
 No host reads per step: step counts live on the params' device (as in torch's fused/capturable
 Adam), a tensor ``lr`` stays a tensor, and the skip decision is taken on the device through torch's
 amp protocol (``_step_supports_amp_scaling``: the scaler sets ``found_inf`` and ``grad_scale``).

@@ -10,6 +10,9 @@ Checkpoints have one format whatever the strategy: full (unsharded) model and op
 dicts keyed like a single-process ``optimizer.state_dict()``. Under FSDP they are gathered with
 ``torch.distributed.checkpoint.state_dict`` (every rank takes part, rank 0 writes) and scattered
 back on load, so a checkpoint written by 1 process, DDP or FSDP resumes under any of them.
+
+Why ~360 lines: it splits naturally into the process group and collectives (~230) and FSDP sharding
+with full-state gathering (~170); tests import both halves from here, so the split is left for later.
 """
 from __future__ import annotations
 
