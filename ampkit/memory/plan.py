@@ -24,6 +24,7 @@ ORDER = ("weights", "grads", "master_weights", "optimizer_state", "compensation"
 
 DEFAULT_MARGIN = 0.1
 DEFAULT_CAP = 4096
+MAX_TRACES = 10
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,9 @@ class MemoryPlan:
         """The largest batch whose traced peak is at most ``budget_bytes * (1 - margin)``, at most ``cap``.
 
         Traces at this plan's batch size and at twice it fit ``peak = fixed + per_sample * batch``; the
-        solution is traced once more and stepped down (by the fitted line through the two nearest traces)
-        until it fits. ``margin`` (default 10%) covers what a trace cannot see: allocator fragmentation
+        solution is traced, and the line refitted through the two nearest traces (bisecting where it leaves
+        the bracket) until the largest fitting batch and the smallest failing one are within 2%: at most
+        ``MAX_TRACES`` more traces. ``margin`` (default 10%) covers what a trace cannot see: allocator fragmentation
         and caching, library workspaces, the data loader. Returns a ``BatchChoice`` (``int()`` of it is the
         batch); ``batch_size`` 0 when one sample does not fit.
         """
@@ -97,27 +99,30 @@ class MemoryPlan:
             raise ValueError(f"cap must be >= 1, got {cap}.")
         target = budget_bytes * (1 - margin)
         points: Dict[int, int] = {self.batch_size: self.peak_bytes}
-        b2 = self.batch_size * 2
-        points[b2] = self.at(b2).peak_bytes
+
+        def peak_at(b: int) -> int:
+            if b not in points:
+                points[b] = self.at(b).peak_bytes
+            return points[b]
+
+        peak_at(self.batch_size * 2)
         fixed, slope = _fit(points)
-        best_fit = 0  # largest batch seen to fit
-        for b, p in points.items():
-            if p <= target and b <= cap:
-                best_fit = max(best_fit, b)
+        lo = max([b for b, v in points.items() if v <= target and b <= cap], default=0)  # fits
+        hi = min([b for b, v in points.items() if v > target] + [cap + 1])  # does not fit (cap + 1: not allowed)
         guess = _solve(fixed, slope, target, cap)
-        for _ in range(6):
-            if guess <= best_fit or guess in points and points[guess] <= target:
+        for _ in range(MAX_TRACES):
+            if hi - lo <= max(1, lo // 50):  # within 2%: the margin dwarfs the rest
                 break
-            points[guess] = self.at(guess).peak_bytes
-            if points[guess] <= target:
-                best_fit = max(best_fit, guess)
-                break
+            if not lo < guess < hi:  # the line left the bracket: bisect it
+                guess = (lo + hi) // 2 if lo else max(1, min(guess, hi - 1) // 2 or 1)
+            if peak_at(guess) <= target:
+                lo = guess
+            else:
+                hi = guess
             near = sorted(points, key=lambda b: abs(b - guess))[:2]
             fixed, slope = _fit({b: points[b] for b in near})
-            guess = min(_solve(fixed, slope, target, cap), guess - 1)
-        if best_fit == 0 and 1 not in points and (guess >= 1):
-            points[1] = self.at(1).peak_bytes
-            best_fit = 1 if points[1] <= target else 0
+            guess = _solve(fixed, slope, target, cap)
+        best_fit = lo
         chosen = best_fit
         peak = points.get(chosen, 0)
         why = (f"largest batch whose planned peak {_gib(peak)} fits {_gib(budget_bytes)} less a {margin:.0%} margin"
@@ -159,7 +164,7 @@ def _gib(n: float) -> str:
 
 def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precision: Any = "auto",
          optimizer: Union[str, Callable] = "adamw", loss_fn: Optional[Callable] = None,
-         device: Any = None) -> MemoryPlan:
+         device: Any = None, batch_size: Optional[int] = None) -> MemoryPlan:
     """Plan the memory of one training step of ``model`` on ``batch`` without running it.
 
     Args:
@@ -175,6 +180,8 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
         loss_fn: ``loss_fn(output, targets)``; default the Trainer's (the model's own loss, else
             cross-entropy for integer targets, MSE for float ones).
         device: where the step would run (default: the precision's default device).
+        batch_size: plan this many samples (the batch's tensors of its leading size resized), instead of
+            the batch's own size: one sample is enough to plan any batch.
 
     Returns a :class:`MemoryPlan`.
     """
@@ -193,4 +200,6 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
         return trace_step(model, batch, precision=precision, optimizer=optimizer, loss_fn=loss_fn,
                           device=device, batch_size=size)
 
-    return MemoryPlan.from_trace(retrace(), retrace)
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    return MemoryPlan.from_trace(retrace(batch_size), retrace)
