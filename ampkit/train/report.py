@@ -36,6 +36,8 @@ def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Op
         "world_size": world_size,
         "strategy": strategy,
     }
+    if precision.fp8 is not None:  # layers converted to fp8, and why the others stayed bf16
+        summary["fp8"] = precision.fp8.summary()
     if final and "perplexity" in final:
         summary["perplexity"] = final["perplexity"]
     report = None
