@@ -81,6 +81,36 @@ def test_delayed_checkpointing_is_bitwise_equal_to_no_checkpointing(shared):
             assert torch.equal(v, s[k]), (ckpt, k)
 
 
+def test_hf_gpt2_gradient_checkpointing_bitwise_equal_in_fp8_delayed():
+    hf = pytest.importorskip("hf_models")
+
+    def run(ckpt):
+        model = hf.build("gpt2")
+        for m in model.modules():  # dropout off: the comparison is about the fp8 state, not RNG streams
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        if ckpt:
+            model.gradient_checkpointing_enable()  # HF's own switch: torch.utils.checkpoint per block
+        model, opt, prec = _setup(model, opt=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        model.train()
+        calls = []
+        model.transformer.h[1].mlp.c_fc.register_forward_pre_hook(lambda *a: calls.append(1))
+        for step in range(3):
+            with prec.autocast():
+                loss = model(**hf.BATCHES["gpt2"](step)).loss
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad(set_to_none=True)
+        return model.state_dict(), len(calls)
+
+    (plain, n_plain), (ckpt, n_ckpt) = run(False), run(True)
+    assert (n_plain, n_ckpt) == (3, 6)  # the backward re-ran each checkpointed forward
+    assert plain["transformer.h.1.mlp.c_fc.amax_history_input"][:3].gt(0).all()
+    assert plain["transformer.h.1.mlp.c_fc.amax_history_input"][3:].eq(0).all()  # 3 steps, 3 entries
+    for k, v in plain.items():
+        assert torch.equal(v, ckpt[k]), k
+
+
 def test_delayed_records_each_amax_once_under_checkpoint():
     torch.manual_seed(0)
     model, _, prec = _setup(Net("non-reentrant"))
