@@ -106,8 +106,10 @@ class MasterPrecision(_CastParams):
     def _convert(self, model, optimizer):
         model, optimizer = super()._convert(model, optimizer)
         if optimizer is not None:  # masters are taken from the fp32 weights *before* the model is cast
-            optimizer = MasterWeightOptimizer(optimizer)
+            optimizer = MasterWeightOptimizer(optimizer)  # (or from a state loaded before setup)
         self._cast(model)
+        if optimizer is not None:
+            optimizer.copy_masters_to_model()  # the model is the masters' rounding, whichever they came from
         return model, optimizer
 
 

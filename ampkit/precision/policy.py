@@ -358,18 +358,24 @@ class Precision:
 
     def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
         """Make the optimizer's grads real (unscaled, fp32 master grads) and record the non-finite check
-        (once per step). Unscaled modes have nothing to unscale: the check is ``_norm`` (a gradient norm
-        computed anyway) or one read-only pass, never a scale-1 unscale."""
+        (once per step), as ``GradScaler.unscale_``: then ``torch.nn.utils.clip_grad_norm_`` clips what the
+        step applies, over ``model.parameters()`` or the optimizer's params, in every mode. With fp32
+        masters the unscaled master grads are also written back into the model's grads, and the step takes
+        any change made there (see :class:`~ampkit.optim.MasterWeightOptimizer`). Unscaled modes have
+        nothing to unscale: the check is ``_norm`` (a gradient norm computed anyway) or one read-only pass,
+        never a scale-1 unscale."""
+        self._unscale(optimizer, _norm, to_model=True)
+
+    def _unscale(self, optimizer, _norm: Optional[torch.Tensor] = None, to_model: bool = False) -> None:
+        """``unscale_``; ``to_model=False`` (the step's own path) leaves the model's 16-bit grads as they are."""
         scaler = self.scaler
-        if scaler.stage(optimizer) is not OptState.READY:
-            return
         if isinstance(optimizer, MasterWeightOptimizer):
-            optimizer.sync_grads()
-        if not scaler.is_enabled():
+            optimizer.sync_grads()  # also takes the model grads changed since an earlier unscale_
+        if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
             return
         scaler.ensure_initialized(self.device)  # backward() may not have come through us
         if self._scales_loss:
-            scaler.unscale_(optimizer)
+            scaler.unscale_(optimizer, to_model=to_model)
         else:
             found = (nonfinite_from_norm(_norm, self.device) if _norm is not None
                      else nonfinite_flag([p.grad for p in _grads_params(optimizer)], self.device))
@@ -383,12 +389,13 @@ class Precision:
         the optimizer stepped, falsy when the step was skipped, read from the device only when asked.
         No host sync with an optimizer that skips on the device (torch's fused AdamW/Adam/SGD, also
         under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
+        Clipping done by the caller after ``unscale_`` is applied as it is; ``max_norm`` clips on top.
         """
         self.last_grad_norm = None
         if max_norm is not None and max_norm > 0:
             self.last_grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
         else:
-            self.unscale_(optimizer)
+            self._unscale(optimizer)
         result = self.scaler.step(optimizer)
         if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
             found = self.scaler.found_inf(optimizer)
@@ -397,17 +404,17 @@ class Precision:
         return result
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Unscale (once) and clip the optimizer's grads; returns the total norm (no sync). In the
-        unscaled modes the norm is also the step's non-finite check."""
+        """Unscale (once) and clip the optimizer's grads (the fp32 master grads where the mode has them);
+        returns the total norm (no sync). In the unscaled modes the norm is also the step's non-finite check."""
         scaler = self.scaler
         if self._scales_loss or not scaler.is_enabled() or scaler.stage(optimizer) is not OptState.READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer)
             return torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type,
                                                   foreach=True)
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()
         norm = torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
-        self.unscale_(optimizer, _norm=norm)
+        self._unscale(optimizer, _norm=norm)
         return norm
 
     # ------------------------------------------------------------------ state

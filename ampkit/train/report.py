@@ -37,6 +37,8 @@ def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Op
         "strategy": strategy,
         "fp32_modules": _kept_summary(precision.kept_fp32),
     }
+    if precision.fp8 is not None:  # layers converted to fp8, and why the others stayed bf16
+        summary["fp8"] = precision.fp8.summary()
     if final and "perplexity" in final:
         summary["perplexity"] = final["perplexity"]
     report = None

@@ -25,7 +25,7 @@ from torch import nn
 from .quant import amax, dequantise, quantise, scale_from_amax
 from .recipes import DelayedScaling
 
-__all__ = ["DelayedScalingLinear", "has_fp8_gemm"]
+__all__ = ["DelayedScalingLinear", "DelayedScalingConv1D", "has_fp8_gemm"]
 
 
 def has_fp8_gemm(device: torch.device, rowwise: bool = False) -> bool:
@@ -102,7 +102,35 @@ class _DelayedFp8Linear(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
-class DelayedScalingLinear(nn.Linear):
+class _DelayedGemm:
+    """What the delayed-scaling Linear and Conv1D share: three amax histories and the fp8 forward."""
+
+    fp8_gemm = True
+    transposed = False  # Conv1D: the weight is stored (in, out); the GEMM takes its transpose (a view)
+
+    def _init_fp8(self, recipe: DelayedScaling, emulate) -> None:
+        self.recipe = recipe if recipe is not None else DelayedScaling()
+        n = self.recipe.amax_history_len
+        for t in ("input", "weight", "grad_output"):
+            self.register_buffer(f"amax_history_{t}", torch.zeros(n, device=self.weight.device), persistent=True)
+        self.emulate = (not has_fp8_gemm(self.weight.device)) if emulate is None else emulate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        real = (not self.emulate) and x.is_cuda
+        weight = self.weight.t() if self.transposed else self.weight
+        out = _DelayedFp8Linear.apply(x, weight, self.amax_history_input, self.amax_history_weight,
+                                      self.amax_history_grad_output, self.recipe, self.training, real, out_dtype)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _fp8_repr(self) -> str:
+        r = self.recipe
+        return (f"fp8=delayed(history={r.amax_history_len}, {r.amax_compute_algo}, "
+                f"margin={r.margin}, {r.format}){', emulated' if self.emulate else ''}")
+
+
+class DelayedScalingLinear(_DelayedGemm, nn.Linear):
     """An ``nn.Linear`` with fp8 GEMMs under :class:`~.recipes.DelayedScaling` (state: three amax histories).
 
     Build it from a Linear with :meth:`from_linear` (the parameters are shared, not copied, so an
@@ -112,14 +140,7 @@ class DelayedScalingLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: DelayedScaling = None,
                  device=None, dtype=None, emulate: bool = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = recipe if recipe is not None else DelayedScaling()
-        self._add_histories(self.weight.device)
-        self.emulate = (not has_fp8_gemm(self.weight.device)) if emulate is None else emulate
-
-    def _add_histories(self, device) -> None:
-        n = self.recipe.amax_history_len
-        for t in ("input", "weight", "grad_output"):
-            self.register_buffer(f"amax_history_{t}", torch.zeros(n, device=device), persistent=True)
+        self._init_fp8(recipe, emulate)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: DelayedScaling, emulate: bool = None) -> "DelayedScalingLinear":
@@ -127,19 +148,40 @@ class DelayedScalingLinear(nn.Linear):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, emulate=True)
         new.weight = linear.weight
         new.bias = linear.bias
-        new._add_histories(linear.weight.device)
-        new.emulate = (not has_fp8_gemm(linear.weight.device)) if emulate is None else emulate
+        new._init_fp8(recipe, emulate)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        real = (not self.emulate) and x.is_cuda
-        out = _DelayedFp8Linear.apply(x, self.weight, self.amax_history_input, self.amax_history_weight,
-                                      self.amax_history_grad_output, self.recipe, self.training, real, out_dtype)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self._fp8_repr()}"
+
+
+class DelayedScalingConv1D(_DelayedGemm, nn.Module):
+    """Hugging Face's ``Conv1D`` (``y = x @ weight + bias``, weight ``(in, out)``) with delayed-scaling fp8 GEMMs.
+
+    The GEMM takes ``weight.t()`` (a view of the same parameter): the result is a
+    :class:`DelayedScalingLinear` with that weight. Build it with :meth:`from_conv1d` (parameters shared).
+    """
+
+    transposed = True
+
+    def __init__(self, nf: int, nx: int, recipe: DelayedScaling = None, device=None, dtype=None,
+                 emulate: bool = None) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+        self._init_fp8(recipe, emulate)
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, recipe: DelayedScaling, emulate: bool = None) -> "DelayedScalingConv1D":
+        nx, nf = conv.weight.shape
+        with torch.device("meta"):
+            new = cls(nf, nx, recipe=recipe, emulate=True)
+        new.weight = conv.weight
+        new.bias = getattr(conv, "bias", None)
+        new._init_fp8(recipe, emulate)
+        return new
 
     def extra_repr(self) -> str:
-        r = self.recipe
-        return (f"{super().extra_repr()}, fp8=delayed(history={r.amax_history_len}, {r.amax_compute_algo}, "
-                f"margin={r.margin}, {r.format}){', emulated' if self.emulate else ''}")
+        return f"nf={self.nf}, nx={self.nx}, {self._fp8_repr()}"
