@@ -23,6 +23,7 @@ from .attention import AttentionPolicy, forced_kernel, policy_setting
 from .autocast_context import AutocastContext
 from .checks import FP16_STATE_MIN_EPS
 from .convert import cast_floating, convert_model, hook_io
+from .keep_fp32 import fp32_plan, kept_text
 from .fp8 import Fp8Plan
 from .modes import MODES, resolve
 from .policy import _KINDS, Precision
@@ -80,8 +81,18 @@ class _CastParams(AutocastPrecision):
     cast by a forward pre-hook (outputs back to fp32 with ``cast_outputs``)."""
 
     def _cast(self, model: nn.Module) -> None:
-        convert_model(model, self.param_dtype, keep_norm_fp32=self.keep_norm_fp32, skip=self.fp32_modules)
+        plan = fp32_plan(model, self.param_dtype, self.keep_norm_fp32, self.fp32_modules)
+        convert_model(model, self.param_dtype, skip=self.fp32_modules, plan=plan)
         hook_io(model, self.param_dtype, self.cast_outputs)
+        self._kept_fp32 = plan.kept()
+
+    def _details(self) -> List[str]:
+        extra = super()._details()
+        if not self.keep_norm_fp32:
+            extra.append(f"norms {str(self.param_dtype).replace('torch.', '')} too (keep_norm_fp32=False)")
+        if self.is_setup:  # what setup kept fp32, fp32_modules included
+            extra = [e for e in extra if not e.startswith("fp32 modules: ")] + [kept_text(self.kept_fp32)]
+        return extra
 
     def convert_input(self, batch: Any) -> Any:
         return cast_floating(batch, self.param_dtype)

@@ -281,6 +281,12 @@ class Precision:
         return Precision(self.requested, **self._init_kwargs, tuned=tuned)
 
     @property
+    def kept_fp32(self) -> Dict[str, str]:
+        """Module (and tensor) names kept fp32 -> why: ``fp32_modules``; after ``setup`` in the 16-bit-param
+        modes also the norms and Hugging Face's ``_keep_in_fp32_modules`` (``ampkit.precision.keep_fp32``)."""
+        return dict(getattr(self, "_kept_fp32", None) or dict.fromkeys(self.fp32_modules, "fp32_modules"))
+
+    @property
     def is_setup(self) -> bool:
         """True once ``setup`` ran (then the mode and layout are fixed)."""
         return self._setup_done
