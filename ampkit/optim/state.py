@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from .base import CompensatedOptimizer
-from .convert import _CONVERSIONS, compensated_from
+from .convert import _CONVERSIONS, _UNSET, compensated_from
 
 __all__ = ["STATE_PRECISIONS", "normalise_state_precision", "with_state_precision", "state_precision_of"]
 
@@ -91,12 +91,13 @@ def _lowbit(optimizer: torch.optim.Optimizer, bf16_stochastic_round: bool) -> to
 
 
 def with_state_precision(optimizer: torch.optim.Optimizer, state: Optional[str], *,
-                         compensation: Optional[str] = None,
+                         compensation: Any = _UNSET,
                          bf16_stochastic_round: bool = False) -> torch.optim.Optimizer:
     """``optimizer`` with its moments kept in ``state`` precision (see the module doc); None: as it is.
 
     A torch AdamW/Adam/SGD becomes :mod:`ampkit.optim`'s (``"fp32"``/``"bf16"``; ``compensation`` applies to
-    its 16-bit params) or torchao's 8-bit AdamW/Adam (``"8bit"``). An ampkit optimizer that has not
+    its 16-bit params; unset: an ampkit optimizer keeps its own, a conversion gets Kahan) or torchao's 8-bit
+    AdamW/Adam (``"8bit"``; ``bf16_stochastic_round`` for bf16 params). An ampkit optimizer that has not
     stepped takes the state dtype directly.
     """
     state = normalise_state_precision(state)
