@@ -12,7 +12,6 @@ Fabric's precision plugins do). ``ampkit.Precision(name)`` builds the right one 
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -22,6 +21,7 @@ from ..optim import compensated_from
 from ..optim.master import MasterWeightOptimizer
 from ..optim.state import with_state_precision
 from .attention import AttentionPolicy, forced_kernel, policy_setting
+from .autocast_context import AutocastContext
 from .checks import FP16_STATE_MIN_EPS
 from .convert import cast_floating, convert_model, hook_io
 from .fp8 import Fp8Plan
@@ -44,14 +44,13 @@ class AutocastPrecision(Precision):
     kind = "autocast"
 
     def autocast(self):
-        ctx = torch.autocast(device_type=self.device.type, dtype=self.mode.autocast_dtype)
+        """``torch.autocast`` in the compute dtype; with the attention policy, an :class:`AutocastContext`
+        (both entered afresh on every ``with``: build it once, enter it every micro-step, nest it, share
+        it between threads or use it as a decorator, as a ``torch.autocast`` object)."""
         policy = self.attention_policy()
-        if policy is None:
-            return ctx
-        stack = contextlib.ExitStack()
-        stack.enter_context(ctx)
-        stack.enter_context(policy)
-        return stack
+        if policy is None:  # torch's own object: torch.compile traces it without a graph break
+            return torch.autocast(device_type=self.device.type, dtype=self.mode.autocast_dtype)
+        return AutocastContext(self.device.type, self.mode.autocast_dtype, policy)
 
     def attention_policy(self) -> Optional[AttentionPolicy]:
         """The scoped attention policy ``autocast()`` enters, or None where every call runs torch's kernel:
