@@ -34,7 +34,7 @@ from ..optim.master import MasterWeightOptimizer
 from ..optim.state import with_state_precision
 from . import checks
 from .device import auto_mode, device_info, resolve_device
-from .islands import apply_fp32_islands
+from .islands import apply_fp32_islands, resolve_module_names
 from .modes import AUTO, MODES, Mode, resolve
 from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
 from .tuned import Tuned
@@ -338,6 +338,8 @@ class Precision:
 
         Returns ``(model, optimizer)``; build the optimizer over ``model.parameters()`` first.
         """
+        if self.fp32_modules:  # a wrong name fails before the model or the optimizer is changed
+            resolve_module_names(model, self.fp32_modules)
         model = model.to(self.device)
         optimizer = self._with_state(optimizer)
         model, optimizer = self._convert(model, optimizer)
