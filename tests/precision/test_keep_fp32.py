@@ -116,6 +116,16 @@ def test_keep_norm_fp32_false_casts_them_and_says_so():
     assert "no module kept fp32" in precision.describe()
 
 
+@pytest.mark.parametrize("name", CAST_MODES)
+def test_a_wrong_fp32_module_name_changes_nothing(name):
+    model = TinyLlama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="fp32 module.*'upp'.*did you mean up"):
+        Precision(name, "cpu", fp32_modules=["upp"]).setup(model, opt)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], model.parameters()))
+
+
 class Router(nn.Module):
     """An MoE router as transformers 5 writes them: a bias buffer listed in ``_keep_in_fp32_modules_strict``."""
 
