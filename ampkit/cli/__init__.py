@@ -62,6 +62,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
+        from ..precision.device import forced_cpu_kind
+
+        try:
+            forced_cpu_kind()  # a bad $AMPKIT_CPU_CAPS: one line before any work
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         return int(args._run(args) or 0)
     except UsageError as e:
         print(f"ampkit {args.verb}: error: {e}", file=sys.stderr)
