@@ -102,6 +102,7 @@ def test_load_before_setup_continues_exactly(mode, compensation):
         p, m, o = _resume(mode, compensation, ck, order)
         assert isinstance(o, MasterWeightOptimizer) == p.mode.master_weights
         assert isinstance(o, CompensatedOptimizer) == p.mode.compensated
+        assert o._step_supports_amp_scaling  # the fused kernel takes the skip flag: still no host sync per step
         _steps(p, m, o, 3, 3)
         runs[order] = _weights(m, o)
     for order, got in runs.items():
