@@ -11,10 +11,11 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..optim.state import normalise_state_precision
 from .device import DeviceInfo
 from .modes import Mode
 
-__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_options", "check_eps", "use_fused_kernel",
+__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_options", "check_optimizer_state", "check_eps", "use_fused_kernel",
            "channels_last_rule"]
 
 # Adam's eps where the optimizer state is fp16 (fp16-pure): the second moment v is stored in fp16,
@@ -74,6 +75,17 @@ def check_options(mode: Mode, *, compensation: Optional[str], fp8_options: bool,
             + "or pick an fp16 mode (fp16-mixed, fp16-master)."
         )
     return None if compensation is None else str(compensation).lower()
+
+
+def check_optimizer_state(mode: Mode, value: Any, compensation: Optional[str]) -> Optional[str]:
+    """``optimizer_state`` normalised (``fp32``/``bf16``/``8bit`` or None); a one-line error for what the mode
+    cannot take: 8-bit states (torchao) round bf16 params stochastically, so not with Kahan compensation."""
+    state = normalise_state_precision(value)
+    if state == "8bit" and mode.compensated and compensation == "kahan":
+        raise ValueError(
+            "optimizer_state='8bit' is torchao's AdamW8bit, which lands bf16 updates by stochastic rounding, "
+            "not Kahan compensation: drop compensation='kahan' (or use optimizer_state='bf16').")
+    return state
 
 
 def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:
