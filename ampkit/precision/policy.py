@@ -288,6 +288,55 @@ class Precision:
         """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
         return None
 
+    # ---------------------------------------- kind hooks asked by callers that set up in two halves
+    #: whether fp32 master copies own the update (``MasterPrecision``)
+    keeps_fp32_masters = False
+
+    def fp32_copies(self, model: nn.Module) -> Dict[int, torch.Tensor]:
+        """The fp32 weights to start masters from, taken before ``convert_module`` rounds them (by
+        ``id`` of the parameter): none here, only a master kind keeps them."""
+        return {}
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """The model as this kind runs it (``setup(model, None)``: device, cast, fp8 swap, islands, layout)."""
+        return self.setup(model, None)[0]
+
+    def master_optimizer(self, optimizer: torch.optim.Optimizer, master_class: Optional[type] = None):
+        """The fp32-master optimizer stepped for ``optimizer`` (``master_class``, a ``MasterWeightOptimizer``
+        subclass, else that class), or None where this kind keeps no masters."""
+        return None
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer,
+                       fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.optim.Optimizer:
+        """The optimizer this kind steps for one built over the converted model (``convert_module``): the
+        Adam ``eps`` check, then the kind's own treatment (masters, started from ``fp32_params`` =
+        ``fp32_copies``, which they consume; bf16-pure's compensated optimizer; as given elsewhere)."""
+        self.check_optimizer_eps(optimizer)
+        return self._wrap_optimizer(optimizer)
+
+    def fsdp_policy(self):
+        """FSDP2's ``MixedPrecisionPolicy`` for this kind: shards stay fp32 (they are the master weights),
+        parameters all-gathered in the compute dtype, gradients reduced in fp32. A kind FSDP cannot run
+        (16-bit parameters, fp8) raises a ValueError naming what to use instead."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        low = self.mode.autocast_dtype
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+
+    def prepare_fsdp(self):
+        """Make this (not yet set up) precision one FSDP can shard: its ``fsdp_policy`` (the check), and
+        contiguous parameters only (``channels_last`` off; asked for explicitly, an error). Returns the policy."""
+        policy = self.fsdp_policy()
+        if self.channels_last:
+            raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
+                             "parameters only): leave channels_last unset, or use strategy 'ddp'.")
+        self.channels_last = False
+        return policy
+
+    def _register_names(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Tell the scaler the model's parameter names (its errors name tensors by them)."""
+        self.scaler.register_names(model)
+
     # ------------------------------------------------------------------ construction
     def options(self) -> Dict[str, Any]:
         """The keyword arguments this precision was built with (``name`` and ``tuned`` aside)."""
@@ -349,13 +398,8 @@ class Precision:
         if self.uses_channels_last(model):
             model.to(memory_format=torch.channels_last)
         if optimizer is not None:
-            self.check_optimizer_eps(optimizer)
-            optimizer = self._wrap_optimizer(optimizer)
-        self.scaler.register_names(model)
-        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
-            names = {id(p): n for n, p in model.named_parameters()}
-            self.scaler.register_aliases({id(m): names[id(p)] for p, m in
-                                          zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
+            optimizer = self.wrap_optimizer(optimizer)
+        self._register_names(model, optimizer)
         self.model = model
         self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._setup_done = True
