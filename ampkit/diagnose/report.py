@@ -149,13 +149,15 @@ def format_fp8(f: Dict[str, Any], top: int = 10) -> List[str]:
                      "out dB", "worst row dB", "grad dB", "verdict"], rows)
     for mode, m in f["model_sqnr"].items():
         lines.append(f"  {mode} whole model vs bf16-mixed: output {_g(m['output_sqnr'], '.1f')} dB, "
-                     f"gradients {_g(m['grad_sqnr'], '.1f')} dB ({m['layers_in_fp8']} Linear(s) in fp8)")
+                     f"gradients {_g(m['grad_sqnr'], '.1f')} dB ({m['layers_in_fp8']} layer(s) in fp8)")
     for mode, v in f["recipes"].items():
         asked = "" if mode in f["requested"] else " (what-if)"
         lines.append(f"  {mode}{asked}: {v['verdict'].upper() if v['verdict'] != 'ok' else 'ok'}"
                      + (f"; keep in bf16: {', '.join(v['keep_bf16'])}" if v["keep_bf16"] else ""))
         for reason in v["reasons"][:3]:
             lines.append(f"    {reason}")
+        if v.get("why_not"):
+            lines.append(f"    not worth it: {v['why_not']}")
     rec = f["recommendation"]
     lines.append(f"  fp8 advice: {rec['precision']}"
                  + (f" with {', '.join(rec['keep_bf16'])} in bf16" if rec["keep_bf16"] else "")

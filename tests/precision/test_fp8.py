@@ -312,7 +312,7 @@ def test_bench_row_marked_emulated(tmp_path, monkeypatch):
                  "profile": False})
     sys.modules.pop("fp8_bench_mod", None)
     assert r["emulated"] == "emulated: numerics only, not a speed claim"
-    assert "1 Linear(s) in fp8" in r["loop"] and r["resolved_precision"] == "fp8-tensorwise"
+    assert "1 of 3 Linear/Conv1D layers in fp8" in r["loop"] and r["resolved_precision"] == "fp8-tensorwise"
 
 
 def test_cli_train_fp8_and_resume_exactly(tmp_path, monkeypatch, capsys):
