@@ -251,7 +251,7 @@ def safe_modes(verdicts: Dict[str, Any], device: Any = None, grad_accum: int = 1
         elif recipe is None:
             skipped.append(f"{name} has no per-layer fp8 verdict")
         elif recipe.get("applies") is False:  # converts nothing (or almost nothing): it would be bf16-mixed
-            skipped.append(recipe.get("why_not") or f"{name} converts too little of the model to fp8")
+            skipped.append((recipe.get("why_not") or f"{name}: too little of the model converts to fp8").split(" (")[0])
         elif recipe["verdict"] != "ok":
             skipped.append(f"{name} was {recipe['verdict']} per layer"
                            + (f" ({recipe['reasons'][0]})" if recipe.get("reasons") else ""))

@@ -31,13 +31,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["MasterWeightOptimizer", "MASTER_KEY"]
+__all__ = ["MasterWeightOptimizer", "MASTER_KEY", "foreach_copy"]
 
 #: the per-parameter state entry holding the fp32 master in ``state_dict()``
 MASTER_KEY = "master_weight"
 
 
-def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+def foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for all i, batched per (device, dtype pair)."""
     if not dst:
         return
@@ -139,7 +139,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     m.grad = torch.empty_like(m)
                 dst.append(m.grad)
                 src.append(g)
-            _foreach_copy(dst, src)
+            foreach_copy(dst, src)
         self._remember_model_grads()
         self._grads_synced = True
 
@@ -155,7 +155,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 dst.append(p.grad)
                 src.append(m.grad)
         with torch.no_grad():
-            _foreach_copy(dst, src)
+            foreach_copy(dst, src)
         self._remember_model_grads()
 
     def _remember_model_grads(self) -> None:
@@ -177,7 +177,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     m.grad = torch.empty_like(m)
                 dst.append(m.grad)
                 src.append(g)
-            _foreach_copy(dst, src)
+            foreach_copy(dst, src)
         self._remember_model_grads()
 
     def _drop_model_grads(self) -> None:
@@ -211,7 +211,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
-        _foreach_copy(self.model_params, self.master_params)
+        foreach_copy(self.model_params, self.master_params)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -273,7 +273,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             )
         self.optimizer.load_state_dict(inner)
         with torch.no_grad():
-            _foreach_copy(self.master_params, [m.to(self.master_params[0].device) for m in masters])
+            foreach_copy(self.master_params, [m.to(self.master_params[0].device) for m in masters])
             self.copy_masters_to_model()
 
     def _adopt_state(self, loaded: Dict[torch.Tensor, Dict[str, Any]]) -> None:

@@ -202,5 +202,5 @@ def test_check_does_not_recommend_fp8_that_converts_nothing(which):
     assert rep["fp8"]["recommendation"]["precision"] == "bf16-mixed"
     assert all(v["applies"] is False and "no layer runs in fp8" in v["why_not"] for v in rep["fp8"]["recipes"].values())
     assert "no layer runs in fp8" in rep["auto"]["reason"] or rep["auto"]["mode"] == "bf16-mixed"
-    assert "not worth it: fp8-tensorwise: no layer runs in fp8" in str(rep)
+    assert "not worth an fp8 mode: no layer runs in fp8" in str(rep) and "n/a (too little converts)" in str(rep)
     assert "fastest" not in rep["fp8"]["recommendation"]["reason"]
