@@ -20,6 +20,7 @@ VERBS = {
     "train": ("ampkit.cli.train", "train a model (default: a small CNN on scikit-learn's digits)"),
     "bench": ("ampkit.cli.bench", "fp32 vs mixed precision side by side: time, memory, accuracy"),
     "check": ("ampkit.cli.check", "is mixed precision safe for this model? which layer overflows?"),
+    "plan": ("ampkit.cli.plan", "will it fit? peak memory per precision mode and the largest batch that fits"),
     "plot": ("ampkit.cli.plot", "plot loss/accuracy/loss-scale curves of one or more runs"),
 }
 

@@ -36,12 +36,14 @@ import torch
 
 from .rounding import kahan_add_, stochastic_round_
 
-__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION"]
+__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "RNG_KEY"]
 
 COMPENSATIONS = ("kahan", "stochastic", None)
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+#: the ``state_dict()`` param-group key holding the stochastic-rounding generators' states
+RNG_KEY = "rng_states"
 
 
 def spans(numels: List[int], cap: int) -> List[Tuple[int, int]]:
@@ -106,6 +108,15 @@ def foreach_cast(tensors: List[torch.Tensor], dtype: torch.dtype) -> Tuple[torch
     views = [c.view(t.shape) for c, t in zip(flat.split(numels), tensors)]
     torch._foreach_copy_(views, tensors)
     return flat, views
+
+
+def check_same_compensation(saved: Optional[str], mine: Optional[str]) -> None:
+    """A checkpoint's compensation must be the one this optimizer runs: torch would silently take the
+    saved groups' over the one asked for, and the run would do something other than what it reports."""
+    if saved != mine:
+        raise ValueError(
+            f"Checkpoint's optimizer used compensation={saved!r}, this one uses {mine!r}: resume with the "
+            f"same one (ampkit train --compensation {saved or 'none'}), or start a new run.")
 
 
 def check_moment_rounding(value: Any) -> None:
@@ -350,21 +361,29 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         sd = super().state_dict()
-        if self._generators:
-            sd["rng_states"] = {k: g.get_state() for k, g in self._generators.items()}
+        if self._generators and sd["param_groups"]:
+            # in the first param group, not beside the groups: torch's load_state_dict keeps group keys, so
+            # the generators survive a load into the plain torch optimizer before precision.setup() converts
+            # it (nanoGPT's resume order; compensated_from restores them)
+            sd["param_groups"][0] = {**sd["param_groups"][0],
+                                     RNG_KEY: {k: g.get_state() for k, g in self._generators.items()}}
         return sd
+
+    def load_rng_states(self, rng_states: Optional[Dict[str, torch.Tensor]]) -> None:
+        """Restore the stochastic-rounding generators from ``state_dict()``'s (per device name)."""
+        for key, rng in (rng_states or {}).items():
+            self._generator(torch.device(key)).set_state(rng.cpu())  # map_location may have moved it
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)
-        # torch would silently take the saved groups' compensation over the one asked for: the run
-        # would then do something other than what it reports
         for saved, group in zip(state_dict.get("param_groups", []), self.param_groups):
-            if "compensation" in saved and saved["compensation"] != group["compensation"]:
-                raise ValueError(
-                    f"Checkpoint's optimizer used compensation={saved['compensation']!r}, this one uses "
-                    f"{group['compensation']!r}: resume with the same one (ampkit train --compensation "
-                    f"{saved['compensation'] or 'none'}), or start a new run.")
-        rng_states = state_dict.pop("rng_states", None)
+            if "compensation" in saved:
+                check_same_compensation(saved["compensation"], group["compensation"])
+        rng_states = state_dict.pop("rng_states", None)  # where they were saved before they moved into a group
+        groups = [dict(g) for g in state_dict.get("param_groups", [])]
+        for g in groups:
+            rng_states = g.pop(RNG_KEY, None) or rng_states
+        state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         # torch casts every floating state tensor to its param's dtype; fp32 moments of bf16
         # params (state_dtype=torch.float32) must come back as saved, not rounded to bf16
@@ -382,5 +401,4 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     self.state[p][key] = torch.as_tensor(value, dtype=torch.float32).to(p.device).clone()
                 elif isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != p.dtype:
                     self.state[p][key] = value.to(device=p.device)
-        for key, rng in (rng_states or {}).items():
-            self._generator(torch.device(key)).set_state(rng.cpu())  # map_location may have moved it
+        self.load_rng_states(rng_states)

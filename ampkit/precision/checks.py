@@ -116,8 +116,12 @@ def use_fused_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> 
     """Switch a fresh torch Adam/AdamW/SGD that did not choose an implementation to its fused kernel,
     where torch has one for these params (the same flag as ``fused=True`` at construction)."""
     d = optimizer.defaults
-    if (type(optimizer) not in _FUSABLE or optimizer.state or device.type not in ("cpu", "cuda")
-            or d.get("fused") or d.get("foreach") or d.get("differentiable")):
+    if type(optimizer) not in _FUSABLE or device.type not in ("cpu", "cuda") or d.get("differentiable"):
+        return False
+    if optimizer.state:  # a state loaded before setup: torch took the saved groups' kernel; fused, say so
+        if not all(g.get("fused") for g in optimizer.param_groups):
+            return False
+    elif d.get("fused") or d.get("foreach"):
         return False
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not params or not all(p.is_floating_point() and not p.is_sparse for p in params):

@@ -24,6 +24,7 @@ from .attention import AttentionPolicy, forced_kernel, policy_setting
 from .autocast_context import AutocastContext
 from .checks import FP16_STATE_MIN_EPS
 from .convert import cast_floating, convert_model, hook_io
+from .keep_fp32 import fp32_plan, kept_text
 from .fp8 import Fp8Plan
 from .modes import MODES, resolve
 from .policy import _KINDS, Precision
@@ -81,24 +82,70 @@ class _CastParams(AutocastPrecision):
     cast by a forward pre-hook (outputs back to fp32 with ``cast_outputs``)."""
 
     def _cast(self, model: nn.Module) -> None:
-        convert_model(model, self.param_dtype, keep_norm_fp32=self.keep_norm_fp32, skip=self.fp32_modules)
+        plan = fp32_plan(model, self.param_dtype, self.keep_norm_fp32, self.fp32_modules)
+        convert_model(model, self.param_dtype, skip=self.fp32_modules, plan=plan)
         hook_io(model, self.param_dtype, self.cast_outputs)
+        self._kept_fp32 = plan.kept()
+
+    def _details(self) -> List[str]:
+        extra = super()._details()
+        if not self.keep_norm_fp32:
+            extra.append(f"norms {str(self.param_dtype).replace('torch.', '')} too (keep_norm_fp32=False)")
+        if self.is_setup:  # what setup kept fp32, fp32_modules included
+            extra = [e for e in extra if not e.startswith("fp32 modules: ")] + [kept_text(self.kept_fp32)]
+        return extra
 
     def convert_input(self, batch: Any) -> Any:
         return cast_floating(batch, self.param_dtype)
+
+    def fsdp_policy(self):
+        low = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.mode.low_dtype]
+        raise ValueError(
+            f"precision={self.name!r} casts the model's parameters, which FSDP owns under --strategy fsdp: "
+            f"use {low}-mixed (FSDP keeps fp32 shards as master weights and all-gathers {low} for compute), "
+            "or --strategy ddp.")
 
 
 class MasterPrecision(_CastParams):
     """fp16-master / bf16-master: 16-bit params, fp32 master copies (``MasterWeightOptimizer``) own the update."""
 
     kind = "master"
+    keeps_fp32_masters = True
 
     def _convert(self, model, optimizer):
         model, optimizer = super()._convert(model, optimizer)
         if optimizer is not None:  # masters are taken from the fp32 weights *before* the model is cast
-            optimizer = MasterWeightOptimizer(optimizer)
+            optimizer = self.master_optimizer(optimizer)  # (or from a state loaded before setup)
         self._cast(model)
+        if optimizer is not None:
+            optimizer.copy_masters_to_model()  # the model is the masters' rounding, whichever they came from
         return model, optimizer
+
+
+    def fp32_copies(self, model: nn.Module) -> Dict[int, torch.Tensor]:
+        return {id(p): p.detach().clone() for p in model.parameters() if p.is_floating_point()}
+
+    def master_optimizer(self, optimizer, master_class=None):
+        if isinstance(optimizer, MasterWeightOptimizer):
+            return optimizer  # already the one stepped
+        return (master_class or MasterWeightOptimizer)(optimizer)
+
+    def wrap_optimizer(self, optimizer, fp32_params=None):
+        made = self.master_optimizer(optimizer)
+        if fp32_params and made is not optimizer:  # masters start from the fp32 weights, not their roundings
+            with torch.no_grad():
+                for p, m in zip(made.model_params, made.master_params):
+                    fp32 = fp32_params.pop(id(p), None)
+                    if fp32 is not None and fp32.shape == m.shape:
+                        m.copy_(fp32)
+        return super().wrap_optimizer(made)
+
+    def _register_names(self, model, optimizer) -> None:
+        super()._register_names(model, optimizer)
+        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.scaler.register_aliases({id(m): names[id(p)] for p, m in
+                                          zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
 
 
 class PurePrecision(_CastParams):
@@ -169,6 +216,13 @@ class Fp8Precision(AutocastPrecision):
 
     def _details(self) -> List[str]:
         return super()._details() + [self.fp8.describe()]
+
+    def fsdp_policy(self):
+        raise ValueError(
+            f"precision={self.name!r} under --strategy fsdp is not supported yet (fp8 Linears with sharded "
+            "weights and their amax state are untested under FSDP2): use --strategy ddp, or bf16-mixed with fsdp.")
+
+
 
 
 def precision_class(name: str) -> type:
