@@ -142,6 +142,7 @@ def _device_info(dev_type: str, index: Optional[int], forced: Optional[str]) -> 
     except (AttributeError, RuntimeError):
         pass
     units = "AMX-BF16" if amx else ("AVX512-BF16" if avx512_bf16 else "none")
+    units += f" (forced by ${CPU_CAPS_ENV})" if forced else ""  # every report that names the units says so
     notes = [f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"]
     if forced:
         notes.append(f"CPU kind forced to {forced} by ${CPU_CAPS_ENV}: decisions as on such a CPU, speed as on this one")
