@@ -23,8 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..precision import Precision, global_policy as _core_global_policy, set_global_policy as _core_set_global_policy
-from ..precision.device import auto_mode
+from ..precision import Precision, auto_mode, global_policy as _core_global_policy, set_global_policy as _core_set_global_policy
 from ..precision.modes import AUTO, MODES, resolve, valid_names
 
 __all__ = ["Policy", "set_global_policy", "global_policy"]

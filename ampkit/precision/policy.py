@@ -33,7 +33,8 @@ from torch import nn
 from ..optim.master import MasterWeightOptimizer
 from ..optim.state import with_state_precision
 from . import checks
-from .device import auto_mode, device_info, resolve_device
+from .auto import decide
+from .device import device_info, resolve_device
 from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
 from .islands import apply_fp32_islands, resolve_module_names
 from .modes import AUTO, MODES, Mode, resolve
@@ -74,11 +75,7 @@ def choose_mode(name: Optional[str], device: Union[str, torch.device, None], tun
     through the alias table; ``auto`` is what ``ampkit.tune`` measured, else the device rule."""
     device = resolve_device(device)
     requested = resolve(global_policy() if name is None else name)
-    chosen, reason = requested, "asked for explicitly"
-    if requested == AUTO and tuned is not None and tuned.mode is not None:
-        chosen, reason = resolve(tuned.mode), tuned.mode_reason or "tuned"
-    elif requested == AUTO:
-        chosen, reason = auto_mode(device)
+    chosen, reason = decide(device, tuned) if requested == AUTO else (requested, "asked for explicitly")
     return Choice(requested, MODES[chosen], reason, device)
 
 

@@ -12,8 +12,9 @@ from torch import nn
 
 import ampkit
 from ampkit.bench.configs import QUICK, plan
-from ampkit.diagnose.verdict import choose_auto, preference_order
-from ampkit.precision.device import CPU_CAPS_ENV, auto_mode, cpu_kind, device_info, machine_key
+from ampkit.diagnose.verdict import choose_auto
+from ampkit.precision.auto import auto_mode, preference_order
+from ampkit.precision.device import CPU_CAPS_ENV, cpu_kind, device_info, machine_key
 from ampkit.tuning.autotune import auto_candidates
 
 FAST = {"amx": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}  # kinds with bf16 units -> their matrix units
