@@ -47,8 +47,6 @@ def sample_batch(data, n: int):
     import torch
     from torch.utils.data import TensorDataset, default_collate
 
-    from ..utils.batch import batch_target
-
     ds = data.train
     idx = list(range(min(n, len(ds))))
     if isinstance(ds, TensorDataset):
@@ -56,7 +54,7 @@ def sample_batch(data, n: int):
     batch = default_collate([ds[i] for i in idx])
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
         return (batch[0], batch[1] if len(batch) > 1 else None)
-    return batch if batch_target(batch) is not None or not isinstance(batch, dict) else batch
+    return batch  # a dict batch: the model's keyword inputs (its labels the target)
 
 
 def run(args) -> int:
