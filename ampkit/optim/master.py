@@ -73,8 +73,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     self.master_params.append(m)
                     masters.append(m)
                 group["params"] = masters
-        self._grads_synced = False
-        self._in_step = False
+        # per-step flags in a dict (read through the properties below): torch.compile loses an
+        # attribute set on an Optimizer after a no_grad block, but keeps a container's mutation
+        self._flags = {"grads_synced": False, "in_step": False}
         # torch.optim machinery that schedulers and hooks look up on the instance
         self._optimizer_step_pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
         self._optimizer_step_post_hooks = getattr(optimizer, "_optimizer_step_post_hooks", {})
@@ -88,7 +89,28 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         return self.__dict__
 
     def __setstate__(self, state):
+        state = dict(state)
+        flags = state.setdefault("_flags", {"grads_synced": False, "in_step": False})
+        for name in ("grads_synced", "in_step"):  # pickled before the flags moved into _flags
+            if "_" + name in state:
+                flags[name] = state.pop("_" + name)
         self.__dict__.update(state)
+
+    @property
+    def _grads_synced(self) -> bool:
+        return self._flags["grads_synced"]
+
+    @_grads_synced.setter
+    def _grads_synced(self, value: bool) -> None:
+        self._flags["grads_synced"] = value
+
+    @property
+    def _in_step(self) -> bool:
+        return self._flags["in_step"]
+
+    @_in_step.setter
+    def _in_step(self, value: bool) -> None:
+        self._flags["in_step"] = value
 
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({self.optimizer!r})"
@@ -122,7 +144,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def in_step(self) -> bool:
         """True while :meth:`step` runs (so a wrapper of the inner optimizer's ``step`` can tell the
         master step calling it from a script calling it directly)."""
-        return getattr(self, "_in_step", False)
+        return self._in_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in (*self.model_params, *self.master_params):
@@ -151,16 +173,18 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 "precision.backward(loss)) before step()."
             )
         self.sync_grads()
-        handed = [name for name in ("grad_scale", "found_inf") if name in self.__dict__]
-        for name in handed:  # set on us by the scaler (fused protocol): the inner optimizer reads them
-            setattr(self.optimizer, name, self.__dict__[name])
+        # set on us by the scaler (fused protocol): the inner optimizer reads them. getattr, not
+        # ``self.__dict__``: under torch.compile the dict does not show attributes set in the traced frame
+        handed = [name for name in ("grad_scale", "found_inf") if getattr(self, name, None) is not None]
+        for name in handed:
+            setattr(self.optimizer, name, getattr(self, name))
         self._in_step = True
         try:
             retval = self.optimizer.step()
         finally:
             self._in_step = False
             for name in handed:
-                self.optimizer.__dict__.pop(name, None)
+                delattr(self.optimizer, name)
         self.copy_masters_to_model()
         self._grads_synced = False
         return retval
