@@ -27,7 +27,7 @@ import torch
 
 from ..optim import CompensatedOptimizer, MasterWeightOptimizer
 
-__all__ = ["tensor_lr_", "takes_tensor_lr", "compile_step"]
+__all__ = ["tensor_lr_", "takes_tensor_lr", "compile_step", "compile_model", "repeated_blocks"]
 
 
 def takes_tensor_lr(optimizer: Any) -> bool:
@@ -78,7 +78,49 @@ def compile_step(precision: Any, optimizer: Any = None, *, backend: Union[str, C
     if optimizer is not None and tensor_lr:
         tensor_lr_(optimizer)
 
-    def step(opt, max_norm: Optional[float] = None, norm_type: float = 2.0):
+    def _step(opt, max_norm: Optional[float] = None, norm_type: float = 2.0):
         return precision.step(opt, max_norm=max_norm, norm_type=norm_type)
 
-    return torch.compile(step, backend=backend, mode=mode, fullgraph=fullgraph, **compile_kwargs)
+    compiled = torch.compile(_step, backend=backend, mode=mode, fullgraph=fullgraph, **compile_kwargs)
+    scaler = precision.scaler
+    scaler._limit_checked = True  # the skip limit's host read happens here, outside the graph
+
+    def step(opt, max_norm: Optional[float] = None, norm_type: float = 2.0):
+        scaler.check_skip_limit(opt)  # last update's count, copied to the host without waiting
+        result = compiled(opt, max_norm, norm_type)
+        scaler.start_skip_copy()
+        return result
+
+    step.compiled = compiled
+    return step
+
+
+def repeated_blocks(model: torch.nn.Module) -> list:
+    """The blocks of the ``ModuleList``/``Sequential`` of identical blocks (same class, each with
+    submodules) that holds the most parameters, if they hold at least half the model's; else []."""
+    total = sum(p.numel() for p in model.parameters())
+    best, best_n = [], 0
+    for m in model.modules():
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        kids = list(m.children())
+        if len(kids) < 2 or any(type(k) is not type(kids[0]) for k in kids) or not list(kids[0].children()):
+            continue
+        n = sum(p.numel() for k in kids for p in k.parameters())
+        if n > best_n:
+            best, best_n = kids, n
+    return best if total and 2 * best_n >= total else []
+
+
+def compile_model(model: torch.nn.Module, *, backend: Union[str, Callable] = "inductor",
+                  mode: Optional[str] = None, **compile_kwargs: Any):
+    """Compile ``model`` for training: regionally (as torchtitan does) when it is mostly a stack of
+    identical blocks (each block compiled in place with ``Module.compile``: one graph reused by every
+    block, short compile times, parameter names unchanged), else whole (``torch.compile(model)``).
+    Returns ``(model to call, "regional" | "whole")``."""
+    blocks = repeated_blocks(model)
+    if blocks:
+        for block in blocks:
+            block.compile(backend=backend, mode=mode, **compile_kwargs)
+        return model, "regional"
+    return torch.compile(model, backend=backend, mode=mode, **compile_kwargs), "whole"

@@ -69,7 +69,7 @@ def train_epochs(tr: "Trainer", logger: MetricsLogger, is_main: bool) -> int:
             # the previous step's skip flag, one step late: its copy to the host finished while this
             # window's forward/backward was queued, so reading it does not wait for this step
             resolve_step(tr)
-            result = precision.step(optimizer, max_norm=cfg.max_norm)
+            result = (tr.compiled_step or precision.step)(optimizer, max_norm=cfg.max_norm)
             tr.attempted_steps += 1
             record = _log_step(tr, logger, window_loss)
             tr._pending_step = (record, result.to_host(), window_inputs, tr.batch_in_epoch)
@@ -148,7 +148,7 @@ def resolve_step(tr: "Trainer") -> None:
         tr.global_step += 1
         if tr.scheduler is not None:
             tr.scheduler.step()
-    record.update(optimizer_step=tr.global_step, skipped=not stepped, lr=tr.optimizer.param_groups[0]["lr"])
+    record.update(optimizer_step=tr.global_step, skipped=not stepped, lr=float(tr.optimizer.param_groups[0]["lr"]))
     if not stepped:
         try:
             tr.batches.check_window_inputs(window_inputs, tr.epoch)  # bad data explains a skip better

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..data import check_labels
-from ..precision import Precision, Tuned
+from ..precision import Precision, Tuned, compile_model, compile_step
 from ..precision.convert import is_norm
 from ..precision.modes import AUTO, MODES
 from ..tuning import needs_tuning, tune
@@ -207,6 +207,14 @@ def wire(model: nn.Module, optimizer, prec: Precision, cfg: TrainConfig, world_s
         model = _dist.wrap_model(model, device)
         # DDP all-reduces gradients: every rank sees the same ones, so found-inf needs no collective
         prec.scaler.distributed = False
-    if cfg.compile:
-        model = torch.compile(model)
+    if cfg.compile:  # regional (repeated blocks) or whole; the step: ``compiled_step``
+        model, _ = compile_model(model)
     return model, raw_model, optimizer
+
+
+def compiled_step(prec: Precision, optimizer, cfg: TrainConfig, world_size: int):
+    """``precision.step`` compiled (tensor lr: no recompiles under the schedule) when ``cfg.compile``,
+    single-process or DDP; None otherwise (FSDP's DTensor grads keep the eager step)."""
+    if not cfg.compile or cfg.strategy == "fsdp":
+        return None
+    return compile_step(prec, optimizer)

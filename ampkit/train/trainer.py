@@ -107,6 +107,7 @@ class Trainer:
             self.precision = setup.tune_for_run(self.precision, model, cfg, self.batches, self.loss_fn, saved_mode,
                                                 single_process=self.world_size == 1 and not self._fsdp)
         self.model, self.raw_model, self.optimizer = setup.wire(model, optimizer, self.precision, cfg, self.world_size)
+        self.compiled_step = setup.compiled_step(self.precision, self.optimizer, cfg, self.world_size)
         self.steps_per_epoch = math.ceil(self.batches.per_epoch() / cfg.grad_accum)
         total = cfg.max_steps or self.steps_per_epoch * cfg.epochs
         self._own_schedule = scheduler is None  # built from the config (then a resume can say what changed)

@@ -156,20 +156,34 @@ def test_scale_grows_and_backs_off_under_compile():
 
 
 def test_float_lr_recompiles_where_tensor_lr_does_not():
-    """The reason for ``tensor_lr_``: a float lr is baked into the graph (pytorch#130467)."""
+    """The reason for ``tensor_lr_``: a float lr is baked into the graph, and each new value the
+    scheduler sets recompiles (pytorch#130467; dynamo makes it symbolic after the first recompile)."""
+    graphs = {}
+    for tensor_lr in (False, True):
+        dynamo.reset()
+        counters.clear()
+        p, model, opt = _build("fp32")
+        step = compile_step(p, opt, backend="eager", tensor_lr=tensor_lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
+        for _ in range(3):
+            _backward(p, model, torch.randn(4, 8))
+            step(opt, max_norm=1.0)
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        graphs[tensor_lr] = counters["stats"]["unique_graphs"]
+    assert graphs[False] > graphs[True]
+
+
+def test_skip_limit_holds_under_compile_step():
     dynamo.reset()
-    counters.clear()
-    p, model, opt = _build("fp32")
-    step = compile_step(p, opt, backend="eager", tensor_lr=False)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
-    for i in range(4):
-        if i == 2:
-            warm = counters["stats"]["unique_graphs"]
-        _backward(p, model, torch.randn(4, 8))
-        step(opt, max_norm=1.0)
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-    assert counters["stats"]["unique_graphs"] > warm
+    p, model, opt = _build("fp16-mixed", max_consecutive_skips=2)
+    step = compile_step(p, opt, backend="eager")
+    with pytest.raises(ampkit.NonFiniteGradientsError, match="consecutive"):
+        for _ in range(4):
+            _backward(p, model, torch.randn(4, 8), poison=True)
+            step(opt, max_norm=1.0)
+            opt.zero_grad(set_to_none=True)
+    assert p.skipped_steps == 2
 
 
 def test_tensor_lr_only_for_optimizers_that_take_one():
