@@ -42,6 +42,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compensation", choices=["kahan", "stochastic", "none"],
                    help="bf16-pure only: how updates land in the bf16 weights: kahan (default, a bf16 buffer "
                    "per weight), stochastic (stochastic rounding, no extra state) or none; see docs/BF16_PURE.md")
+    g.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit"],
+                   help="precision of the optimizer's moments, any mode: bf16 (4 B/param less for AdamW, "
+                   "stochastically rounded) or 8bit (torchao's AdamW8bit); default: the mode's")
     g.add_argument("--eval-precision", choices=["train", "fp32"], help="evaluate in the training precision or with autocast off")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)

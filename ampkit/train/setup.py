@@ -113,7 +113,7 @@ def make_precision(precision: Any, cfg: TrainConfig) -> Precision:
         precision or cfg.precision, _dist.default_device(cfg.device),
         loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
         max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
-        compensation=cfg.compensation, channels_last=MEMORY_FORMATS[cfg.memory_format],
+        compensation=cfg.compensation, optimizer_state=cfg.optimizer_state, channels_last=MEMORY_FORMATS[cfg.memory_format],
     )
 
 
