@@ -142,6 +142,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if self._grads_synced:
             self._take_changed_grads()
             return
+        self._copy_model_grads()
+        self._flags["exposed"] = False
+        self._grads_synced = True
+
+    def _copy_model_grads(self) -> None:
         dst, src = [], []
         with torch.no_grad():
             for p, m in zip(self.model_params, self.master_params):
@@ -155,7 +160,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 src.append(g)
             foreach_copy(dst, src)
         self._remember_model_grads()
-        self._grads_synced = True
 
     def expose_grads(self) -> None:
         """Write the (unscaled) master grads back into the model's grads, so code that reads or clips
@@ -171,12 +175,19 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             foreach_copy(dst, src)
         self._remember_model_grads()
+        self._flags["exposed"] = True
 
     def _remember_model_grads(self) -> None:
         self._seen = [(p.grad, p.grad._version) if p.grad is not None else None for p in self.model_params]
 
     def _take_changed_grads(self) -> None:
         """Master grads <- the model grads changed, replaced, added or removed since the last sync."""
+        if torch.compiler.is_compiling():
+            # version counters are data-dependent under torch.compile: take every exposed model grad
+            # again (unchanged ones equal their masters); unexposed ones are still scaled, never taken
+            if self._flags.get("exposed"):
+                self._copy_model_grads()
+            return
         dst, src = [], []
         with torch.no_grad():
             for p, m, seen in zip(self.model_params, self.master_params, self._seen):
