@@ -30,7 +30,8 @@ from .localise import localise_nonfinite
 from .runner import as_loss_fn, default_forward, prepare, run_once, step_fn, to_device
 from .scan import NumericsScan, fp32_candidates, recommend_init_scale, underflow_fraction_at
 from .stale import simulated_stale
-from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, preference_order, unmeasured
+from ..precision.auto import preference_order
+from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, unmeasured
 
 __all__ = ["check", "amp_verdicts", "auto_precision", "CheckReport", "DEFAULT_PRECISIONS"]
 
@@ -205,11 +206,11 @@ def _auto_name(name: str, dev: torch.device) -> str:
 def _flag_stale(verdicts: Dict[str, Dict[str, Any]], stale: Dict[str, Any]) -> None:
     for name, v in verdicts.items():
         mode = MODES[name]
-        if mode.param_dtype == torch.float32 or mode.master_weights:
+        if not mode.updates_in_16bit:  # fp32 weights or fp32 masters take every update
             continue
         frac = stale[str(mode.param_dtype).replace("torch.", "")]["fraction"]
         v["stale_updates"] = frac
-        if frac > STALE_RISKY and not mode.compensated:
+        if frac > STALE_RISKY and not mode.carries_rounding:
             if v["verdict"] == "ok":
                 v["verdict"] = "risky"
             v["reasons"].append(f"{frac:.1%} of parameter updates round away in {mode.param_dtype} "
@@ -231,7 +232,7 @@ def auto_precision(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = N
                    **kw) -> Dict[str, Any]:
     """What `auto` picks for this model on this device, checked: ``{"mode", "reason", "fp32_modules", "verdicts"}``.
 
-    Checks only the precisions `auto` may pick here (see :func:`.verdict.preference_order`), so it
+    Checks only the precisions `auto` may pick here (see :func:`ampkit.precision.auto.preference_order`), so it
     costs one fp32 and one or two 16-bit passes over ``batch``.
     """
     dev = resolve_device(device)

@@ -1,7 +1,8 @@
 """Shared machinery of the compensated optimizers: bucketing, where updates land, RNG, state I/O.
 
 Each ``step`` groups a param group's tensors by (device, dtype), in batches of at most
-``bucket_numel`` elements, and hands each batch to the subclass's ``_update`` as lists for
+``bucket_numel`` elements (a param bigger than that, e.g. an embedding, in flat slices: :func:`pieces`), so
+the update's fp32 temporaries and the skip's snapshot stay bounded by the batch, and hands each batch to the subclass's ``_update`` as lists for
 ``torch._foreach_*`` ops. The subclass adds its update to
 ``target.tensors``, which are
 
@@ -13,7 +14,7 @@ Each ``step`` groups a param group's tensors by (device, dtype), in batches of a
 So one update rule serves every dtype and compensation, and fp32 params keep plain fp32 updates
 (no buffer) next to bf16 ones in the same optimizer.
 
-Why ~330 lines: bucketing, the device-side skip (snapshot and bit-exact restore, so a skip needs no
+Why ~380 lines: bucketing and slicing, the device-side skip (snapshot and bit-exact restore, so a skip needs no
 host read), the RNG streams and state I/O all act on the same per-bucket state lists; split apart they
 would pass those lists between modules on every step.
 

@@ -98,20 +98,54 @@ class _CastParams(AutocastPrecision):
     def convert_input(self, batch: Any) -> Any:
         return cast_floating(batch, self.param_dtype)
 
+    def fsdp_policy(self):
+        low = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.mode.low_dtype]
+        raise ValueError(
+            f"precision={self.name!r} casts the model's parameters, which FSDP owns under --strategy fsdp: "
+            f"use {low}-mixed (FSDP keeps fp32 shards as master weights and all-gathers {low} for compute), "
+            "or --strategy ddp.")
+
 
 class MasterPrecision(_CastParams):
     """fp16-master / bf16-master: 16-bit params, fp32 master copies (``MasterWeightOptimizer``) own the update."""
 
     kind = "master"
+    keeps_fp32_masters = True
 
     def _convert(self, model, optimizer):
         model, optimizer = super()._convert(model, optimizer)
         if optimizer is not None:  # masters are taken from the fp32 weights *before* the model is cast
-            optimizer = MasterWeightOptimizer(optimizer)  # (or from a state loaded before setup)
+            optimizer = self.master_optimizer(optimizer)  # (or from a state loaded before setup)
         self._cast(model)
         if optimizer is not None:
             optimizer.copy_masters_to_model()  # the model is the masters' rounding, whichever they came from
         return model, optimizer
+
+
+    def fp32_copies(self, model: nn.Module) -> Dict[int, torch.Tensor]:
+        return {id(p): p.detach().clone() for p in model.parameters() if p.is_floating_point()}
+
+    def master_optimizer(self, optimizer, master_class=None):
+        if isinstance(optimizer, MasterWeightOptimizer):
+            return optimizer  # already the one stepped
+        return (master_class or MasterWeightOptimizer)(optimizer)
+
+    def wrap_optimizer(self, optimizer, fp32_params=None):
+        made = self.master_optimizer(optimizer)
+        if fp32_params and made is not optimizer:  # masters start from the fp32 weights, not their roundings
+            with torch.no_grad():
+                for p, m in zip(made.model_params, made.master_params):
+                    fp32 = fp32_params.pop(id(p), None)
+                    if fp32 is not None and fp32.shape == m.shape:
+                        m.copy_(fp32)
+        return super().wrap_optimizer(made)
+
+    def _register_names(self, model, optimizer) -> None:
+        super()._register_names(model, optimizer)
+        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.scaler.register_aliases({id(m): names[id(p)] for p, m in
+                                          zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
 
 
 class PurePrecision(_CastParams):
@@ -182,6 +216,13 @@ class Fp8Precision(AutocastPrecision):
 
     def _details(self) -> List[str]:
         return super()._details() + [self.fp8.describe()]
+
+    def fsdp_policy(self):
+        raise ValueError(
+            f"precision={self.name!r} under --strategy fsdp is not supported yet (fp8 Linears with sharded "
+            "weights and their amax state are untested under FSDP2): use --strategy ddp, or bf16-mixed with fsdp.")
+
+
 
 
 def precision_class(name: str) -> type:

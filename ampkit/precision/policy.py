@@ -33,7 +33,9 @@ from torch import nn
 from ..optim.master import MasterWeightOptimizer
 from ..optim.state import with_state_precision
 from . import checks
-from .device import auto_mode, device_info, resolve_device
+from .auto import decide
+from .device import device_info, resolve_device
+from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
 from .islands import apply_fp32_islands, resolve_module_names
 from .modes import AUTO, MODES, Mode, resolve
 from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
@@ -73,11 +75,7 @@ def choose_mode(name: Optional[str], device: Union[str, torch.device, None], tun
     through the alias table; ``auto`` is what ``ampkit.tune`` measured, else the device rule."""
     device = resolve_device(device)
     requested = resolve(global_policy() if name is None else name)
-    chosen, reason = requested, "asked for explicitly"
-    if requested == AUTO and tuned is not None and tuned.mode is not None:
-        chosen, reason = resolve(tuned.mode), tuned.mode_reason or "tuned"
-    elif requested == AUTO:
-        chosen, reason = auto_mode(device)
+    chosen, reason = decide(device, tuned) if requested == AUTO else (requested, "asked for explicitly")
     return Choice(requested, MODES[chosen], reason, device)
 
 
@@ -287,6 +285,55 @@ class Precision:
         """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
         return None
 
+    # ---------------------------------------- kind hooks asked by callers that set up in two halves
+    #: whether fp32 master copies own the update (``MasterPrecision``)
+    keeps_fp32_masters = False
+
+    def fp32_copies(self, model: nn.Module) -> Dict[int, torch.Tensor]:
+        """The fp32 weights to start masters from, taken before ``convert_module`` rounds them (by
+        ``id`` of the parameter): none here, only a master kind keeps them."""
+        return {}
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """The model as this kind runs it (``setup(model, None)``: device, cast, fp8 swap, islands, layout)."""
+        return self.setup(model, None)[0]
+
+    def master_optimizer(self, optimizer: torch.optim.Optimizer, master_class: Optional[type] = None):
+        """The fp32-master optimizer stepped for ``optimizer`` (``master_class``, a ``MasterWeightOptimizer``
+        subclass, else that class), or None where this kind keeps no masters."""
+        return None
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer,
+                       fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.optim.Optimizer:
+        """The optimizer this kind steps for one built over the converted model (``convert_module``): the
+        Adam ``eps`` check, then the kind's own treatment (masters, started from ``fp32_params`` =
+        ``fp32_copies``, which they consume; bf16-pure's compensated optimizer; as given elsewhere)."""
+        self.check_optimizer_eps(optimizer)
+        return self._wrap_optimizer(optimizer)
+
+    def fsdp_policy(self):
+        """FSDP2's ``MixedPrecisionPolicy`` for this kind: shards stay fp32 (they are the master weights),
+        parameters all-gathered in the compute dtype, gradients reduced in fp32. A kind FSDP cannot run
+        (16-bit parameters, fp8) raises a ValueError naming what to use instead."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        low = self.mode.autocast_dtype
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+
+    def prepare_fsdp(self):
+        """Make this (not yet set up) precision one FSDP can shard: its ``fsdp_policy`` (the check), and
+        contiguous parameters only (``channels_last`` off; asked for explicitly, an error). Returns the policy."""
+        policy = self.fsdp_policy()
+        if self.channels_last:
+            raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
+                             "parameters only): leave channels_last unset, or use strategy 'ddp'.")
+        self.channels_last = False
+        return policy
+
+    def _register_names(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Tell the scaler the model's parameter names (its errors name tensors by them)."""
+        self.scaler.register_names(model)
+
     # ------------------------------------------------------------------ construction
     def options(self) -> Dict[str, Any]:
         """The keyword arguments this precision was built with (``name`` and ``tuned`` aside)."""
@@ -348,14 +395,10 @@ class Precision:
         if self.uses_channels_last(model):
             model.to(memory_format=torch.channels_last)
         if optimizer is not None:
-            self.check_optimizer_eps(optimizer)
-            optimizer = self._wrap_optimizer(optimizer)
-        self.scaler.register_names(model)
-        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
-            names = {id(p): n for n, p in model.named_parameters()}
-            self.scaler.register_aliases({id(m): names[id(p)] for p, m in
-                                          zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
+            optimizer = self.wrap_optimizer(optimizer)
+        self._register_names(model, optimizer)
         self.model = model
+        self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._setup_done = True
         return model, optimizer
 
@@ -440,6 +483,17 @@ class Precision:
         return norm
 
     # ------------------------------------------------------------------ state
+    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """The model's full-precision weights, keyed like ``model.state_dict()`` and loadable into the model
+        built in fp32 (strict): the fp32 masters where the mode keeps them, weight + Kahan buffer (in fp32)
+        in bf16-pure with Kahan compensation, fp32 casts of 16-bit tensors otherwise, buffers included, tied
+        weights one tensor (``ampkit.precision.export``). ``optimizer``: the one holding the masters or
+        buffers, by default the one ``setup`` returned. For ``torch.save`` or
+        ``model.save_pretrained(dir, state_dict=precision.fp32_state_dict(model))``; tensors that need no
+        cast alias the live ones, as ``state_dict``'s do."""
+        opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
+        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
+
     def state_dict(self) -> Dict[str, Any]:
         return {"name": self.name, "scaler": self.scaler.state_dict(), "optimizer_state": self.optimizer_state}
 
