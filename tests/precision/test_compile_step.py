@@ -30,7 +30,7 @@ ALL_MODES = list(MODES)
 # the breaks explain() counts for one step, all inside the optimizer: torch's step wrapper breaks before
 # and after the update (``_use_grad``) around its compiler.disable-d fused kernel; the master wrapper
 # calls that step from its own frame; ampkit.optim's bf16 moments draw stochastic-rounding noise from a
-# torch.Generator (not traceable: ampkit/optim, see docs/COMPILE.md)
+# torch.Generator (not traceable: ampkit/optim, see README "Compiled steps")
 BOUND = {"master": 3, "pure-compensated": 7}
 ALLOWED = re.compile(r"(torch/optim/|ampkit/optim/(base|adamw|sgd|rounding)\.py)")
 
