@@ -102,7 +102,7 @@ def child(name: str, mode: str, device: str) -> None:
             from ampkit.utils.tree import to_device
 
             batch = to_device(batch, device)
-        run_steps(model, batch, make_precision(mode, device))
+        run_steps(model, batch, make_precision(mode, device), steps=2 if meter is not None else 1)
         if meter is not None:
             return meter.peak()
 

@@ -193,7 +193,7 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
     bad = [r for r in s.runners if r not in RUNNERS]
     if bad or not s.runners:
         raise ValueError(f"Unknown runner {bad[0] if bad else ''!r}: use {', '.join(RUNNERS)} (comma-separated).")
-    from ..precision.device import auto_mode, resolve_device
+    from ..precision import auto_mode, resolve_device
 
     device = resolve_device(s.device)
     notes: List[str] = []

@@ -23,8 +23,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..precision import Precision, global_policy as _core_global_policy, set_global_policy as _core_set_global_policy
-from ..precision.device import auto_mode
+from .. import precision as core
+from ..precision import Precision, auto_mode
 from ..precision.modes import AUTO, MODES, resolve, valid_names
 
 __all__ = ["Policy", "set_global_policy", "global_policy"]
@@ -116,17 +116,17 @@ def set_global_policy(policy: Union[str, Policy, None]) -> None:
     """Set the default for every later ``ampkit.Precision()`` built without a name (None: back to auto)."""
     global _last_set
     if policy is None:
-        _core_set_global_policy(None)
+        core.set_global_policy(None)
         _last_set = None
         return
     p = policy if isinstance(policy, Policy) else Policy(policy)
-    _core_set_global_policy(p._mode)
+    core.set_global_policy(p._mode)
     _last_set = p
 
 
 def global_policy() -> Policy:
     """The global policy as a ``Policy`` (named as it was set, Keras-style where one exists)."""
-    current = _core_global_policy()
+    current = core.global_policy()
     if _last_set is not None and _last_set._mode == current:
         return _last_set
     return Policy(_KERAS_FOR_MODE.get(current, current))

@@ -30,7 +30,8 @@ from .localise import localise_nonfinite
 from .runner import as_loss_fn, default_forward, prepare, run_once, step_fn, to_device
 from .scan import NumericsScan, fp32_candidates, recommend_init_scale, underflow_fraction_at
 from .stale import simulated_stale
-from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, preference_order, unmeasured
+from ..precision.auto import preference_order
+from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, unmeasured
 
 __all__ = ["check", "amp_verdicts", "auto_precision", "CheckReport", "DEFAULT_PRECISIONS"]
 
@@ -231,7 +232,7 @@ def auto_precision(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = N
                    **kw) -> Dict[str, Any]:
     """What `auto` picks for this model on this device, checked: ``{"mode", "reason", "fp32_modules", "verdicts"}``.
 
-    Checks only the precisions `auto` may pick here (see :func:`.verdict.preference_order`), so it
+    Checks only the precisions `auto` may pick here (see :func:`ampkit.precision.auto.preference_order`), so it
     costs one fp32 and one or two 16-bit passes over ``batch``.
     """
     dev = resolve_device(device)

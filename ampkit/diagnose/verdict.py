@@ -29,14 +29,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..precision import MODES, auto_mode, device_info, resolve, resolve_device
+from ..precision import MODES, resolve, resolve_device
+from ..precision.auto import auto_mode, mode_family, preference_order, why
 from ..precision.fp8 import RECIPES, has_fp8_gemm
 from .fp8 import FP8_ORDER
 from .hooks import finite_number
 from .localise import localise_nonfinite
 from .runner import (RunResult, as_loss_fn, default_forward, prepare, run_once, step_fn, to_device)
 
-__all__ = ["THRESHOLDS", "compare", "verdict_of", "amp_verdicts", "choose_auto", "preference_order", "safe_modes", "mode_family",
+__all__ = ["THRESHOLDS", "compare", "verdict_of", "amp_verdicts", "choose_auto", "safe_modes",
            "unmeasured"]
 
 #: metric -> (risky above, unsafe above)
@@ -104,22 +105,6 @@ def verdict_of(errors: Dict[str, Any], run: RunResult) -> tuple:
         reasons.append(f"gradients overflowed at loss scale {run.scales_tried[0]:g}; finite at "
                        f"{run.loss_scale:g} (the dynamic scaler would skip steps to get there)")
     return level, reasons
-
-
-def preference_order(device: torch.device) -> List[str]:
-    """The autocast precisions `auto` may pick on this device, fastest first, then fp32.
-
-    As :func:`ampkit.precision.auto_mode`: bf16 before fp16 where the device has fast bf16 (no
-    loss scale to tune); fp16 only on GPUs with fp16 matrix units (never on CPU, where torch's
-    fp16 kernels are slower than fp32).
-    """
-    info = device_info(device)
-    order: List[str] = []
-    if info.bf16_fast:
-        order.append("bf16-mixed")
-    if info.type == "cuda" and info.fp16_fast:
-        order.append("fp16-mixed")
-    return order + ["fp32"]
 
 
 def _record(name: str, errors: Dict[str, Any], level: str, reasons: List[str], run: RunResult) -> Dict[str, Any]:
@@ -197,23 +182,6 @@ def _canonical(name: str, device: torch.device) -> str:
     return auto_mode(device)[0] if c == "auto" else c
 
 
-def mode_family(mode: str, device: Any = None, grad_accum: int = 1) -> List[str]:
-    """``mode`` and the modes judged by the same AMP check (same compute dtype) that `auto` may pick.
-
-    An autocast mode brings its master-weights variant (16-bit params, fp32 masters), except where
-    gradients accumulate over micro-batches (the 16-bit model grads would accumulate in 16 bits) or
-    for fp16 off CUDA. bf16-pure (bf16 weights and optimizer state) is opt-in only.
-    """
-    mode = resolve(mode)
-    low = MODES[mode].low_dtype
-    if MODES[mode].fp8 is not None or MODES[mode].param_dtype != torch.float32 or low is None or grad_accum > 1:
-        return [mode]
-    master = "bf16-master" if low == torch.bfloat16 else "fp16-master"
-    if low == torch.float16 and resolve_device(device).type != "cuda":
-        return [mode]
-    return [mode, master]
-
-
 def _verdict_level(v: Any) -> str:
     return v if isinstance(v, str) else v["verdict"]
 
@@ -227,8 +195,8 @@ def safe_modes(verdicts: Dict[str, Any], device: Any = None, grad_accum: int = 1
     Linear passes (``fp8``: the check's per-recipe verdicts, :mod:`.fp8`), that convert at least half
     the model's Linear/Conv1D FLOPs, and whose GEMMs are real fp8 on this device (an emulated fp8
     mode is numerics only, never a speed pick); then the first compute dtype
-    of :func:`preference_order` whose verdict is ok (or ok with fp32 modules, ``verdicts[p]
-    ["with_fp32_modules"]``), with its :func:`mode_family`; fp32 last (the reference, always safe).
+    of :func:`ampkit.precision.auto.preference_order` whose verdict is ok (or ok with fp32 modules, ``verdicts[p]
+    ["with_fp32_modules"]``), with its :func:`~ampkit.precision.auto.mode_family`; fp32 last (the reference, always safe).
     A dtype without a verdict is passed over, or taken as ok with ``unchecked_ok`` (a check that could
     not run rules nothing out).
 
@@ -313,6 +281,6 @@ def choose_auto(verdicts: Dict[str, Dict[str, Any]], device: Any = None,
     elif MODES[name].fp8 is not None:
         reason = f"{first['note']}{tail}"
     else:
-        reason = f"{dev_reason if name == dev_choice else 'fastest checked mode that is ok'}; AMP check ok{tail}"
+        reason = why(name, f"AMP check ok{tail}", device_choice=(dev_choice, dev_reason))
     return {"mode": name, "reason": reason, "fp32_modules": list(first["fp32_modules"]), "device_choice": dev_choice,
             "device_reason": dev_reason}

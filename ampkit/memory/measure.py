@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["measured_peak", "rss_bytes", "peak_rss_bytes", "reset_peak_rss", "PeakMeter"]
+__all__ = ["measured_peak", "rss_bytes", "peak_rss_bytes", "reset_peak_rss", "PeakMeter", "resident_bytes"]
 
 
 def rss_bytes() -> int:
@@ -86,3 +86,20 @@ class PeakMeter:
 def measured_peak(device: Any = None) -> PeakMeter:
     """A started :class:`PeakMeter` for ``device``."""
     return PeakMeter(device).start()
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
+    """Bytes of the tensors a run holds before its steps (params, buffers, optimizer state), counted once:
+    on CPU they are resident before a :class:`PeakMeter` starts, so its delta leaves them out."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + list(model.buffers())
+    for per_param in (getattr(optimizer, "state", None) or {}).values():
+        if isinstance(per_param, dict):
+            tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        st = t.untyped_storage()
+        key = (str(st.device), st.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total

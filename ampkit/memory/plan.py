@@ -16,7 +16,7 @@ from torch import nn
 from ..utils.batch import batch_size_of
 from .trace import trace_step
 
-__all__ = ["MemoryPlan", "BatchChoice", "plan", "ORDER"]
+__all__ = ["MemoryPlan", "BatchChoice", "plan", "auto_batch_size", "ORDER"]
 
 #: breakdown keys in the order tables print them
 ORDER = ("weights", "grads", "master_weights", "optimizer_state", "compensation", "activations",
@@ -203,3 +203,23 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     return MemoryPlan.from_trace(retrace(batch_size), retrace)
+
+
+def auto_batch_size(model: nn.Module, batch: Any, *, precision: Any = "auto", optimizer: Any = "adamw",
+                    loss_fn: Optional[Callable] = None, device: Any = None, budget_bytes: Optional[int] = None,
+                    margin: float = DEFAULT_MARGIN, cap: int = DEFAULT_CAP) -> BatchChoice:
+    """``--batch-size auto``: the largest batch that fits ``budget_bytes`` (default: the device's free
+    memory) less ``margin``, at most ``cap``; at least 1 (a run that cannot fit one sample is told so)."""
+    from .budget import available_memory, format_bytes
+
+    p = plan(model, batch, precision=precision, optimizer=optimizer, loss_fn=loss_fn, device=device,
+             batch_size=min(cap, 32))
+    source = "" if budget_bytes is not None else f" (free memory of {p.device})"
+    budget = budget_bytes if budget_bytes is not None else available_memory(p.device)
+    c = p.max_batch_size(budget, margin=margin, cap=cap)
+    if c.batch_size < 1:
+        raise ValueError(f"--batch-size auto: even one sample needs more than {format_bytes(budget)}{source} less a "
+                         f"{margin:.0%} margin in {p.mode}; pick a mode that holds less (ampkit plan --precision all).")
+    reason = c.reason.replace(f"fits {_gib(budget)}", f"fits {_gib(budget)}{source}")
+    return BatchChoice(c.batch_size, c.peak_bytes, c.budget_bytes, margin, cap, c.bytes_per_sample,
+                       c.fixed_bytes, f"{reason} in {p.mode}")

@@ -1,6 +1,7 @@
 """Precision core: mode table, loss scaler, fp32 master weights, model conversion, policies."""
 from .convert import cast_floating, convert_model, is_norm
-from .device import auto_mode, device_info, resolve_device
+from .auto import auto_mode
+from .device import device_info, resolve_device
 from .islands import apply_fp32_islands
 from ..optim.master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names

@@ -1,4 +1,4 @@
-"""What the device can do in 16 bits, and the choice `auto` makes from it."""
+"""What the device can do in 16 bits (the choice `auto` makes from it: ``ampkit.precision.auto``)."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode", "cpu_name", "measured_on", "machine_key",
+__all__ = ["DeviceInfo", "device_info", "resolve_device", "cpu_name", "measured_on", "machine_key",
            "CPU_CAPS_ENV", "CPU_KINDS", "forced_cpu_kind", "cpu_kind"]
 
 #: Run as another CPU kind would (CI, tests, "what would ampkit do on an AMX Xeon?"): every decision that
@@ -142,6 +142,7 @@ def _device_info(dev_type: str, index: Optional[int], forced: Optional[str]) -> 
     except (AttributeError, RuntimeError):
         pass
     units = "AMX-BF16" if amx else ("AVX512-BF16" if avx512_bf16 else "none")
+    units += f" (forced by ${CPU_CAPS_ENV})" if forced else ""  # every report that names the units says so
     notes = [f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"]
     if forced:
         notes.append(f"CPU kind forced to {forced} by ${CPU_CAPS_ENV}: decisions as on such a CPU, speed as on this one")
@@ -156,22 +157,3 @@ def _device_info(dev_type: str, index: Optional[int], forced: Optional[str]) -> 
 def device_info(device: Union[str, torch.device, None] = None) -> DeviceInfo:
     dev = resolve_device(device)
     return _device_info(dev.type, dev.index, forced_cpu_kind() if dev.type == "cpu" else None)
-
-
-def auto_mode(device: Union[str, torch.device, None] = None) -> tuple:
-    """(canonical mode name, one-line reason) chosen for this device.
-
-    CUDA: bf16 where the GPU has it (no loss scaling to tune), else fp16 with dynamic scaling.
-    CPU: a bf16 mode where the CPU has bf16 units (AMX / AVX512-BF16); never fp16 (torch's CPU
-    fp16 kernels run far slower than fp32), else fp32.
-    """
-    info = device_info(device)
-    if info.type == "cuda":
-        if info.bf16_fast:
-            return "bf16-mixed", f"{info.name} has bf16 tensor cores: bf16 autocast, no loss scaling needed"
-        if info.fp16_fast:
-            return "fp16-mixed", f"{info.name} has fp16 tensor cores but no fast bf16: fp16 autocast with dynamic loss scaling"
-        return "fp32", f"{info.name} has no 16-bit matrix units: mixed precision would not be faster"
-    if info.bf16_fast:
-        return "bf16-mixed", f"CPU has {info.matrix_units}: bf16 matmuls/convs run ~2x faster than fp32"
-    return "fp32", "CPU has no bf16 units (AMX/AVX512-BF16) and torch's CPU fp16 is slow: fp32 is fastest"

@@ -33,7 +33,9 @@ from torch import nn
 from ..optim.master import MasterWeightOptimizer
 from ..optim.state import with_state_precision
 from . import checks
-from .device import auto_mode, device_info, resolve_device
+from .auto import decide
+from .device import device_info, resolve_device
+from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
 from .islands import apply_fp32_islands, resolve_module_names
 from .modes import AUTO, MODES, Mode, resolve
 from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
@@ -73,11 +75,7 @@ def choose_mode(name: Optional[str], device: Union[str, torch.device, None], tun
     through the alias table; ``auto`` is what ``ampkit.tune`` measured, else the device rule."""
     device = resolve_device(device)
     requested = resolve(global_policy() if name is None else name)
-    chosen, reason = requested, "asked for explicitly"
-    if requested == AUTO and tuned is not None and tuned.mode is not None:
-        chosen, reason = resolve(tuned.mode), tuned.mode_reason or "tuned"
-    elif requested == AUTO:
-        chosen, reason = auto_mode(device)
+    chosen, reason = decide(device, tuned) if requested == AUTO else (requested, "asked for explicitly")
     return Choice(requested, MODES[chosen], reason, device)
 
 
@@ -400,6 +398,7 @@ class Precision:
             optimizer = self.wrap_optimizer(optimizer)
         self._register_names(model, optimizer)
         self.model = model
+        self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._setup_done = True
         return model, optimizer
 
@@ -484,6 +483,17 @@ class Precision:
         return norm
 
     # ------------------------------------------------------------------ state
+    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """The model's full-precision weights, keyed like ``model.state_dict()`` and loadable into the model
+        built in fp32 (strict): the fp32 masters where the mode keeps them, weight + Kahan buffer (in fp32)
+        in bf16-pure with Kahan compensation, fp32 casts of 16-bit tensors otherwise, buffers included, tied
+        weights one tensor (``ampkit.precision.export``). ``optimizer``: the one holding the masters or
+        buffers, by default the one ``setup`` returned. For ``torch.save`` or
+        ``model.save_pretrained(dir, state_dict=precision.fp32_state_dict(model))``; tensors that need no
+        cast alias the live ones, as ``state_dict``'s do."""
+        opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
+        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
+
     def state_dict(self) -> Dict[str, Any]:
         return {"name": self.name, "scaler": self.scaler.state_dict(), "optimizer_state": self.optimizer_state}
 

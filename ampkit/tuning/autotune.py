@@ -1,6 +1,6 @@
 """`auto`, measured: the fastest candidate mode for *this* model, batch and device.
 
-``auto_mode(device)`` knows the device (bf16 units or not, fp16 tensor cores...), not the model.
+``ampkit.precision.auto`` (the rule: candidates, preference, why) knows the device (bf16 units or not, fp16 tensor cores...), not the model.
 Which of the modes that suit the device is fastest depends on the model as well: fp32 master
 weights with bf16 params save autocast's per-forward weight casts and memory, but add a grad copy
 and a master-to-model copy per step, which pays on some models and not on others. So, when a
@@ -32,8 +32,8 @@ from torch import nn
 
 from ..diagnose import verdict
 from ..precision import Precision
-from ..precision.device import auto_mode, machine_key, resolve_device
-from ..precision.modes import MODES
+from ..precision.auto import auto_candidates, auto_mode, probe, why
+from ..precision.device import machine_key, resolve_device
 from ..utils.batch import call_model
 from ..utils.tree import iter_tensors, to_device
 from .cache import cache_file, load_entries, store_entry
@@ -47,17 +47,6 @@ class CannotTime(RuntimeError):
 
 def autotune_cache_path() -> str:
     return cache_file("automode.json")
-
-
-def auto_candidates(device: Any = None, grad_accum: int = 1) -> List[str]:
-    """Every mode `auto` may time on this device, the device's default first: each compute dtype of
-    :func:`ampkit.diagnose.verdict.preference_order` with its :func:`~ampkit.diagnose.verdict.mode_family`,
-    then fp32. Which of them are timed is :func:`~ampkit.diagnose.verdict.safe_modes`' answer."""
-    dev = resolve_device(device)
-    # a small model can be overhead-bound, where 16-bit only adds casts (measured on an H100: the digits-size
-    # CNN ran 0.8x of fp32 in bf16): fp32 always passes the accuracy check, so it competes too
-    return [m for p in verdict.preference_order(dev) if p != "fp32"
-            for m in verdict.mode_family(p, dev, grad_accum)] + ["fp32"]
 
 
 def fmt_ms(ms: float) -> str:
@@ -188,7 +177,7 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     if len(passed) == 1:  # nothing left to time
         if not hit:
             remember({})
-        return {"mode": passed[0], "reason": _why(passed[0], cands[0], dev_reason, check_note), "ms": {}, "cached": bool(hit),
+        return {"mode": passed[0], "reason": why(passed[0], check_note, dev), "ms": {}, "cached": bool(hit),
                 "checked": checked}
     cached = set(hit.get("ms", {})) == set(passed)
     if not cached and log:
@@ -200,22 +189,9 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     best = min(passed, key=ms.get)
     mode = best if ms[best] < 0.97 * ms[passed[0]] else passed[0]
     timing = ", ".join(f"{m} {fmt_ms(ms[m])}" for m in passed)
-    reason = _why(mode, cands[0], dev_reason, f"{check_note}; {mode} fastest here, measured per step ({timing}"
-                                              f"{', cached' if cached else ''})")
+    reason = why(mode, f"{check_note}; {mode} fastest here, measured per step ({timing}"
+                       f"{', cached' if cached else ''})", dev)
     return {"mode": mode, "reason": reason, "ms": ms, "cached": cached, "checked": checked}
-
-
-def _why(mode: str, device_choice: str, dev_reason: str, measured: str) -> str:
-    """The reason line: the device's own argument only where it is the mode that was kept."""
-    if mode == device_choice:
-        return f"{dev_reason}; {measured}"
-    return f"{measured}; the device alone suggested {device_choice} ({dev_reason})"
-
-
-def _probe(mode: str) -> str:
-    """The autocast mode whose AMP check speaks for ``mode`` (same compute dtype), or "fp32"."""
-    low = MODES[mode].low_dtype
-    return "fp32" if low is None else ("bf16-mixed" if low == torch.bfloat16 else "fp16-mixed")
 
 
 def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, modes: Sequence[str],
@@ -226,7 +202,7 @@ def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mod
     `auto` keeps only the modes whose check is ok: the fastest mode that passes the accuracy check.
     A check that cannot run on this model says so and rules nothing out.
     """
-    probes = sorted({_probe(m) for m in modes} - {"fp32"})
+    probes = sorted({probe(m) for m in modes} - {"fp32"})
     if not probes:
         return {}
     batch = (inputs, target)

@@ -34,7 +34,7 @@ def test_torch_loop_gets_autocast_baseline_per_dtype_and_fp32_is_added():
 
 def test_auto_is_resolved_for_the_loop_baseline():
     cfgs, _ = plan(Settings(models=["cnn"], precisions=["auto"], device="cpu", runners=["torch-loop"]))
-    from ampkit.precision.device import auto_mode
+    from ampkit.precision import auto_mode
 
     assert {c["precision"] for c in cfgs} == {"fp32", baseline_precision(auto_mode("cpu")[0])}
 

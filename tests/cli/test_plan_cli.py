@@ -39,3 +39,23 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, words):
     rc = main(["plan", "--model", "mlp", *argv] if "--model" not in argv else ["plan", *argv])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and words in err and len(err.splitlines()) == 1
+
+
+def test_train_batch_size_auto_says_what_it_chose_and_records_the_plan(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["train", "--batch-size", "auto", "--max-steps", "2", "--epochs", "1", "--precision", "fp32",
+               "--no-progress", "--no-autotune", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0
+    line = [ln for ln in err.splitlines() if "--batch-size auto ->" in ln]
+    assert len(line) == 1 and "10% margin" in line[0]
+    chosen = int(line[0].split("->")[1].split(":")[0])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["planned_peak_bytes"] > 0 and summary["peak_memory_bytes"] > 0
+    assert "batch_size = %d" % chosen in (out / "config.toml").read_text()
+
+
+def test_train_batch_size_must_be_a_number_or_auto(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--batch-size", "lots"])
+    assert e.value.code == 2 and "number of samples or auto" in capsys.readouterr().err

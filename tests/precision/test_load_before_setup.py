@@ -151,3 +151,22 @@ def test_stochastic_state_into_kahan_refused_before_setup_too():
     opt.load_state_dict(ck["optimizer"])
     with pytest.raises(ValueError, match="compensation='stochastic', this one uses 'kahan'"):
         _precision("bf16-pure", "kahan").setup(model, opt)
+
+
+def test_plain_state_before_setup_starts_the_masters_from_the_fp32_weights():
+    """An fp32 run's checkpoint resumed in bf16-master (nanoGPT's order): the fp32 weights are exact, so the
+    masters start from them and the optimizer's moments carry over."""
+    prec = _precision("fp32", None)
+    model = _model()
+    model, opt = prec.setup(model, _optimizer(model))
+    _steps(prec, model, opt, 0, 2)
+    ck = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    resumed = _model()
+    resumed.load_state_dict(ck["model"])
+    plain = _optimizer(resumed)
+    plain.load_state_dict(ck["optimizer"])
+    model2, opt2 = _precision("bf16-master", None).setup(resumed, plain)
+    assert all(torch.equal(m, w) for m, w in zip(opt2.master_params, model.parameters()))
+    moments = [s["exp_avg"] for s in opt.state.values()]
+    assert all(torch.equal(a, opt2.state[m]["exp_avg"]) for a, m in zip(moments, opt2.master_params))
+    assert all(p.dtype == torch.bfloat16 for n, p in model2.named_parameters() if "norm" not in n)

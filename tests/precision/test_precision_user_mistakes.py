@@ -62,11 +62,12 @@ def test_trainer_fp16_pure_does_not_warn_about_eps(tmp_path):
 
 
 def test_auto_reason_does_not_argue_for_the_mode_it_did_not_pick():
-    from ampkit.tuning.autotune import _why
+    from ampkit.precision.auto import why
 
-    text = _why("fp32", "bf16-mixed", "CPU has AVX512-BF16: bf16 ~2x faster than fp32", "fp32 fastest here (...)")
+    text = why("fp32", "fp32 fastest here (...)",
+               device_choice=("bf16-mixed", "CPU has AVX512-BF16: bf16 ~2x faster than fp32"))
     assert text.startswith("fp32 fastest here") and "the device alone suggested bf16-mixed" in text
-    assert _why("bf16-mixed", "bf16-mixed", "dev", "m") == "dev; m"
+    assert why("bf16-mixed", "m", device_choice=("bf16-mixed", "dev")) == "dev; m"
 
 
 def test_apex_o3_adam_gets_a_safe_eps_once():

@@ -1,0 +1,83 @@
+"""``Precision.fp32_state_dict``: a model's full-precision weights, keyed like ``model.state_dict()``.
+
+After 16-bit training the model holds a rounding of what was trained; the better weights live elsewhere:
+
+* fp16/bf16-master: the fp32 masters of ``MasterWeightOptimizer`` (exactly what the optimizer stepped);
+* bf16-pure with Kahan compensation: the bf16 weight plus its compensation buffer, summed in fp32 (the
+  buffer holds the part of past updates the bf16 weight could not take yet, so the sum is the better
+  estimate of the trained value); stochastic rounding and plain rounding keep no such state: the bf16
+  weight, cast;
+* every other tensor: itself where it is fp32 or wider (an alias, as ``state_dict`` returns), an fp32 cast
+  where it is narrower (fp16/bf16/fp8 params and buffers); integer buffers as they are.
+
+Tensors shared by several keys (tied embedding and LM head) stay one tensor under each key, as in
+``state_dict``, so ``save_pretrained``/safetensors see the tie. The result loads into the model built in
+fp32 (``load_state_dict(..., strict=True)``); fp8 recipe state (fp8-delayed's amax histories) is not a
+weight and is left out (it is in ``precision.state_dict()``).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..optim.master import MasterWeightOptimizer
+
+__all__ = ["fp32_state_dict", "master_weights", "kahan_folded", "fp8_recipe_keys"]
+
+
+def _narrow(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and torch.finfo(t.dtype).bits < 32
+
+
+def fp32_state_dict(model: nn.Module, exact: Optional[Dict[int, torch.Tensor]] = None,
+                    skip: Iterable[str] = ()) -> "OrderedDict[str, Any]":
+    """``model.state_dict()`` with each parameter replaced by ``exact[id(param)]`` where given, narrower
+    floating tensors cast to fp32, the keys in ``skip`` left out; shared tensors stay shared."""
+    exact, skip = exact or {}, set(skip)
+    out: "OrderedDict[str, Any]" = OrderedDict()
+    made: Dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, t in model.state_dict(keep_vars=True).items():
+            if key in skip:
+                continue
+            if not isinstance(t, torch.Tensor):  # a module's extra state
+                out[key] = t
+                continue
+            v = made.get(id(t))
+            if v is None:
+                v = exact.get(id(t))
+                if v is None:
+                    v = t.detach().float() if _narrow(t) else t.detach()
+                made[id(t)] = v
+            out[key] = v
+    return out
+
+
+def master_weights(optimizer: Any) -> Dict[int, torch.Tensor]:
+    """id(model param) -> its fp32 master (an alias) under a ``MasterWeightOptimizer``; {} otherwise."""
+    if not isinstance(optimizer, MasterWeightOptimizer):
+        return {}
+    return {id(p): m.detach() for p, m in zip(optimizer.model_params, optimizer.master_params)}
+
+
+def kahan_folded(optimizer: Any) -> Dict[int, torch.Tensor]:
+    """id(param) -> fp32(weight) + fp32(Kahan buffer) for the 16-bit params with a compensation buffer."""
+    out = {}
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group["params"]:
+            comp = optimizer.state.get(p, {}).get("compensation") if hasattr(optimizer, "state") else None
+            if isinstance(comp, torch.Tensor) and _narrow(p):
+                out[id(p)] = p.detach().float() + comp.float()
+    return out
+
+
+def fp8_recipe_keys(model: nn.Module) -> set:
+    """The state-dict keys of the buffers of fp8 GEMM modules (amax histories): recipe state, not weights."""
+    keys = set()
+    for name, module in model.named_modules():
+        if getattr(module, "fp8_gemm", False):
+            keys.update(f"{name}.{b}" if name else b for b, _ in module.named_buffers(recurse=False))
+    return keys
