@@ -34,6 +34,8 @@ _LAZY = {
     "compat": "ampkit.compat",
     "models": "ampkit.models",
     "data": "ampkit.data",
+    "plan": "ampkit.memory",
+    "MemoryPlan": "ampkit.memory",
 }
 
 __all__ = [

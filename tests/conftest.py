@@ -1,11 +1,42 @@
-"""Suite-wide options: ``--slow`` (or AMPKIT_SLOW=1) turns on the long variants of tests; shared fixtures."""
+"""Suite-wide options: ``--slow`` (or AMPKIT_SLOW=1) turns on the long variants of tests; shared fixtures.
+
+CPU kinds: every ampkit decision that depends on the CPU's bf16 support reads
+``ampkit.precision.device``'s detection, which ``$AMPKIT_CPU_CAPS`` (amx | avx512_bf16 | avx2) overrides.
+A test whose assertions depend on that pins it: ``@pytest.mark.cpu_caps("avx2")`` (subprocesses the test
+starts inherit it), or takes the ``any_cpu_kind`` fixture to run once per kind. ``AMPKIT_CPU_CAPS=amx
+pytest`` runs the rest of the suite as that kind would.
+"""
 import pytest
 import torch
+
+from ampkit.precision.device import CPU_CAPS_ENV, CPU_KINDS
 
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="run the long variants (e.g. 20+ kill -9 trials in tests/faults); same as AMPKIT_SLOW=1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_caps(kind): run the test as a CPU of this kind would "
+                            f"(sets ${CPU_CAPS_ENV}; kinds: {', '.join(CPU_KINDS)})")
+
+
+@pytest.fixture(autouse=True)
+def _pinned_cpu_caps(request, monkeypatch):
+    """``@pytest.mark.cpu_caps(kind)``: ``$AMPKIT_CPU_CAPS`` set for the test (and its subprocesses)."""
+    mark = request.node.get_closest_marker("cpu_caps")
+    if mark is not None:
+        kind = mark.args[0]
+        assert kind in CPU_KINDS, f"cpu_caps({kind!r}): use one of {', '.join(CPU_KINDS)}"
+        monkeypatch.setenv(CPU_CAPS_ENV, kind)
+
+
+@pytest.fixture(params=list(CPU_KINDS))
+def any_cpu_kind(request, monkeypatch):
+    """Runs the test once per CPU kind, ``$AMPKIT_CPU_CAPS`` set to it; the kind's name is the value."""
+    monkeypatch.setenv(CPU_CAPS_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -19,3 +19,4 @@ def test_imports_point_down_only():
     r = subprocess.run([exe, "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "ampkit layers (imports point down only) KEPT" in r.stdout
+    assert "ampkit modules (no import cycles among siblings) KEPT" in r.stdout

@@ -20,6 +20,7 @@ VERBS = {
     "train": ("ampkit.cli.train", "train a model (default: a small CNN on scikit-learn's digits)"),
     "bench": ("ampkit.cli.bench", "fp32 vs mixed precision side by side: time, memory, accuracy"),
     "check": ("ampkit.cli.check", "is mixed precision safe for this model? which layer overflows?"),
+    "plan": ("ampkit.cli.plan", "will it fit? peak memory per precision mode and the largest batch that fits"),
     "plot": ("ampkit.cli.plot", "plot loss/accuracy/loss-scale curves of one or more runs"),
 }
 
@@ -61,6 +62,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
+        from ..precision.device import forced_cpu_kind
+
+        try:
+            forced_cpu_kind()  # a bad $AMPKIT_CPU_CAPS: one line before any work
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         return int(args._run(args) or 0)
     except UsageError as e:
         print(f"ampkit {args.verb}: error: {e}", file=sys.stderr)

@@ -43,11 +43,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compensation", choices=["kahan", "stochastic", "none"],
                    help="bf16-pure only: how updates land in the bf16 weights: kahan (default, a bf16 buffer "
                    "per weight), stochastic (stochastic rounding, no extra state) or none; see docs/BF16_PURE.md")
+    g.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit"],
+                   help="precision of the optimizer's moments, any mode: bf16 (4 B/param less for AdamW, "
+                   "stochastically rounded) or 8bit (torchao's AdamW8bit); default: the mode's")
     g.add_argument("--eval-precision", choices=["train", "fp32"], help="evaluate in the training precision or with autocast off")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    g.add_argument("--batch-size", type=int)
+    g.add_argument("--batch-size", type=_batch_size, help="samples per micro-batch, or auto: the largest that "
+                   "`ampkit plan` finds fits the device's free memory less a 10%% margin (at most 4096 or the "
+                   "dataset's size)")
     g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     g.add_argument("--max-norm", type=float, help="clip the gradient norm to this value")
     g.add_argument("--lr", type=float)
@@ -73,6 +78,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "see docs/DISTRIBUTED.md")
 
 
+def _batch_size(text: str):
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of samples or auto") from None
+
+
 def _typed_values(args) -> dict:
     """The options the user actually gave (--config FILE first, flags over it); defaults are not among them."""
     from ..train.config import TrainConfig, load_config_file
@@ -95,6 +109,9 @@ def _config_from_args(args, announce: bool = False):
     from ..train.config import TrainConfig
 
     values = _typed_values(args)
+    if values.get("batch_size") == "auto":  # chosen by the planner once the model and data exist (_auto_batch)
+        del values["batch_size"]
+        args.auto_batch = True
     for k in ("out", "resume", "data", "model", "precision", "device"):
         if isinstance(values.get(k), str) and not values[k].strip():
             raise ValueError(f"--{k} is empty: give a value, or leave the flag out.")
@@ -188,7 +205,12 @@ def _run(args, env) -> int:
             raise ValueError(f"--data {cfg.data} yields dict samples (keyword inputs, Hugging Face style): pass the "
                              "model for them with --model pkg.module:factory.")
         model = build_model(cfg.model or data.default_model, **data.model_kwargs)
+        choice = _auto_batch(args, cfg, model, data) if getattr(args, "auto_batch", False) else None
+        if choice is not None:
+            cfg = cfg.updated(batch_size=choice.batch_size)
         trainer = Trainer(model, data.train, data.test, config=cfg, task=data.task, class_names=data.class_names)
+        if choice is not None:
+            trainer.planned_peak_bytes = choice.peak_bytes
         summary = trainer.fit()
     except TrainingInterrupted as e:
         if not env_is_secondary():
@@ -207,3 +229,17 @@ def _run(args, env) -> int:
     if not env_is_secondary():
         print(f"ampkit train: run directory {trainer.run_dir}", file=sys.stderr)
     return 0
+
+
+def _auto_batch(args, cfg, model, data):
+    """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once."""
+    from ..cli.plan import sample_batch
+    from ..memory import auto_batch_size
+
+    cap = min(4096, len(data.train))
+    choice = auto_batch_size(model, sample_batch(data, 2), precision=cfg.precision, optimizer=cfg.optimizer,
+                             device=cfg.device, cap=cap)
+    if not env_is_secondary():
+        print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}"
+              f"{' (the dataset size)' if choice.batch_size == cap == len(data.train) else ''}", file=sys.stderr)
+    return choice

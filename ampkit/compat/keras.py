@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..precision import policy as _policy
+from ..precision import Precision, global_policy as _core_global_policy, set_global_policy as _core_set_global_policy
 from ..precision.device import auto_mode
 from ..precision.modes import AUTO, MODES, resolve, valid_names
 
@@ -80,9 +80,9 @@ class Policy:
     def variable_dtype(self) -> str:
         return _DTYPE_NAMES[self.torch_variable_dtype]
 
-    def precision(self, device=None, **kwargs) -> _policy.Precision:
+    def precision(self, device=None, **kwargs) -> Precision:
         """An ``ampkit.Precision`` for this policy (kwargs as Precision's)."""
-        return _policy.Precision(self._mode, device, **kwargs)
+        return Precision(self._mode, device, **kwargs)
 
     def autocast(self, device_type: Optional[str] = None):
         """``torch.autocast`` in the compute dtype for the mixed policies, else a no-op context."""
@@ -116,17 +116,17 @@ def set_global_policy(policy: Union[str, Policy, None]) -> None:
     """Set the default for every later ``ampkit.Precision()`` built without a name (None: back to auto)."""
     global _last_set
     if policy is None:
-        _policy.set_global_policy(None)
+        _core_set_global_policy(None)
         _last_set = None
         return
     p = policy if isinstance(policy, Policy) else Policy(policy)
-    _policy.set_global_policy(p._mode)
+    _core_set_global_policy(p._mode)
     _last_set = p
 
 
 def global_policy() -> Policy:
     """The global policy as a ``Policy`` (named as it was set, Keras-style where one exists)."""
-    current = _policy.global_policy()
+    current = _core_global_policy()
     if _last_set is not None and _last_set._mode == current:
         return _last_set
     return Policy(_KERAS_FOR_MODE.get(current, current))

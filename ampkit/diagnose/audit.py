@@ -135,7 +135,8 @@ class DtypeAudit:
         return out
 
 
-_FP8_LINEARS = ("DelayedScalingLinear", "Float8Linear")
+_FP8_LINEARS = ("DelayedScalingLinear", "DelayedScalingConv1D", "Float8Linear", "CurrentScalingLinear",
+                "CurrentScalingConv1D")
 
 
 def _short(dtype: torch.dtype) -> str:

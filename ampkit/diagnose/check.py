@@ -205,11 +205,11 @@ def _auto_name(name: str, dev: torch.device) -> str:
 def _flag_stale(verdicts: Dict[str, Dict[str, Any]], stale: Dict[str, Any]) -> None:
     for name, v in verdicts.items():
         mode = MODES[name]
-        if mode.param_dtype == torch.float32 or mode.master_weights:
+        if not mode.updates_in_16bit:  # fp32 weights or fp32 masters take every update
             continue
         frac = stale[str(mode.param_dtype).replace("torch.", "")]["fraction"]
         v["stale_updates"] = frac
-        if frac > STALE_RISKY and not mode.compensated:
+        if frac > STALE_RISKY and not mode.carries_rounding:
             if v["verdict"] == "ok":
                 v["verdict"] = "risky"
             v["reasons"].append(f"{frac:.1%} of parameter updates round away in {mode.param_dtype} "

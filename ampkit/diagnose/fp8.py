@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..precision import MODES
-from ..precision.fp8 import RECIPES, Fp8Filter, fp8_max, plan
+from ..precision.fp8 import (MIN_FLOP_SHARE, RECIPES, Fp8Filter, coverage, coverage_warning, fp8_max, gemm_kind,
+                             has_fp8_gemm, plan)
 from ..precision.fp8.quant import EPS
 from .runner import prepare, run_once
 
@@ -116,10 +117,13 @@ def _capture(model: nn.Module, names: Sequence[str], store: Dict[str, Dict[str, 
             for name in names:
                 mod = model.get_submodule(name)
 
-                def hook(m, args, out, name=name):
+                transposed = gemm_kind(mod) == "conv1d"  # Conv1D stores its weight (in, out)
+
+                def hook(m, args, out, name=name, transposed=transposed):
                     x = args[0]
+                    w = m.weight.detach().t() if transposed else m.weight.detach()
                     store[name] = {"input": x.detach().reshape(-1, x.shape[-1]).float(),
-                                   "weight": m.weight.detach().to(x.dtype).float()}
+                                   "weight": w.to(x.dtype).float()}
                     if out.requires_grad:
                         out.register_hook(lambda g, name=name: store[name].__setitem__(
                             "grad_output", g.detach().reshape(-1, g.shape[-1]).float()))
@@ -137,6 +141,7 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
     """The ``fp8`` section of the check report (see the module docstring); ``requested``: fp8 modes asked for."""
     filt = Fp8Filter(tuple(skip), tuple(force))
     layout = plan(model, filt)
+    cov = coverage(model, filt)
     chosen = [n for n, v in layout.items() if v == "fp8"]
     ref_model, ref_prec = prepare(model, "bf16-mixed", device)
     store: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -151,7 +156,7 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
         for mode in FP8_ORDER:
             s = _layer_stats(rec["input"], rec["weight"], rec["grad_output"], RECIPES[mode]())
             layers[name][mode] = {**s, **_judge(s)}
-    recipes = {mode: _recipe_verdict(mode, layers, chosen) for mode in FP8_ORDER}
+    recipes = {mode: _recipe_verdict(mode, layers, cov, device) for mode in FP8_ORDER}
     model_sqnr = {}
     for mode in requested:
         m, p = prepare(model, mode, device)
@@ -168,42 +173,71 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
         "layers": layers,
         "recipes": recipes,
         "model_sqnr": model_sqnr,
-        "recommendation": _recommend(recipes, chosen),
+        "coverage": {k: v for k, v in cov.items() if k not in ("sizes", "kept")},
+        "recommendation": _recommend(recipes, chosen, cov, device),
         "bars": {k: {"ok": a, "unsafe": b} for k, (a, b) in FP8_BARS.items()},
         "requested": list(requested),
     }
 
 
-def _recipe_verdict(mode: str, layers: Dict[str, Any], chosen: List[str]) -> Dict[str, Any]:
+def _share(cov: Dict[str, Any], names: Sequence[str]) -> float:
+    total = sum(cov["sizes"].values())
+    return sum(cov["sizes"][n] for n in names) / total if total else 0.0
+
+
+def _recipe_verdict(mode: str, layers: Dict[str, Any], cov: Dict[str, Any], device) -> Dict[str, Any]:
     judged = {n: l[mode] for n, l in layers.items() if mode in l}
     bad = [n for n, v in judged.items() if v["verdict"] != "ok"]
     worst = max((("ok", "risky", "unsafe").index(v["verdict"]) for v in judged.values()), default=0)
     sq = [v["output_sqnr"] for v in judged.values()]
+    why_not = coverage_warning(cov, mode)
     return {
         "verdict": ("ok", "risky", "unsafe")[worst],
         "keep_bf16": bad,
         "layers": len(judged),
         "min_output_sqnr": min(sq) if sq else None,
         "reasons": [f"{n}: {'; '.join(judged[n]['reasons'])}" for n in bad],
+        # an fp8 mode that converts nothing, or under MIN_FLOP_SHARE of the GEMM FLOPs, is not worth choosing
+        "applies": why_not is None,
+        "why_not": why_not,
+        "emulated": not has_fp8_gemm(device, RECIPES[mode].rowwise),
     }
 
 
-def _recommend(recipes: Dict[str, Dict[str, Any]], chosen: List[str]) -> Dict[str, Any]:
+def _speed_note(mode: str, device, emulated: bool) -> str:
+    if emulated:
+        return (f" (emulated on {torch.device(device).type}: numerics only, slower than bf16-mixed here; "
+                f"on GPUs with fp8 tensor cores {FP8_ORDER[0]} is the fastest recipe)")
+    return " (the fastest recipe)" if mode == FP8_ORDER[0] else f"; {FP8_ORDER[0]} does not"
+
+
+def _recommend(recipes: Dict[str, Dict[str, Any]], chosen: List[str], cov: Dict[str, Any], device) -> Dict[str, Any]:
     if not chosen:
         return {"precision": "bf16-mixed", "keep_bf16": [],
-                "reason": "no Linear qualifies for fp8 (dims multiples of 16, not first/last): fp8 would change nothing"}
+                "reason": "no Linear/Conv1D qualifies for fp8 (dims multiples of 16, not first/last): "
+                          "fp8 would change nothing"}
+    if cov["flop_share"] is not None and cov["flop_share"] < MIN_FLOP_SHARE:
+        return {"precision": "bf16-mixed", "keep_bf16": [],
+                "reason": f"only {cov['converted']} of {cov['candidates']} Linear/Conv1D layers "
+                          f"({cov['flop_share']:.0%} of their FLOPs) would run in fp8: not worth an fp8 mode"}
     ok = [m for m in FP8_ORDER if recipes[m]["verdict"] == "ok"]
     if ok:
-        return {"precision": ok[0], "keep_bf16": [],
-                "reason": f"every converted layer passes under {ok[0]}" + (" (the fastest recipe)" if ok[0] == FP8_ORDER[0] else
-                                                                           f"; {FP8_ORDER[0]} does not")}
+        note = _speed_note(ok[0], device, recipes[ok[0]]["emulated"])
+        return {"precision": ok[0], "keep_bf16": [], "reason": f"every converted layer passes under {ok[0]}{note}"}
     best = min(FP8_ORDER, key=lambda m: (len(recipes[m]["keep_bf16"]), FP8_ORDER.index(m)))
     keep = recipes[best]["keep_bf16"]
-    if len(keep) >= len(chosen):
+    left = [n for n in chosen if n not in keep]
+    if not left:
         return {"precision": "bf16-mixed", "keep_bf16": [],
                 "reason": "every converted layer fails under every fp8 recipe"}
+    if _share(cov, left) < MIN_FLOP_SHARE:
+        return {"precision": "bf16-mixed", "keep_bf16": [],
+                "reason": f"{best} passes only with {len(keep)} of {len(chosen)} layer(s) in bf16, which leaves "
+                          f"{_share(cov, left):.0%} of the Linear/Conv1D FLOPs in fp8: not worth an fp8 mode"}
     return {"precision": best, "keep_bf16": keep,
-            "reason": f"{best} passes once {len(keep)} of {len(chosen)} layer(s) stay in bf16 (Precision(fp8_skip=...))"}
+            "reason": f"{best} passes once {len(keep)} of {len(chosen)} layer(s) stay in bf16 (Precision(fp8_skip=...))"
+                      + (f"; emulated on {torch.device(device).type}: numerics only, not a speed claim"
+                         if recipes[best]["emulated"] else "")}
 
 
 def is_fp8(name: str) -> bool:

@@ -145,14 +145,19 @@ def format_fp8(f: Dict[str, Any], top: int = 10) -> List[str]:
                          _pct(max(d["saturated"] for d in t.values())), f"{s['output_sqnr']:.1f}",
                          f"{s['worst_row_sqnr']:.1f}", f"{min(s['grad_input_sqnr'], s['grad_weight_sqnr']):.1f}",
                          s["verdict"] if s["verdict"] == "ok" else s["verdict"].upper()])
-    lines += _table(["layer", "recipe", "in underflow", "w underflow", "gout underflow", "saturated",
-                     "out dB", "worst row dB", "grad dB", "verdict"], rows)
+    if rows:
+        lines += _table(["layer", "recipe", "in underflow", "w underflow", "gout underflow", "saturated",
+                         "out dB", "worst row dB", "grad dB", "verdict"], rows)
     for mode, m in f["model_sqnr"].items():
         lines.append(f"  {mode} whole model vs bf16-mixed: output {_g(m['output_sqnr'], '.1f')} dB, "
-                     f"gradients {_g(m['grad_sqnr'], '.1f')} dB ({m['layers_in_fp8']} Linear(s) in fp8)")
+                     f"gradients {_g(m['grad_sqnr'], '.1f')} dB ({m['layers_in_fp8']} layer(s) in fp8)")
+    why_not = next((v["why_not"] for v in f["recipes"].values() if v.get("why_not")), None)
+    if why_not:  # the same for every recipe: the model, not the recipe, leaves fp8 little to do
+        lines.append(f"  not worth an fp8 mode: {why_not.split(': ', 1)[1]}")
     for mode, v in f["recipes"].items():
         asked = "" if mode in f["requested"] else " (what-if)"
-        lines.append(f"  {mode}{asked}: {v['verdict'].upper() if v['verdict'] != 'ok' else 'ok'}"
+        level = v["verdict"].upper() if v["verdict"] != "ok" else "ok"
+        lines.append(f"  {mode}{asked}: {level if v.get('applies', True) else 'n/a (too little converts)'}"
                      + (f"; keep in bf16: {', '.join(v['keep_bf16'])}" if v["keep_bf16"] else ""))
         for reason in v["reasons"][:3]:
             lines.append(f"    {reason}")

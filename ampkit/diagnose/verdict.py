@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..precision import MODES, auto_mode, device_info, resolve, resolve_device
+from ..precision.fp8 import RECIPES, has_fp8_gemm
 from .fp8 import FP8_ORDER
 from .hooks import finite_number
 from .localise import localise_nonfinite
@@ -222,8 +223,10 @@ def safe_modes(verdicts: Dict[str, Any], device: Any = None, grad_accum: int = 1
     """The one rule behind `auto`: the modes the AMP check calls safe here, in the device's preference order.
 
     ``verdicts``: ``{autocast mode: verdict record or "ok"|"risky"|"unsafe"}`` (:func:`amp_verdicts`).
-    Candidates, fastest first: the checked fp8 modes whose verdict is ok and whose every converted
-    Linear passes (``fp8``: the check's per-recipe verdicts, :mod:`.fp8`); then the first compute dtype
+    Candidates, fastest first: the checked fp8 modes whose verdict is ok, whose every converted
+    Linear passes (``fp8``: the check's per-recipe verdicts, :mod:`.fp8`), that convert at least half
+    the model's Linear/Conv1D FLOPs, and whose GEMMs are real fp8 on this device (an emulated fp8
+    mode is numerics only, never a speed pick); then the first compute dtype
     of :func:`preference_order` whose verdict is ok (or ok with fp32 modules, ``verdicts[p]
     ["with_fp32_modules"]``), with its :func:`mode_family`; fp32 last (the reference, always safe).
     A dtype without a verdict is passed over, or taken as ok with ``unchecked_ok`` (a check that could
@@ -247,9 +250,15 @@ def safe_modes(verdicts: Dict[str, Any], device: Any = None, grad_accum: int = 1
             skipped.append(why_not(name, v))
         elif recipe is None:
             skipped.append(f"{name} has no per-layer fp8 verdict")
+        elif recipe.get("applies") is False:  # converts nothing (or almost nothing): it would be bf16-mixed
+            skipped.append((recipe.get("why_not") or f"{name}: too little of the model converts to fp8").split(" (")[0])
         elif recipe["verdict"] != "ok":
             skipped.append(f"{name} was {recipe['verdict']} per layer"
                            + (f" ({recipe['reasons'][0]})" if recipe.get("reasons") else ""))
+        elif not has_fp8_gemm(device, RECIPES[name].rowwise):
+            skipped.append(f"{name} passes, but its GEMMs are emulated on {device.type} (no fp8 tensor cores): "
+                           "numerics only, slower than bf16-mixed; a candidate on GPUs with compute capability "
+                           f"{'9.0' if RECIPES[name].rowwise else '8.9'}+")
         else:
             modes.append({"mode": name, "fp32_modules": [], "note": "AMP check ok; every converted Linear passes in fp8"})
     for name in preference_order(device):

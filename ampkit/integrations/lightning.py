@@ -33,7 +33,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install 'ampkit[lightning]' (or pip install lightning).") from e
 
 from ..precision import Precision, resolve
-from ..optim.master import MasterWeightOptimizer
 from ..utils.tree import cast_floating
 
 __all__ = ["AmpkitPrecision", "AmpkitFabricPrecision", "lightning_precision_name"]
@@ -80,10 +79,8 @@ class _Core:
 
     # -- module
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.ampkit.mode.master_weights:  # masters start from these, not from their 16-bit roundings
-            self._fp32_copies = {id(p): p.detach().clone() for p in module.parameters() if p.is_floating_point()}
-        module, _ = self.ampkit.setup(module, None)
-        return module
+        self._fp32_copies = self.ampkit.fp32_copies(module)  # master kinds: masters start from these
+        return self.ampkit.convert_module(module)
 
     def forward_context(self):
         return self.ampkit.autocast()
@@ -102,24 +99,9 @@ class _Core:
         made = self._prepared.get(id(optimizer))
         if made is not None:
             return made
-        if isinstance(optimizer, MasterWeightOptimizer) or any(o is optimizer for o in self._prepared.values()):
+        if any(o is optimizer for o in self._prepared.values()):
             return optimizer  # already the one ampkit steps
-        if self.ampkit.mode.master_weights:
-            made = MasterWeightOptimizer(optimizer)
-            with torch.no_grad():
-                for p, m in zip(made.model_params, made.master_params):
-                    fp32 = self._fp32_copies.pop(id(p), None)
-                    if fp32 is not None and fp32.shape == m.shape:
-                        m.copy_(fp32)
-        elif self.ampkit.mode.compensated:
-            from ..optim import compensated_from
-
-            comp = self.ampkit.compensation
-            made = compensated_from(optimizer) if comp is None else compensated_from(
-                optimizer, None if comp == "none" else comp)
-        else:
-            made = optimizer
-        self.ampkit.check_optimizer_eps(made)
+        made = self.ampkit.wrap_optimizer(optimizer, fp32_params=self._fp32_copies)
         self._prepared[id(optimizer)] = made
         return made
 

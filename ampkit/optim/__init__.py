@@ -7,6 +7,7 @@
   rounding, no extra state) or None (plain rounding, which stalls at small learning rates).
 * :func:`compensated_from`: the compensated equivalent of a torch AdamW/Adam/SGD; what
   ``Precision("bf16-pure").setup`` uses.
+* :func:`with_state_precision`: moments in bf16 or 8-bit (torchao): ``Precision(optimizer_state=...)``.
 * :func:`state_bytes`: measured bytes of training state per parameter (``ampkit bench``).
 * :func:`stochastic_round`, :func:`kahan_add_`: the rounding primitives.
 
@@ -19,8 +20,10 @@ from .master import MasterWeightOptimizer
 from .memory import state_bytes
 from .rounding import kahan_add_, stochastic_round, stochastic_round_
 from .sgd import SGD
+from .state import STATE_PRECISIONS, with_state_precision
 
 __all__ = [
     "AdamW", "Adam", "SGD", "CompensatedOptimizer", "COMPENSATIONS", "SUPPORTED",
     "MasterWeightOptimizer", "compensated_from", "state_bytes", "stochastic_round", "stochastic_round_", "kahan_add_",
+    "STATE_PRECISIONS", "with_state_precision",
 ]

@@ -68,7 +68,7 @@ class Adam(CompensatedOptimizer):
 
         if group["maximize"]:
             grads = torch._foreach_neg(grads)
-        torch._foreach_add_(steps, 1.0)
+        # (the step counts were advanced by CompensatedOptimizer.step, once per param, masked by the skip)
         if wd != 0:
             if group["decoupled_weight_decay"]:
                 target.decay_(lr * wd)
@@ -122,7 +122,7 @@ class Adam(CompensatedOptimizer):
         copies are transient: the grads and one moment at a time (8 B/param). All arithmetic is
         fp32-only: mixed-dtype foreach ops convert an operand per call and ran 3-7x slower.
         """
-        grads32 = foreach_cast(grads, torch.float32)[1]
+        grads32 = grads if grads[0].dtype == torch.float32 else foreach_cast(grads, torch.float32)[1]
         for buffers, beta, squared in ((exp_avgs, beta1, False), (exp_avg_sqs, beta2, True)):
             flat = copy = None  # free the previous moment's copy first
             flat, copy = foreach_cast(buffers, torch.float32)

@@ -35,12 +35,14 @@ import torch
 
 from .rounding import kahan_add_, stochastic_round_
 
-__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION"]
+__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "RNG_KEY"]
 
 COMPENSATIONS = ("kahan", "stochastic", None)
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+#: the ``state_dict()`` param-group key holding the stochastic-rounding generators' states
+RNG_KEY = "rng_states"
 
 
 def spans(numels: List[int], cap: int) -> List[Tuple[int, int]]:
@@ -54,6 +56,37 @@ def spans(numels: List[int], cap: int) -> List[Tuple[int, int]]:
     if numels:
         out.append((lo, len(numels)))
     return out
+
+
+#: per-param state that is not split with the param (counts, flags): shared by its pieces, never undone
+_SHARED = ("step", "momentum_pending")
+
+
+def _splittable(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any]) -> bool:
+    return p.is_contiguous() and g.is_contiguous() and all(
+        v.is_contiguous() for k, v in state.items() if isinstance(v, torch.Tensor) and k not in _SHARED)
+
+
+def pieces(params: List[torch.Tensor], grads: List[torch.Tensor], states: List[Dict[str, Any]],
+           cap: int) -> List[Tuple[List[torch.Tensor], List[torch.Tensor], List[Dict[str, Any]]]]:
+    """Foreach batches of at most ``cap`` elements: params (with their grads and state) packed in order,
+    and a param larger than ``cap`` cut into flat slices of its storage (when it, its grad and its state
+    are contiguous; elementwise updates do not care where a slice ends). A slice's state dict holds slices
+    of the param-shaped state and the param's own counts and flags (:data:`_SHARED`)."""
+    flat_p, flat_g, flat_s = [], [], []
+    for p, g, st in zip(params, grads, states):
+        n = p.numel()
+        if n <= cap or not _splittable(p, g, st):
+            flat_p.append(p), flat_g.append(g), flat_s.append(st)
+            continue
+        pv, gv = p.view(-1), g.view(-1)
+        sv = {k: (v.view(-1) if isinstance(v, torch.Tensor) and k not in _SHARED else v) for k, v in st.items()}
+        for lo in range(0, n, cap):
+            flat_p.append(pv[lo:lo + cap])
+            flat_g.append(gv[lo:lo + cap])
+            flat_s.append({k: (v[lo:lo + cap] if isinstance(v, torch.Tensor) and k not in _SHARED else v)
+                           for k, v in sv.items()})
+    return [(flat_p[lo:hi], flat_g[lo:hi], flat_s[lo:hi]) for lo, hi in spans([p.numel() for p in flat_p], cap)]
 
 
 def check_compensation(value: Any) -> None:
@@ -74,6 +107,15 @@ def foreach_cast(tensors: List[torch.Tensor], dtype: torch.dtype) -> Tuple[torch
     views = [c.view(t.shape) for c, t in zip(flat.split(numels), tensors)]
     torch._foreach_copy_(views, tensors)
     return flat, views
+
+
+def check_same_compensation(saved: Optional[str], mine: Optional[str]) -> None:
+    """A checkpoint's compensation must be the one this optimizer runs: torch would silently take the
+    saved groups' over the one asked for, and the run would do something other than what it reports."""
+    if saved != mine:
+        raise ValueError(
+            f"Checkpoint's optimizer used compensation={saved!r}, this one uses {mine!r}: resume with the "
+            f"same one (ampkit train --compensation {saved or 'none'}), or start a new run.")
 
 
 def check_moment_rounding(value: Any) -> None:
@@ -175,10 +217,10 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         compensation: ``"kahan"`` (default), ``"stochastic"`` or None; a param-group key, so groups
             may differ. Applies to bf16/fp16 params only (stochastic: bf16 only); fp32 params are
             updated in fp32 with no buffer.
-        state_dtype: dtype of the optimizer's moment buffers for 16-bit params; None = bf16 for
-            bf16 params (the memory saving), fp32 for fp16 params (fp16's range cannot hold
-            squared gradients); ``torch.float32`` keeps them fp32. fp32 params always keep fp32
-            state.
+        state_dtype: dtype of the optimizer's moment buffers; None = bf16 for bf16 params (the
+            memory saving), fp32 for fp16 params (fp16's range cannot hold squared gradients), fp32
+            for fp32 params. Set, it applies to every param: ``torch.bfloat16`` halves fp32 params'
+            moments too (updates computed in fp32, rounded stochastically: ``moment_rounding``).
         moment_rounding: how updates of bf16 optimizer state (Adam's moments, SGD's momentum)
             are rounded: ``"stochastic"`` (default: computed in fp32, rounded stochastically, so
             slow averages such as beta2=0.999 keep tracking) or ``"nearest"`` (cheaper, fine
@@ -188,9 +230,10 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             generator state is saved in ``state_dict()``.
     """
 
-    #: elements per foreach batch (None: 2**20 on CPU, 2**24 elsewhere). The compensated update
-    #: makes ~20 passes over fp32 copies; batches that stay in cache ran 2.4x faster on CPU than
-    #: one pass over all params, and they bound the transient fp32 copies to the batch.
+    #: elements per foreach batch (None: see ``_cap``: a 32nd of the params, at most 2**20 on CPU, 2**24
+    #: elsewhere). The compensated update makes ~20 passes over fp32 copies; batches that stay in cache ran
+    #: 2.4x faster on CPU than one pass over all params, and they bound the transient fp32 copies (and the
+    #: skip's snapshot) to the batch: a param bigger than a batch (an embedding) is updated in slices.
     bucket_numel: Optional[int] = None
 
     #: torch's amp protocol: a scaler sets ``found_inf`` (and ``grad_scale`` when the grads are still
@@ -213,12 +256,13 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ helpers for subclasses
     def state_dtype_for(self, p: torch.Tensor) -> torch.dtype:
-        """bf16 params: ``state_dtype`` or bf16; fp16 params: ``state_dtype`` or fp32 (fp16's range
-        cannot hold squared gradients); other params: their own dtype."""
+        """``state_dtype`` when set (any floating param: ``optimizer_state="bf16"`` over fp32 params);
+        else bf16 for bf16 params, fp32 for fp16 params (fp16's range cannot hold squared gradients),
+        the param's own dtype otherwise."""
+        if self.state_dtype is not None and p.is_floating_point():
+            return self.state_dtype
         if p.dtype not in LOW_PRECISION:
             return p.dtype
-        if self.state_dtype is not None:
-            return self.state_dtype
         return torch.bfloat16 if p.dtype == torch.bfloat16 else torch.float32
 
     def _init_state(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
@@ -259,6 +303,14 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         return buckets
 
     # ------------------------------------------------------------------ step
+    def _cap(self, device: torch.device, total: int) -> int:
+        """Elements per foreach batch: ``bucket_numel``, else a 32nd of the params (at least 2**15), at most
+        2**20 on CPU (2**24 elsewhere). The update's fp32 temporaries (~20 B per element at most, the skip's
+        snapshot included) then stay under ~0.6 B per parameter of the model."""
+        if self.bucket_numel:
+            return self.bucket_numel
+        return max(1 << 15, min(total // 32, 1 << 20 if device.type == "cpu" else 1 << 24))
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -276,41 +328,61 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                         "Use compensation='kahan' for float16 params."
                     )
                 gen = functools.partial(self._generator, device)
-                skip = None
+                skip = keep = None
                 if found_inf is not None:
                     skip = found_inf.to(device, non_blocking=True).reshape(()) > 0
-                if grad_scale is not None:  # grads still scaled: unscale copies (the model's grads stay)
-                    grads = torch._foreach_div(grads, grad_scale.to(device, non_blocking=True).reshape(()))
-                cap = self.bucket_numel or (1 << 20 if device.type == "cpu" else 1 << 24)
-                for lo, hi in spans([p.numel() for p in params], cap):
-                    ps, ss = params[lo:hi], states[lo:hi]
+                    keep = (~skip).to(torch.float32)
+                scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True).reshape(())
+                # step counts once per param (a param split into pieces shares its count), masked by the skip
+                steps = [s["step"] for s in states if "step" in s]
+                if steps:
+                    if keep is None:
+                        torch._foreach_add_(steps, 1.0)
+                    else:  # a list of 0-d tensors: the Tensor-scalar overload reads the scalar on CPU
+                        torch._foreach_add_(steps, [keep] * len(steps))
+                for ps, gs, ss in pieces(params, grads, states, self._cap(device, sum(p.numel() for p in params))):
+                    if scale is not None:  # grads still scaled: unscale copies (the model's grads stay)
+                        gs = torch._foreach_div(gs, scale)
                     undo = None
                     if skip is not None:
-                        undo = _Undo(ps + [v for st in ss for v in st.values() if isinstance(v, torch.Tensor)],
-                                     skip)
-                    self._update(group, ps, grads[lo:hi], ss, _Target(mode, ps, ss, gen, skip))
+                        undo = _Undo(ps + [v for st in ss for k, v in st.items()
+                                           if isinstance(v, torch.Tensor) and k not in _SHARED], skip)
+                    self._update(group, ps, gs, ss, _Target(mode, ps, ss, gen, skip))
                     if undo is not None:
                         undo()
+                    del gs, undo
+                self._after_update(group, states, keep)
         return loss
+
+    def _after_update(self, group: Dict[str, Any], states: List[Dict[str, Any]], keep: Optional[torch.Tensor]) -> None:
+        """Per-param bookkeeping once all pieces are updated (``keep``: 0.0 on a skipped step, or None)."""
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         sd = super().state_dict()
-        if self._generators:
-            sd["rng_states"] = {k: g.get_state() for k, g in self._generators.items()}
+        if self._generators and sd["param_groups"]:
+            # in the first param group, not beside the groups: torch's load_state_dict keeps group keys, so
+            # the generators survive a load into the plain torch optimizer before precision.setup() converts
+            # it (nanoGPT's resume order; compensated_from restores them)
+            sd["param_groups"][0] = {**sd["param_groups"][0],
+                                     RNG_KEY: {k: g.get_state() for k, g in self._generators.items()}}
         return sd
+
+    def load_rng_states(self, rng_states: Optional[Dict[str, torch.Tensor]]) -> None:
+        """Restore the stochastic-rounding generators from ``state_dict()``'s (per device name)."""
+        for key, rng in (rng_states or {}).items():
+            self._generator(torch.device(key)).set_state(rng.cpu())  # map_location may have moved it
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)
-        # torch would silently take the saved groups' compensation over the one asked for: the run
-        # would then do something other than what it reports
         for saved, group in zip(state_dict.get("param_groups", []), self.param_groups):
-            if "compensation" in saved and saved["compensation"] != group["compensation"]:
-                raise ValueError(
-                    f"Checkpoint's optimizer used compensation={saved['compensation']!r}, this one uses "
-                    f"{group['compensation']!r}: resume with the same one (ampkit train --compensation "
-                    f"{saved['compensation'] or 'none'}), or start a new run.")
-        rng_states = state_dict.pop("rng_states", None)
+            if "compensation" in saved:
+                check_same_compensation(saved["compensation"], group["compensation"])
+        rng_states = state_dict.pop("rng_states", None)  # where they were saved before they moved into a group
+        groups = [dict(g) for g in state_dict.get("param_groups", [])]
+        for g in groups:
+            rng_states = g.pop(RNG_KEY, None) or rng_states
+        state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         # torch casts every floating state tensor to its param's dtype; fp32 moments of bf16
         # params (state_dtype=torch.float32) must come back as saved, not rounded to bf16
@@ -328,5 +400,4 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     self.state[p][key] = torch.as_tensor(value, dtype=torch.float32).to(p.device).clone()
                 elif isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != p.dtype:
                     self.state[p][key] = value.to(device=p.device)
-        for key, rng in (rng_states or {}).items():
-            self._generator(torch.device(key)).set_state(rng.cpu())  # map_location may have moved it
+        self.load_rng_states(rng_states)

@@ -4,7 +4,9 @@
 so a training script keeps building ``torch.optim.AdamW(model.parameters(), ...)``. The new
 optimizer takes over the *same* param-group dicts (hyperparameters, ``initial_lr``, custom
 keys), so an LR scheduler built on the original keeps driving the learning rate; existing state
-(moments, step counts) is carried over, cast to the state dtype.
+(moments, step counts) is carried over, cast to the state dtype. A compensated optimizer's state loaded
+into the torch optimizer before setup (nanoGPT's resume order) carries over whole: Kahan buffers, and the
+stochastic-rounding generators (saved in the first param group, whose keys torch's load keeps).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from .master import MasterWeightOptimizer
 from .adamw import Adam, AdamW
-from .base import CompensatedOptimizer, check_compensation
+from .base import RNG_KEY, CompensatedOptimizer, check_compensation, check_same_compensation
 from .sgd import SGD
 
 __all__ = ["compensated_from", "SUPPORTED"]
@@ -87,9 +89,16 @@ def compensated_from(optimizer: torch.optim.Optimizer, compensation: Optional[st
             if key in group:
                 group[key] = neutral
 
+    compensation = "kahan" if compensation is _UNSET else compensation
+    # a state loaded before setup (nanoGPT's resume order) carries the saved groups' keys: the compensation
+    # must match (as CompensatedOptimizer.load_state_dict checks) and the generators are restored below
+    rng_states = None
+    for group in optimizer.param_groups:
+        if optimizer.state and "compensation" in group:
+            check_same_compensation(group["compensation"], compensation)
+        rng_states = group.pop(RNG_KEY, None) or rng_states
     defaults = {k: optimizer.defaults[k] for k in _HYPER[cls] if k in optimizer.defaults}
-    new = cls(optimizer.param_groups, **defaults,
-              compensation="kahan" if compensation is _UNSET else compensation, state_dtype=state_dtype)
+    new = cls(optimizer.param_groups, **defaults, compensation=compensation, state_dtype=state_dtype)
     # step hooks registered on the original keep firing
     new._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
     new._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -103,10 +112,13 @@ def compensated_from(optimizer: torch.optim.Optimizer, compensation: Optional[st
             for key, value in old.items():
                 if not isinstance(value, torch.Tensor):
                     continue  # e.g. a momentum_buffer of None
-                if key == "step":
-                    state[key] = value.detach().to("cpu", torch.float32, copy=True)
+                if key == "step":  # on the param's device as float32, as CompensatedOptimizer keeps it
+                    state[key] = value.detach().to(p.device, torch.float32, copy=True)
+                elif key == "compensation":  # a Kahan buffer (loaded before setup): the param's dtype
+                    state[key] = value.detach().to(p.device, p.dtype, copy=True)
                 else:
-                    state[key] = value.detach().to(new.state_dtype_for(p), copy=True)
+                    state[key] = value.detach().to(p.device, new.state_dtype_for(p), copy=True)
             if state:
                 new.state[p] = state
+    new.load_rng_states(rng_states)
     return new

@@ -4,27 +4,40 @@ The model keeps its fp16/bf16 parameters for forward and backward. The wrapper o
 copies ("masters") and hands *them* to the inner optimizer, so any torch optimizer (param
 groups, fused AdamW on CPU, LR schedulers) steps in fp32. Per step:
 
-1. ``sync_grads()``: model grads -> fp32 master grads (one foreach copy per dtype), and the
-   model's 16-bit grads are dropped so both are not kept;
+1. ``sync_grads()``: model grads -> fp32 master grads (one foreach copy per dtype);
 2. the loss scaler unscales/checks the *master* grads (fp32: no "Attempting to unscale FP16
-   gradients" dead end), clipping runs on them;
-3. ``step()``: the inner optimizer updates the masters, then one foreach copy casts them back
-   into the model.
+   gradients" dead end), clipping runs on them; ``expose_grads()`` writes the unscaled values back
+   into the model's grads, so torch's documented order (``unscale_`` then
+   ``clip_grad_norm_(model.parameters(), ...)``) sees real gradients;
+3. ``step()``: a model grad changed since then (clipped, replaced, set to None: seen by its version
+   counter, no device read) replaces its master grad, the model's 16-bit grads are dropped (the
+   optimizer's step runs without both copies), the inner optimizer updates the masters, then one
+   foreach copy casts them back into the model.
 
-``state_dict()`` holds the inner optimizer's state and the fp32 masters, so a checkpoint
-restores the exact weights (the 16-bit model weights are a rounding of the masters).
+So the step applies what the user last touched: the fp32 master grads (exact) unless the model's
+grads were changed after the sync, then those (their 16-bit values). In-place changes through
+``p.grad.data`` bypass the version counter and are not seen: change ``p.grad`` itself (torch's
+``clip_grad_norm_``/``clip_grad_value_`` do).
+
+``state_dict()`` is the inner optimizer's, each parameter's entry holding its fp32 master under
+``"master_weight"``: a checkpoint restores the exact weights (the 16-bit model weights are a rounding
+of the masters), and it loads into the plain optimizer too (torch keeps per-parameter entries), so
+the masters survive nanoGPT's resume order (load the optimizer, then wrap it).
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["MasterWeightOptimizer"]
+__all__ = ["MasterWeightOptimizer", "MASTER_KEY", "foreach_copy"]
+
+#: the per-parameter state entry holding the fp32 master in ``state_dict()``
+MASTER_KEY = "master_weight"
 
 
-def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+def foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for all i, batched per (device, dtype pair)."""
     if not dst:
         return
@@ -35,6 +48,23 @@ def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
         groups[key][1].append(s)
     for ds, ss in groups.values():
         torch._foreach_copy_(ds, ss)
+
+
+def split_masters(state_dict: Dict[str, Any], count: int):
+    """``(inner optimizer state dict, masters)`` from a :meth:`MasterWeightOptimizer.state_dict`; masters is
+    None when no entry holds one (a plain optimizer's state)."""
+    state = state_dict.get("state")
+    if state is None or "param_groups" not in state_dict:
+        raise ValueError("This is not an optimizer state dict (no 'state'/'param_groups'): pass "
+                         "optimizer.state_dict() as saved.")
+    masters = [state.get(i, {}).get(MASTER_KEY) for i in range(count)]
+    if all(m is None for m in masters):
+        return state_dict, None
+    if any(m is None for m in masters):
+        raise ValueError("The optimizer state holds fp32 masters for only some parameters: the checkpoint is "
+                         "from another model.")
+    inner = {k: {kk: vv for kk, vv in v.items() if kk != MASTER_KEY} for k, v in state.items()}
+    return {**state_dict, "state": {k: v for k, v in inner.items() if v}}, masters
 
 
 def delegated(name: str) -> property:
@@ -55,11 +85,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError("optimizer is already wrapped with fp32 master weights.")
-        if len(optimizer.state) != 0:
-            raise ValueError(
-                "MasterWeightOptimizer needs an optimizer with empty state: wrap it before the first "
-                "step (load a checkpoint into the wrapper afterwards, not into the inner optimizer)."
-            )
         self.optimizer = optimizer
         self.model_params: List[torch.Tensor] = []
         self.master_params: List[torch.Tensor] = []
@@ -73,7 +98,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     self.master_params.append(m)
                     masters.append(m)
                 group["params"] = masters
+            self._adopt_state(optimizer.state)
         self._grads_synced = False
+        self._seen: List[Optional[tuple]] = []  # per model param: (its grad, version) when last synced
         self._in_step = False
         # torch.optim machinery that schedulers and hooks look up on the instance
         self._optimizer_step_pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
@@ -95,8 +122,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ grads
     def sync_grads(self) -> None:
-        """Move the model's 16-bit grads into fp32 master grads (idempotent until the next step)."""
+        """Make the fp32 master grads the model's grads: the first call after a backward copies them all
+        (one foreach copy per dtype pair); later calls copy only the model grads changed since (a user's
+        clip after ``expose_grads``), judged by each grad's version counter: no device read."""
         if self._grads_synced:
+            self._take_changed_grads()
             return
         dst, src = [], []
         with torch.no_grad():
@@ -109,14 +139,58 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     m.grad = torch.empty_like(m)
                 dst.append(m.grad)
                 src.append(g)
-                p.grad = None  # do not keep both copies
-            _foreach_copy(dst, src)
+            foreach_copy(dst, src)
+        self._remember_model_grads()
         self._grads_synced = True
+
+    def expose_grads(self) -> None:
+        """Write the (unscaled) master grads back into the model's grads, so code that reads or clips
+        ``model.parameters()`` after ``unscale_`` sees what the step applies; a change made there is
+        taken by the next ``sync_grads``/``step``. No allocation: the model's grads are overwritten."""
+        if not self._grads_synced:
+            return
+        dst, src = [], []
+        for p, m in zip(self.model_params, self.master_params):
+            if p.grad is not None and m.grad is not None:
+                dst.append(p.grad)
+                src.append(m.grad)
+        with torch.no_grad():
+            foreach_copy(dst, src)
+        self._remember_model_grads()
+
+    def _remember_model_grads(self) -> None:
+        self._seen = [(p.grad, p.grad._version) if p.grad is not None else None for p in self.model_params]
+
+    def _take_changed_grads(self) -> None:
+        """Master grads <- the model grads changed, replaced, added or removed since the last sync."""
+        dst, src = [], []
+        with torch.no_grad():
+            for p, m, seen in zip(self.model_params, self.master_params, self._seen):
+                g = p.grad
+                if seen is not None and g is seen[0] and g._version == seen[1]:
+                    continue
+                if g is None:
+                    if seen is not None:
+                        m.grad = None
+                    continue
+                if m.grad is None or m.grad.shape != m.shape:
+                    m.grad = torch.empty_like(m)
+                dst.append(m.grad)
+                src.append(g)
+            foreach_copy(dst, src)
+        self._remember_model_grads()
+
+    def _drop_model_grads(self) -> None:
+        """The model's 16-bit grads are consumed: the optimizer step runs without both copies."""
+        for p in self.model_params:
+            p.grad = None
+        self._seen = []
 
     def invalidate_grads(self) -> None:
         """The model's grads changed after :meth:`sync_grads` (e.g. the masters' grads were stashed away):
         the next ``sync_grads`` copies them anew."""
         self._grads_synced = False
+        self._seen = []
 
     @property
     def in_step(self) -> bool:
@@ -132,11 +206,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.detach_().zero_()
         self._grads_synced = False
+        self._seen = []
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
-        _foreach_copy(self.model_params, self.master_params)
+        foreach_copy(self.model_params, self.master_params)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -151,6 +226,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 "precision.backward(loss)) before step()."
             )
         self.sync_grads()
+        self._drop_model_grads()
         handed = [name for name in ("grad_scale", "found_inf") if name in self.__dict__]
         for name in handed:  # set on us by the scaler (fused protocol): the inner optimizer reads them
             setattr(self.optimizer, name, self.__dict__[name])
@@ -167,18 +243,27 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "master_params": [m.detach().clone() for m in self.master_params],
-        }
+        """The inner optimizer's state dict (keyed by position, torch's layout), each parameter's entry
+        with its fp32 master (a copy) under ``"master_weight"``."""
+        sd = self.optimizer.state_dict()
+        state = dict(sd["state"])
+        for i, m in enumerate(self.master_params):
+            state[i] = {**state.get(i, {}), MASTER_KEY: m.detach().clone()}
+        return {**sd, "state": state}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if "master_params" not in state_dict or "optimizer" not in state_dict:
+        """Load a state from :meth:`state_dict` (also the earlier ``{"optimizer", "master_params"}``
+        layout): the inner optimizer's state, the masters, and the model weights as their rounding."""
+        if "master_params" in state_dict and "optimizer" in state_dict:  # the layout before the masters moved into "state"
+            masters, inner = list(state_dict["master_params"]), state_dict["optimizer"]
+        else:
+            inner, masters = split_masters(state_dict, len(self.master_params))
+        if masters is None:
             raise ValueError(
                 "This optimizer state has no fp32 master weights: it was saved without them "
-                "(a plain optimizer). Load it into the inner optimizer, or save with the same precision mode."
+                "(a plain optimizer). Load it into the optimizer before precision.setup() (the masters then "
+                "start from the model's fp32 weights), or save with the same precision mode."
             )
-        masters = state_dict["master_params"]
         if len(masters) != len(self.master_params) or any(
             a.shape != b.shape for a, b in zip(masters, self.master_params)
         ):
@@ -186,10 +271,28 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 f"Master-weight state holds {len(masters)} tensors whose shapes do not match this "
                 f"model's {len(self.master_params)} parameters: the checkpoint is from another model."
             )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict(inner)
         with torch.no_grad():
-            _foreach_copy(self.master_params, [m.to(self.master_params[0].device) for m in masters])
+            foreach_copy(self.master_params, [m.to(self.master_params[0].device) for m in masters])
             self.copy_masters_to_model()
+
+    def _adopt_state(self, loaded: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+        """State the plain optimizer already holds (loaded before wrapping: nanoGPT's resume order) moves to
+        the masters: a saved ``"master_weight"`` becomes the master, the rest is cast as torch would load it
+        into fp32 params ("step" kept as it is)."""
+        for p, m in zip(self.model_params, self.master_params):
+            st = loaded.pop(p, None)
+            if not st:
+                continue
+            saved = st.pop(MASTER_KEY, None)
+            if saved is not None:
+                if saved.shape != m.shape:
+                    raise ValueError(f"The optimizer state holds an fp32 master of shape {tuple(saved.shape)} for a "
+                                     f"parameter of shape {tuple(m.shape)}: the checkpoint is from another model.")
+                m.copy_(saved)
+            if st:
+                loaded[m] = {k: (v.to(device=m.device, dtype=m.dtype) if k != "step" and isinstance(v, torch.Tensor)
+                                 and v.is_floating_point() else v) for k, v in st.items()}
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         params = param_group["params"]

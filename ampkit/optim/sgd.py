@@ -41,6 +41,23 @@ class SGD(CompensatedOptimizer):
                         nesterov=nesterov, maximize=maximize, moment_rounding=moment_rounding)
         super().__init__(params, defaults, compensation=compensation, state_dtype=state_dtype, seed=seed)
 
+    def _init_state(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
+        if group["momentum"] != 0:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype_for(p),
+                                                        memory_format=torch.preserve_format)
+            # set until a step is taken (cleared in _after_update, masked by the skip: no host read)
+            state["momentum_pending"] = torch.ones((), dtype=torch.float32, device=p.device)
+            state["momentum_fresh"] = True  # host-side, this step only: the buffer is copied from the grad
+
+    def _after_update(self, group, states, keep) -> None:
+        for s in states:
+            s.pop("momentum_fresh", None)
+        flags = [s["momentum_pending"] for s in states if "momentum_pending" in s]
+        if flags and keep is None:  # a taken step has started the buffers
+            torch._foreach_zero_(flags)
+        elif flags:  # a skipped one leaves them pending
+            torch._foreach_mul_(flags, [1.0 - keep] * len(flags))  # (list: no scalar read)
+
     def _update(self, group: Dict[str, Any], params: List[torch.Tensor], grads: List[torch.Tensor],
                 states: List[Dict[str, Any]], target: _Target) -> None:
         lr, wd = lr_of(group, params[0].device), group["weight_decay"]
@@ -55,8 +72,11 @@ class SGD(CompensatedOptimizer):
                 grads, own = torch._foreach_add(grads, params, alpha=wd), True
 
         if momentum != 0:
-            fresh = [i for i, s in enumerate(states) if "momentum_buffer" not in s]
-            old = [i for i, s in enumerate(states) if "momentum_buffer" in s]
+            # a buffer created for this step (host-known: _init_state) starts as the gradient (torch's rule)
+            fresh = [i for i, s in enumerate(states) if s.get("momentum_fresh")]
+            old = [i for i, s in enumerate(states) if not s.get("momentum_fresh")]
+            if fresh:
+                torch._foreach_copy_([states[i]["momentum_buffer"] for i in fresh], [grads[i] for i in fresh])
             if old:
                 bufs = [states[i]["momentum_buffer"] for i in old]
                 old_grads = [grads[i] for i in old]
@@ -67,27 +87,20 @@ class SGD(CompensatedOptimizer):
                     flat, copy = foreach_cast(bufs, torch.float32)
                     torch._foreach_mul_(copy, momentum)
                     # fp32-only arithmetic: a mixed-dtype add converts per call (~4x slower)
-                    torch._foreach_add_(copy, foreach_cast(old_grads, torch.float32)[1], alpha=1 - dampening)
+                    g32 = (old_grads if old_grads[0].dtype == torch.float32
+                           else foreach_cast(old_grads, torch.float32)[1])
+                    torch._foreach_add_(copy, g32, alpha=1 - dampening)
                     stochastic_round_(flat, target.generator)
                     torch._foreach_copy_(bufs, copy)  # exact
-                    del flat, copy
+                    del flat, copy, g32
                 else:
                     torch._foreach_mul_(bufs, momentum)
                     torch._foreach_add_(bufs, old_grads, alpha=1 - dampening)
-                # a buffer created by a step that was then skipped: this step starts it (torch's rule)
-                pending = [i for i in old if "momentum_pending" in states[i]]
-                for i in pending:
-                    buf, flag = states[i]["momentum_buffer"], states[i]["momentum_pending"]
-                    torch.where(flag > 0, grads[i].to(buf.dtype), buf, out=buf)
-                    flag.zero_()  # (the step's undo puts it back if this step is skipped too)
-            for i in fresh:  # first step of these params: the buffer starts as the gradient
-                states[i]["momentum_buffer"] = buf = grads[i].detach().to(
-                    self.state_dtype_for(params[i]), memory_format=torch.preserve_format, copy=True)
-                if target.skip is not None:
-                    # created now, so the undo does not know it: a skipped first step leaves a zero
-                    # buffer marked pending (a later step starts it from its gradient)
-                    buf.masked_fill_(target.skip, 0)
-                    states[i]["momentum_pending"] = target.skip.to(torch.float32).clone()
+                # a buffer whose first step was skipped (flag set): the next taken step starts it
+                for i in old:
+                    if "momentum_pending" in states[i]:  # (state carried over from torch's SGD has none)
+                        buf = states[i]["momentum_buffer"]
+                        torch.where(states[i]["momentum_pending"] > 0, grads[i].to(buf.dtype), buf, out=buf)
             bufs = [s["momentum_buffer"] for s in states]
             if group["nesterov"]:
                 if own:

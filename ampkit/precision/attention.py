@@ -239,6 +239,10 @@ class AttentionPolicy(TorchFunctionMode):
     (modes are off inside a handled call). For it the mode runs a private copy of that function
     whose global ``scaled_dot_product_attention`` is this policy's router: torch's module is never
     modified, and other threads and code outside the context see torch's own functions.
+
+    It keeps no per-entry state (torch's mode stack is per thread), so one instance may be entered
+    any number of times, nested and from several threads: ``Precision.autocast()`` returns an
+    ``AutocastContext`` that enters it with a fresh ``torch.autocast`` on every ``with``.
     """
 
     def __init__(self, kernels: Optional[Mapping[str, str]] = None, forced: Optional[str] = None,

@@ -11,10 +11,11 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..optim.state import normalise_state_precision
 from .device import DeviceInfo
 from .modes import Mode
 
-__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_options", "check_eps", "use_fused_kernel",
+__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_options", "check_optimizer_state", "check_eps", "use_fused_kernel",
            "channels_last_rule"]
 
 # Adam's eps where the optimizer state is fp16 (fp16-pure): the second moment v is stored in fp16,
@@ -76,6 +77,17 @@ def check_options(mode: Mode, *, compensation: Optional[str], fp8_options: bool,
     return None if compensation is None else str(compensation).lower()
 
 
+def check_optimizer_state(mode: Mode, value: Any, compensation: Optional[str]) -> Optional[str]:
+    """``optimizer_state`` normalised (``fp32``/``bf16``/``8bit`` or None); a one-line error for what the mode
+    cannot take: 8-bit states (torchao) round bf16 params stochastically, so not with Kahan compensation."""
+    state = normalise_state_precision(value)
+    if state == "8bit" and mode.compensated and compensation == "kahan":
+        raise ValueError(
+            "optimizer_state='8bit' is torchao's AdamW8bit, which lands bf16 updates by stochastic rounding, "
+            "not Kahan compensation: drop compensation='kahan' (or use optimizer_state='bf16').")
+    return state
+
+
 def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:
     """fp16 optimizer state (fp16-pure, apex O3): an Adam ``eps`` below ``low`` is raised to it, with one
     warning. fp16 cannot hold sqrt(v) below ~2.4e-4, so eps=1e-8 turns a gradient whose square
@@ -104,8 +116,12 @@ def use_fused_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> 
     """Switch a fresh torch Adam/AdamW/SGD that did not choose an implementation to its fused kernel,
     where torch has one for these params (the same flag as ``fused=True`` at construction)."""
     d = optimizer.defaults
-    if (type(optimizer) not in _FUSABLE or optimizer.state or device.type not in ("cpu", "cuda")
-            or d.get("fused") or d.get("foreach") or d.get("differentiable")):
+    if type(optimizer) not in _FUSABLE or device.type not in ("cpu", "cuda") or d.get("differentiable"):
+        return False
+    if optimizer.state:  # a state loaded before setup: torch took the saved groups' kernel; fused, say so
+        if not all(g.get("fused") for g in optimizer.param_groups):
+            return False
+    elif d.get("fused") or d.get("foreach"):
         return False
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not params or not all(p.is_floating_point() and not p.is_sparse for p in params):

@@ -2,13 +2,28 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
 import torch
 
-__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode", "cpu_name", "measured_on", "machine_key"]
+__all__ = ["DeviceInfo", "device_info", "resolve_device", "auto_mode", "cpu_name", "measured_on", "machine_key",
+           "CPU_CAPS_ENV", "CPU_KINDS", "forced_cpu_kind", "cpu_kind"]
+
+#: Run as another CPU kind would (CI, tests, "what would ampkit do on an AMX Xeon?"): every decision that
+#: depends on the CPU's bf16 support reads the flags below instead of /proc/cpuinfo. Only ampkit's
+#: decisions change (auto's mode, the emulated-bf16 warning, bench's plan, check's verdicts); torch's
+#: kernels still run at this CPU's speed.
+CPU_CAPS_ENV = "AMPKIT_CPU_CAPS"
+#: the CPU kinds ampkit tells apart, fastest bf16 first, each with the /proc/cpuinfo flags it stands for
+CPU_KINDS = {
+    "amx": frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx512bw", "avx2"}),
+    "avx512_bf16": frozenset({"avx512_bf16", "avx512f", "avx512bw", "avx2"}),
+    "avx2": frozenset({"avx2"}),
+}
+_KIND_ALIASES = {"amx_bf16": "amx", "avx512bf16": "avx512_bf16", "avx512-bf16": "avx512_bf16"}
 
 
 def resolve_device(device: Union[str, torch.device, None] = None) -> torch.device:
@@ -37,8 +52,33 @@ def _cpuinfo(field: str) -> str:
     return ""
 
 
+def forced_cpu_kind() -> Optional[str]:
+    """The CPU kind ``$AMPKIT_CPU_CAPS`` forces (``amx``, ``avx512_bf16`` or ``avx2``), or None (detect).
+    A value that names no kind is a ValueError naming the valid ones."""
+    raw = os.environ.get(CPU_CAPS_ENV, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    kind = _KIND_ALIASES.get(value, value)
+    if kind not in CPU_KINDS:
+        raise ValueError(f"{CPU_CAPS_ENV}={raw!r} names no CPU kind: use {', '.join(CPU_KINDS)}, "
+                         "or unset it to use this CPU's own flags.")
+    return kind
+
+
 def _cpu_flags() -> frozenset:
-    return frozenset(_cpuinfo("flags").split())
+    """The CPU's flags, or the forced kind's (``$AMPKIT_CPU_CAPS``): the one source of every bf16 decision."""
+    kind = forced_cpu_kind()
+    return CPU_KINDS[kind] if kind else frozenset(_cpuinfo("flags").split())
+
+
+def cpu_kind() -> str:
+    """This CPU's kind as ampkit sees it (forced by ``$AMPKIT_CPU_CAPS`` or detected): ``amx``,
+    ``avx512_bf16``, ``avx2``, or the widest other ISA found (``avx512f``, ``asimd``, the machine name)."""
+    flags = _cpu_flags()
+    if "amx_bf16" in flags:
+        return "amx"
+    return next((f for f in ("avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), platform.machine())
 
 
 def cpu_name() -> str:
@@ -46,16 +86,21 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
-@functools.lru_cache(maxsize=None)
 def measured_on(device: torch.device) -> str:
     """What a cached speed verdict depends on: the CPU's name and its widest matrix/vector units, or the
     GPU's name. Model names alone are not enough ("AMD EPYC" has named both an AVX2-only and an
-    AVX512-BF16 machine here, where bf16 speeds differ by ~100x)."""
+    AVX512-BF16 machine here, where bf16 speeds differ by ~100x). A forced kind says so: its verdicts
+    are kept apart from the CPU's own."""
+    return _measured_on(device, forced_cpu_kind())
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_on(device: torch.device, forced: Optional[str]) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     flags = _cpu_flags()
     isa = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), platform.machine())
-    return f"{cpu_name()} [{isa}]"
+    return f"{cpu_name()} [{isa}{', forced' if forced else ''}]"
 
 
 def machine_key(device: torch.device) -> str:
@@ -79,7 +124,7 @@ class DeviceInfo:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_info(dev_type: str, index: Optional[int]) -> DeviceInfo:
+def _device_info(dev_type: str, index: Optional[int], forced: Optional[str]) -> DeviceInfo:
     if dev_type == "cuda":
         idx = index or 0
         major, minor = torch.cuda.get_device_capability(idx)
@@ -92,12 +137,15 @@ def _device_info(dev_type: str, index: Optional[int]) -> DeviceInfo:
     amx = "amx_bf16" in flags
     avx512_bf16 = "avx512_bf16" in flags
     mkldnn_bf16 = False
-    try:
-        mkldnn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    try:  # oneDNN's own verdict (AVX512 without bf16 instructions counts): for the real CPU only
+        mkldnn_bf16 = forced is None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         pass
     units = "AMX-BF16" if amx else ("AVX512-BF16" if avx512_bf16 else "none")
+    units += f" (forced by ${CPU_CAPS_ENV})" if forced else ""  # every report that names the units says so
     notes = [f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"]
+    if forced:
+        notes.append(f"CPU kind forced to {forced} by ${CPU_CAPS_ENV}: decisions as on such a CPU, speed as on this one")
     if "avx512_fp16" in flags or "amx_fp16" in flags:
         notes.append("fp16 instructions present, but torch's CPU fp16 kernels are far slower than fp32")
     return DeviceInfo(
@@ -108,7 +156,7 @@ def _device_info(dev_type: str, index: Optional[int]) -> DeviceInfo:
 
 def device_info(device: Union[str, torch.device, None] = None) -> DeviceInfo:
     dev = resolve_device(device)
-    return _device_info(dev.type, dev.index)
+    return _device_info(dev.type, dev.index, forced_cpu_kind() if dev.type == "cpu" else None)
 
 
 def auto_mode(device: Union[str, torch.device, None] = None) -> tuple:

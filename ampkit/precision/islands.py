@@ -3,17 +3,18 @@
 A softmax, a loss head or a layer whose activations overflow fp16 can be kept in fp32 while
 the rest of the model runs in 16 bits. The module's params/buffers stay fp32, autocast is
 disabled inside it, and its floating inputs are cast to fp32. Its outputs stay fp32: autocast
-(or the next island boundary) casts them where the next op needs 16 bits.
+(or the next island boundary) casts them where the next op needs 16 bits; with ``output_dtype``
+(what Hugging Face's ``_keep_in_fp32_modules`` get in a 16-bit-param mode) they are cast to it.
 """
 from __future__ import annotations
 
 import functools
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import torch
 from torch import nn
 
-from .convert import cast_floating
+from ..utils.tree import cast_floating
 
 __all__ = ["apply_fp32_islands", "resolve_module_names"]
 
@@ -38,17 +39,19 @@ def resolve_module_names(model: nn.Module, names: Iterable[str]) -> List[str]:
     return names
 
 
-def _fp32_forward(module: nn.Module, orig_forward, *args, **kwargs):
+def _fp32_forward(module: nn.Module, orig_forward, output_dtype, *args, **kwargs):
     device_type = next((p.device.type for p in module.parameters()), None)
     if device_type is None:
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)
         device_type = t.device.type if t is not None else "cpu"
     with torch.autocast(device_type=device_type, enabled=False):
-        return orig_forward(*cast_floating(args, torch.float32), **cast_floating(kwargs, torch.float32))
+        out = orig_forward(*cast_floating(args, torch.float32), **cast_floating(kwargs, torch.float32))
+    return out if output_dtype is None else cast_floating(out, output_dtype)
 
 
-def apply_fp32_islands(model: nn.Module, names: Iterable[str]) -> List[str]:
-    """Make each named module run in fp32; returns the names applied. Idempotent."""
+def apply_fp32_islands(model: nn.Module, names: Iterable[str], output_dtype: Optional[torch.dtype] = None) -> List[str]:
+    """Make each named module run in fp32 (outputs cast to ``output_dtype`` if given); returns the names
+    applied. Idempotent."""
     names = resolve_module_names(model, names)
     modules = dict(model.named_modules())
     for name in names:
@@ -59,6 +62,6 @@ def apply_fp32_islands(model: nn.Module, names: Iterable[str]) -> List[str]:
         if getattr(m, "_ampkit_fp32_island", False):
             continue
         orig = m.forward
-        m.forward = functools.partial(_fp32_forward, m, orig)
+        m.forward = functools.partial(_fp32_forward, m, orig, output_dtype)
         m._ampkit_fp32_island = True
     return names

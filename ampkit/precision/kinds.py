@@ -12,7 +12,6 @@ Fabric's precision plugins do). ``ampkit.Precision(name)`` builds the right one 
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -20,9 +19,12 @@ from torch import nn
 
 from ..optim import compensated_from
 from ..optim.master import MasterWeightOptimizer
+from ..optim.state import with_state_precision
 from .attention import AttentionPolicy, forced_kernel, policy_setting
+from .autocast_context import AutocastContext
 from .checks import FP16_STATE_MIN_EPS
 from .convert import cast_floating, convert_model, hook_io
+from .keep_fp32 import fp32_plan, kept_text
 from .fp8 import Fp8Plan
 from .modes import MODES, resolve
 from .policy import _KINDS, Precision
@@ -43,14 +45,13 @@ class AutocastPrecision(Precision):
     kind = "autocast"
 
     def autocast(self):
-        ctx = torch.autocast(device_type=self.device.type, dtype=self.mode.autocast_dtype)
+        """``torch.autocast`` in the compute dtype; with the attention policy, an :class:`AutocastContext`
+        (both entered afresh on every ``with``: build it once, enter it every micro-step, nest it, share
+        it between threads or use it as a decorator, as a ``torch.autocast`` object)."""
         policy = self.attention_policy()
-        if policy is None:
-            return ctx
-        stack = contextlib.ExitStack()
-        stack.enter_context(ctx)
-        stack.enter_context(policy)
-        return stack
+        if policy is None:  # torch's own object: torch.compile traces it without a graph break
+            return torch.autocast(device_type=self.device.type, dtype=self.mode.autocast_dtype)
+        return AutocastContext(self.device.type, self.mode.autocast_dtype, policy)
 
     def attention_policy(self) -> Optional[AttentionPolicy]:
         """The scoped attention policy ``autocast()`` enters, or None where every call runs torch's kernel:
@@ -81,24 +82,70 @@ class _CastParams(AutocastPrecision):
     cast by a forward pre-hook (outputs back to fp32 with ``cast_outputs``)."""
 
     def _cast(self, model: nn.Module) -> None:
-        convert_model(model, self.param_dtype, keep_norm_fp32=self.keep_norm_fp32, skip=self.fp32_modules)
+        plan = fp32_plan(model, self.param_dtype, self.keep_norm_fp32, self.fp32_modules)
+        convert_model(model, self.param_dtype, skip=self.fp32_modules, plan=plan)
         hook_io(model, self.param_dtype, self.cast_outputs)
+        self._kept_fp32 = plan.kept()
+
+    def _details(self) -> List[str]:
+        extra = super()._details()
+        if not self.keep_norm_fp32:
+            extra.append(f"norms {str(self.param_dtype).replace('torch.', '')} too (keep_norm_fp32=False)")
+        if self.is_setup:  # what setup kept fp32, fp32_modules included
+            extra = [e for e in extra if not e.startswith("fp32 modules: ")] + [kept_text(self.kept_fp32)]
+        return extra
 
     def convert_input(self, batch: Any) -> Any:
         return cast_floating(batch, self.param_dtype)
+
+    def fsdp_policy(self):
+        low = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.mode.low_dtype]
+        raise ValueError(
+            f"precision={self.name!r} casts the model's parameters, which FSDP owns under --strategy fsdp: "
+            f"use {low}-mixed (FSDP keeps fp32 shards as master weights and all-gathers {low} for compute), "
+            "or --strategy ddp.")
 
 
 class MasterPrecision(_CastParams):
     """fp16-master / bf16-master: 16-bit params, fp32 master copies (``MasterWeightOptimizer``) own the update."""
 
     kind = "master"
+    keeps_fp32_masters = True
 
     def _convert(self, model, optimizer):
         model, optimizer = super()._convert(model, optimizer)
         if optimizer is not None:  # masters are taken from the fp32 weights *before* the model is cast
-            optimizer = MasterWeightOptimizer(optimizer)
+            optimizer = self.master_optimizer(optimizer)  # (or from a state loaded before setup)
         self._cast(model)
+        if optimizer is not None:
+            optimizer.copy_masters_to_model()  # the model is the masters' rounding, whichever they came from
         return model, optimizer
+
+
+    def fp32_copies(self, model: nn.Module) -> Dict[int, torch.Tensor]:
+        return {id(p): p.detach().clone() for p in model.parameters() if p.is_floating_point()}
+
+    def master_optimizer(self, optimizer, master_class=None):
+        if isinstance(optimizer, MasterWeightOptimizer):
+            return optimizer  # already the one stepped
+        return (master_class or MasterWeightOptimizer)(optimizer)
+
+    def wrap_optimizer(self, optimizer, fp32_params=None):
+        made = self.master_optimizer(optimizer)
+        if fp32_params and made is not optimizer:  # masters start from the fp32 weights, not their roundings
+            with torch.no_grad():
+                for p, m in zip(made.model_params, made.master_params):
+                    fp32 = fp32_params.pop(id(p), None)
+                    if fp32 is not None and fp32.shape == m.shape:
+                        m.copy_(fp32)
+        return super().wrap_optimizer(made)
+
+    def _register_names(self, model, optimizer) -> None:
+        super()._register_names(model, optimizer)
+        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.scaler.register_aliases({id(m): names[id(p)] for p, m in
+                                          zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
 
 
 class PurePrecision(_CastParams):
@@ -113,20 +160,32 @@ class PurePrecision(_CastParams):
         self._cast(model)
         return model, optimizer
 
+    def _with_state(self, optimizer):
+        # bf16-pure converts its optimizer once, in _wrap_optimizer (state precision included)
+        return optimizer if self.mode.compensated else super()._with_state(optimizer)
+
     def _wrap_optimizer(self, optimizer):
         if not self.mode.compensated:
             return optimizer
+        if self.optimizer_state == "8bit":  # torchao's: stochastic rounding (or none), no Kahan buffer
+            return with_state_precision(optimizer, "8bit", bf16_stochastic_round=self.compensation != "none")
         if self.compensation is None:  # an ampkit.optim optimizer keeps its own setting
-            return compensated_from(optimizer)
-        return compensated_from(optimizer, None if self.compensation == "none" else self.compensation)
+            optimizer = compensated_from(optimizer)
+        else:
+            optimizer = compensated_from(optimizer, None if self.compensation == "none" else self.compensation)
+        return with_state_precision(optimizer, self.optimizer_state)
 
     @property
     def min_adam_eps(self) -> Optional[float]:
-        return FP16_STATE_MIN_EPS if self.param_dtype == torch.float16 else None
+        # fp16 moments only: optimizer_state fp32/bf16/8bit keeps none in fp16
+        return FP16_STATE_MIN_EPS if self.param_dtype == torch.float16 and self.optimizer_state is None else None
 
     def _details(self) -> List[str]:
         extra = super()._details()
-        if self.mode.compensated:
+        if self.mode.compensated and self.optimizer_state == "8bit":
+            extra.insert(0, "no compensation (plain bf16 rounding)" if self.compensation == "none"
+                         else "stochastic rounding (torchao)")
+        elif self.mode.compensated:
             extra.insert(0, {None: "Kahan compensation", "kahan": "Kahan compensation",
                              "stochastic": "stochastic rounding",
                              "none": "no compensation (plain bf16 rounding)"}[self.compensation])
@@ -157,6 +216,13 @@ class Fp8Precision(AutocastPrecision):
 
     def _details(self) -> List[str]:
         return super()._details() + [self.fp8.describe()]
+
+    def fsdp_policy(self):
+        raise ValueError(
+            f"precision={self.name!r} under --strategy fsdp is not supported yet (fp8 Linears with sharded "
+            "weights and their amax state are untested under FSDP2): use --strategy ddp, or bf16-mixed with fsdp.")
+
+
 
 
 def precision_class(name: str) -> type:

@@ -39,6 +39,16 @@ class Mode:
         return self.param_dtype if self.param_dtype != torch.float32 else None
 
     @property
+    def updates_in_16bit(self) -> bool:
+        """The update lands in 16-bit weights (no fp32 params, no fp32 masters): the pure kind."""
+        return self.kind == "pure"
+
+    @property
+    def carries_rounding(self) -> bool:
+        """A 16-bit update's rounding is carried (Kahan buffer or stochastic rounding), not lost."""
+        return self.compensated
+
+    @property
     def kind(self) -> str:
         """Which class runs this row (``ampkit.precision.kinds``): ``fp32``, ``autocast`` (fp32 params,
         16-bit autocast), ``master`` (16-bit params, fp32 master weights), ``pure`` (16-bit params and

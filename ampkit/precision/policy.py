@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 from ..optim.master import MasterWeightOptimizer
+from ..optim.state import with_state_precision
 from . import checks
 from .device import auto_mode, device_info, resolve_device
-from .islands import apply_fp32_islands
+from .islands import apply_fp32_islands, resolve_module_names
 from .modes import AUTO, MODES, Mode, resolve
 from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
 from .tuned import Tuned
@@ -124,6 +125,12 @@ class Precision:
             AdamW/Adam/SGD for its ``ampkit.optim`` equivalent; an ``ampkit.optim`` optimizer
             keeps its own setting unless this is given. Norm layers stay fp32 here too
             (``keep_norm_fp32``): see docs/BF16_PURE.md.
+        optimizer_state: precision of the optimizer's moments, in every mode: ``"fp32"``, ``"bf16"``
+            (4 B/param instead of 8 for AdamW: ``ampkit.optim``'s AdamW/Adam/SGD, moments updated in fp32 and
+            rounded stochastically) or ``"8bit"`` (torchao's AdamW8bit/Adam8bit, ~2 B/param; bf16-pure then
+            rounds stochastically instead of Kahan). It acts on the optimizer that updates: torch's over fp32
+            params, the one over the fp32 masters, the 16-bit params' own. None = the mode's (fp32; bf16 in
+            bf16-pure; fp16 in fp16-pure). Saved in ``state_dict``: a resume must use the same.
         fused_optimizer: ``setup`` switches a torch Adam/AdamW/SGD built without ``fused``/``foreach``
             to its fused kernel (which takes the skip flag on the device: no host sync per step);
             False keeps it as built.
@@ -154,6 +161,7 @@ class Precision:
         op_policy: Optional[bool] = None,
         scaler: Optional[LossScaler] = None,
         compensation: Optional[str] = None,
+        optimizer_state: Optional[str] = None,
         fused_optimizer: bool = True,
         fp8_recipe: Any = None,
         fp8_skip: Sequence[str] = (),
@@ -183,6 +191,7 @@ class Precision:
         self.compensation = checks.check_options(
             self.mode, compensation=compensation, fp8_options=fp8_recipe is not None or bool(fp8_skip or fp8_force),
             loss_scale=loss_scale, init_scale=init_scale, scaler=scaler)
+        self.optimizer_state = checks.check_optimizer_state(self.mode, optimizer_state, self.compensation)
         self._configure(fp8_recipe=fp8_recipe, fp8_skip=fp8_skip, fp8_force=fp8_force)
         static = parse_loss_scale(loss_scale)
         if scaler is not None:
@@ -239,6 +248,13 @@ class Precision:
             checks.use_fused_kernel(optimizer, self.device)
         return model, optimizer
 
+    def _with_state(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
+        """The optimizer with its moments in ``optimizer_state`` (``setup``, before ``_convert``: a master
+        kind then wraps the converted optimizer over its fp32 masters)."""
+        if optimizer is None or self.optimizer_state is None or (self.optimizer_state == "fp32" and self.kind != "pure"):
+            return optimizer  # (fp32 is torch's own state over fp32 params and masters: kept, fused)
+        return with_state_precision(optimizer, self.optimizer_state, compensation=None)
+
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer ``setup`` returns (after the eps check): as given here."""
         return optimizer
@@ -248,6 +264,9 @@ class Precision:
         extra = []
         if self._scales_loss:
             extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler.static_scale:g}")
+        if self.optimizer_state is not None:
+            extra.append({"fp32": "fp32 optimizer state", "8bit": "8-bit optimizer state (torchao)",
+                          "bf16": "bf16 optimizer state (stochastic rounding)"}[self.optimizer_state])
         if self.fp32_modules:
             extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
         if self.layout_reason:
@@ -276,6 +295,55 @@ class Precision:
         """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
         return None
 
+    # ---------------------------------------- kind hooks asked by callers that set up in two halves
+    #: whether fp32 master copies own the update (``MasterPrecision``)
+    keeps_fp32_masters = False
+
+    def fp32_copies(self, model: nn.Module) -> Dict[int, torch.Tensor]:
+        """The fp32 weights to start masters from, taken before ``convert_module`` rounds them (by
+        ``id`` of the parameter): none here, only a master kind keeps them."""
+        return {}
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """The model as this kind runs it (``setup(model, None)``: device, cast, fp8 swap, islands, layout)."""
+        return self.setup(model, None)[0]
+
+    def master_optimizer(self, optimizer: torch.optim.Optimizer, master_class: Optional[type] = None):
+        """The fp32-master optimizer stepped for ``optimizer`` (``master_class``, a ``MasterWeightOptimizer``
+        subclass, else that class), or None where this kind keeps no masters."""
+        return None
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer,
+                       fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.optim.Optimizer:
+        """The optimizer this kind steps for one built over the converted model (``convert_module``): the
+        Adam ``eps`` check, then the kind's own treatment (masters, started from ``fp32_params`` =
+        ``fp32_copies``, which they consume; bf16-pure's compensated optimizer; as given elsewhere)."""
+        self.check_optimizer_eps(optimizer)
+        return self._wrap_optimizer(optimizer)
+
+    def fsdp_policy(self):
+        """FSDP2's ``MixedPrecisionPolicy`` for this kind: shards stay fp32 (they are the master weights),
+        parameters all-gathered in the compute dtype, gradients reduced in fp32. A kind FSDP cannot run
+        (16-bit parameters, fp8) raises a ValueError naming what to use instead."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        low = self.mode.autocast_dtype
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+
+    def prepare_fsdp(self):
+        """Make this (not yet set up) precision one FSDP can shard: its ``fsdp_policy`` (the check), and
+        contiguous parameters only (``channels_last`` off; asked for explicitly, an error). Returns the policy."""
+        policy = self.fsdp_policy()
+        if self.channels_last:
+            raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
+                             "parameters only): leave channels_last unset, or use strategy 'ddp'.")
+        self.channels_last = False
+        return policy
+
+    def _register_names(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Tell the scaler the model's parameter names (its errors name tensors by them)."""
+        self.scaler.register_names(model)
+
     # ------------------------------------------------------------------ construction
     def options(self) -> Dict[str, Any]:
         """The keyword arguments this precision was built with (``name`` and ``tuned`` aside)."""
@@ -287,6 +355,12 @@ class Precision:
         if self._setup_done:
             raise RuntimeError("retuned() after setup(): tune before setting the model up.")
         return Precision(self.requested, **self._init_kwargs, tuned=tuned)
+
+    @property
+    def kept_fp32(self) -> Dict[str, str]:
+        """Module (and tensor) names kept fp32 -> why: ``fp32_modules``; after ``setup`` in the 16-bit-param
+        modes also the norms and Hugging Face's ``_keep_in_fp32_modules`` (``ampkit.precision.keep_fp32``)."""
+        return dict(getattr(self, "_kept_fp32", None) or dict.fromkeys(self.fp32_modules, "fp32_modules"))
 
     @property
     def is_setup(self) -> bool:
@@ -321,20 +395,18 @@ class Precision:
 
         Returns ``(model, optimizer)``; build the optimizer over ``model.parameters()`` first.
         """
+        if self.fp32_modules:  # a wrong name fails before the model or the optimizer is changed
+            resolve_module_names(model, self.fp32_modules)
         model = model.to(self.device)
+        optimizer = self._with_state(optimizer)
         model, optimizer = self._convert(model, optimizer)
         if self.fp32_modules:
             apply_fp32_islands(model, self.fp32_modules)
         if self.uses_channels_last(model):
             model.to(memory_format=torch.channels_last)
         if optimizer is not None:
-            self.check_optimizer_eps(optimizer)
-            optimizer = self._wrap_optimizer(optimizer)
-        self.scaler.register_names(model)
-        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
-            names = {id(p): n for n, p in model.named_parameters()}
-            self.scaler.register_aliases({id(m): names[id(p)] for p, m in
-                                          zip(optimizer.model_params, optimizer.master_params) if id(p) in names})
+            optimizer = self.wrap_optimizer(optimizer)
+        self._register_names(model, optimizer)
         self.model = model
         self._setup_done = True
         return model, optimizer
@@ -360,18 +432,24 @@ class Precision:
 
     def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
         """Make the optimizer's grads real (unscaled, fp32 master grads) and record the non-finite check
-        (once per step). Unscaled modes have nothing to unscale: the check is ``_norm`` (a gradient norm
-        computed anyway) or one read-only pass, never a scale-1 unscale."""
+        (once per step), as ``GradScaler.unscale_``: then ``torch.nn.utils.clip_grad_norm_`` clips what the
+        step applies, over ``model.parameters()`` or the optimizer's params, in every mode. With fp32
+        masters the unscaled master grads are also written back into the model's grads, and the step takes
+        any change made there (see :class:`~ampkit.optim.MasterWeightOptimizer`). Unscaled modes have
+        nothing to unscale: the check is ``_norm`` (a gradient norm computed anyway) or one read-only pass,
+        never a scale-1 unscale."""
+        self._unscale(optimizer, _norm, to_model=True)
+
+    def _unscale(self, optimizer, _norm: Optional[torch.Tensor] = None, to_model: bool = False) -> None:
+        """``unscale_``; ``to_model=False`` (the step's own path) leaves the model's 16-bit grads as they are."""
         scaler = self.scaler
-        if scaler.stage(optimizer) is not OptState.READY:
-            return
         if isinstance(optimizer, MasterWeightOptimizer):
-            optimizer.sync_grads()
-        if not scaler.is_enabled():
+            optimizer.sync_grads()  # also takes the model grads changed since an earlier unscale_
+        if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
             return
         scaler.ensure_initialized(self.device)  # backward() may not have come through us
         if self._scales_loss:
-            scaler.unscale_(optimizer)
+            scaler.unscale_(optimizer, to_model=to_model)
         else:
             found = (nonfinite_from_norm(_norm, self.device) if _norm is not None
                      else nonfinite_flag([p.grad for p in _grads_params(optimizer)], self.device))
@@ -385,6 +463,7 @@ class Precision:
         the optimizer stepped, falsy when the step was skipped, read from the device only when asked.
         No host sync with an optimizer that skips on the device (torch's fused AdamW/Adam/SGD, also
         under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
+        Clipping done by the caller after ``unscale_`` is applied as it is; ``max_norm`` clips on top.
         """
         if not _has_grads(optimizer):
             raise RuntimeError(
@@ -394,7 +473,7 @@ class Precision:
         if max_norm is not None and max_norm > 0:
             self.last_grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
         else:
-            self.unscale_(optimizer)
+            self._unscale(optimizer)
         result = self.scaler.step(optimizer)
         if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
             found = self.scaler.found_inf(optimizer)
@@ -403,22 +482,22 @@ class Precision:
         return result
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Unscale (once) and clip the optimizer's grads; returns the total norm (no sync). In the
-        unscaled modes the norm is also the step's non-finite check."""
+        """Unscale (once) and clip the optimizer's grads (the fp32 master grads where the mode has them);
+        returns the total norm (no sync). In the unscaled modes the norm is also the step's non-finite check."""
         scaler = self.scaler
         if self._scales_loss or not scaler.is_enabled() or scaler.stage(optimizer) is not OptState.READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer)
             return torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type,
                                                   foreach=True)
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()
         norm = torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
-        self.unscale_(optimizer, _norm=norm)
+        self._unscale(optimizer, _norm=norm)
         return norm
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "scaler": self.scaler.state_dict()}
+        return {"name": self.name, "scaler": self.scaler.state_dict(), "optimizer_state": self.optimizer_state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state.get("name")
@@ -427,6 +506,12 @@ class Precision:
                 f"Checkpoint was trained with precision={saved!r}, this run uses {self.name!r}: "
                 f"resume with --precision {saved}, or start a new run."
             )
+        if "optimizer_state" in state and state["optimizer_state"] != self.optimizer_state:
+            saved = state["optimizer_state"]
+            raise ValueError(
+                f"Checkpoint kept the optimizer state in {saved or 'the mode default'}, this run in "
+                f"{self.optimizer_state or 'the mode default'}: resume with "
+                f"{'--optimizer-state ' + saved if saved else 'no --optimizer-state'}, or start a new run.")
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 

@@ -49,6 +49,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
+from ..optim.master import MasterWeightOptimizer
 from .loss_scale import parse_loss_scale, positive_finite
 from .nonfinite import (NonFiniteGradientsError, all_reduce_max, distributed_active, foreach_check_and_unscale_,
                         local_shard, nonfinite_flag, nonfinite_from_norm)
@@ -209,6 +210,18 @@ class LossScaler(SkipTelemetry, torch.amp.GradScaler):
         return distributed_active(self._distributed)
 
     # ------------------------------------------------------------------ unscale
+    def unscale_(self, optimizer: torch.optim.Optimizer, *, to_model: bool = True) -> None:
+        """torch's ``unscale_``. With fp32 master weights (:class:`~ampkit.MasterWeightOptimizer`) the model's
+        grads move to the masters first (what the step applies) and, with ``to_model``, the unscaled values
+        are written back into the model's grads: ``clip_grad_norm_(model.parameters(), ...)`` then clips
+        what the step applies (the step takes the changes made there)."""
+        master = isinstance(optimizer, MasterWeightOptimizer)
+        if master:
+            optimizer.sync_grads()
+        super().unscale_(optimizer)
+        if master and to_model and self._enabled:
+            optimizer.expose_grads()
+
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """torch's, plus: bf16 grads on CUDA, DTensor grads through their shards, fp16 grads allowed
         where the mode has no master copy, and found-inf all-reduced across ranks."""

@@ -22,6 +22,7 @@ class TrainConfig:
     init_scale: Optional[float] = None
     max_consecutive_skips: Optional[int] = 50
     compensation: Optional[str] = None  # bf16-pure only: kahan (default) | stochastic | none
+    optimizer_state: Optional[str] = None  # moments in fp32 | bf16 | 8bit (torchao); None = the mode's
     fp32_modules: List[str] = field(default_factory=list)
     memory_format: str = "auto"  # conv models: auto (measured, the faster) | channels_last | contiguous
     eval_precision: str = "train"  # "train" or "fp32" (autocast off)

@@ -26,9 +26,9 @@ from torch import nn
 
 __all__ = [
     "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_initialized", "broadcast_object",
-    "default_device", "wrap_model", "shard_fsdp", "is_fsdp", "mixed_precision_policy", "shard_indices",
+    "default_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
     "reduce_eval", "reduce_mean_", "full_state", "load_full_state", "any_rank", "rescale_position",
-    "keep_implementation", "fsdp_memory_format",
+    "keep_implementation",
 ]
 
 STRATEGIES = ("ddp", "fsdp")
@@ -147,34 +147,6 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def mixed_precision_policy(precision):
-    """FSDP's own mixed precision for an ampkit mode: shards stay fp32 (they are the master
-    weights), parameters are all-gathered in the compute dtype, gradients reduced in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    mode = precision.mode
-    if mode.fp8:
-        raise ValueError(
-            f"precision={precision.name!r} under --strategy fsdp is not supported yet (fp8 Linears with sharded "
-            "weights and their amax state are untested under FSDP2): use --strategy ddp, or bf16-mixed with fsdp.")
-    if mode.param_dtype != torch.float32:
-        low = {torch.bfloat16: "bf16", torch.float16: "fp16"}[mode.low_dtype]
-        raise ValueError(
-            f"precision={precision.name!r} casts the model's parameters, which FSDP owns under --strategy fsdp: "
-            f"use {low}-mixed (FSDP keeps fp32 shards as master weights and all-gathers {low} for compute), "
-            "or --strategy ddp.")
-    low = mode.autocast_dtype
-    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
-
-
-def fsdp_memory_format(precision) -> None:
-    """FSDP shards contiguous parameters only: no channels_last weights (auto turns it off)."""
-    if precision.channels_last:
-        raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
-                         "parameters only): leave channels_last unset, or use strategy 'ddp'.")
-    precision.channels_last = False
-
-
 def _fsdp_units(model: nn.Module) -> List[nn.Module]:
     """Blocks sharded on their own (so only one block is unsharded at a time): the entries of
     every ModuleList (transformer layers and the like); the root takes the rest."""
@@ -197,7 +169,7 @@ def shard_fsdp(model: nn.Module, precision) -> nn.Module:
                          f"which torch {torch.__version__} lacks: use --strategy ddp.") from e
     if is_fsdp(model):
         return model
-    policy = mixed_precision_policy(precision)
+    policy = precision.fsdp_policy()
     import torch.distributed as dist
 
     with torch.no_grad():

@@ -35,7 +35,10 @@ def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Op
         "train_time_s": train_time,
         "world_size": world_size,
         "strategy": strategy,
+        "fp32_modules": _kept_summary(precision.kept_fp32),
     }
+    if precision.fp8 is not None:  # layers converted to fp8, and why the others stayed bf16
+        summary["fp8"] = precision.fp8.summary()
     if final and "perplexity" in final:
         summary["perplexity"] = final["perplexity"]
     report = None
@@ -44,6 +47,11 @@ def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Op
         summary["classification_report"] = report["dict"]
         summary["confusion_matrix"] = report["confusion_matrix"]
     return summary, report
+
+
+def _kept_summary(kept: Dict[str, str], limit: int = 64) -> Dict[str, Any]:
+    """How many modules stayed fp32 and which (the first ``limit`` names, with why)."""
+    return {"count": len(kept), "names": dict(list(kept.items())[:limit]), "truncated": len(kept) > limit}
 
 
 def report_text(precision: Precision, summary: Dict[str, Any], report: Optional[Dict[str, Any]]) -> str:

@@ -120,7 +120,7 @@ def make_precision(precision: Any, cfg: TrainConfig) -> Precision:
         precision or cfg.precision, _dist.default_device(cfg.device),
         loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
         max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
-        compensation=cfg.compensation, channels_last=MEMORY_FORMATS[cfg.memory_format],
+        compensation=cfg.compensation, optimizer_state=cfg.optimizer_state, channels_last=MEMORY_FORMATS[cfg.memory_format],
     )
 
 
@@ -250,8 +250,7 @@ def wire(model: nn.Module, optimizer, prec: Precision, cfg: TrainConfig, world_s
         if optimizer is not None:
             raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
                              "optimizer=None and set optimizer/lr/weight_decay in the config.")
-        _dist.mixed_precision_policy(prec)  # refuses modes that cast parameters
-        _dist.fsdp_memory_format(prec)  # FSDP shards contiguous parameters only
+        prec.prepare_fsdp()  # the kind refuses what FSDP cannot shard; contiguous parameters only
         model = _dist.shard_fsdp(prec.setup(model, None)[0], prec)
         optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, device, sharded=True,
                                     eps=prec.min_adam_eps)

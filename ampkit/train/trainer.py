@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..memory import measure as _memory
 from ..precision import NonFiniteGradientsError
 from . import checkpoint as ckpt
 from . import distributed as _dist
@@ -120,6 +121,8 @@ class Trainer:
         self.attempted_steps = 0  # optimizer steps attempted (real + skipped)
         self.history: List[Dict[str, Any]] = []
         self.run_dir: Optional[str] = None
+        #: ampkit.plan's peak for this run's step, when it was planned (``--batch-size auto``)
+        self.planned_peak_bytes: Optional[int] = None
         self.stop = StopSignal(self.world_size, self.device)
         self.last_checkpoint: Optional[str] = None
         self._saved_state: Optional[tuple] = None
@@ -332,9 +335,12 @@ class Trainer:
                 print(f"ampkit: resumed from {resume_path} (epoch {self.epoch}, step {self.global_step})", file=sys.stderr)
         t_start = self._t_segment = time.perf_counter()
         self._training_started = True
+        meter = _memory.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
+        resident = _memory.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
         try:
             with self.stop.guard():
                 train_epochs(self, logger, is_main)
+                self.peak_memory_bytes = meter.peak() + resident
         except NonFiniteGradientsError as e:
             logger.close()
             self._write_nonfinite_report(str(e))
@@ -385,6 +391,8 @@ class Trainer:
             optimizer_steps=self.global_step, train_time=train_time, world_size=self.world_size,
             strategy=self.config.strategy if (self.world_size > 1 or self._fsdp) else None,
             class_names=self.class_names)
+        summary["peak_memory_bytes"] = getattr(self, "peak_memory_bytes", None)
+        summary["planned_peak_bytes"] = self.planned_peak_bytes
         if is_main:
             logger.event({"kind": "summary", "step": self.attempted_steps,
                           **{k: v for k, v in summary.items() if k not in ("classification_report", "confusion_matrix")}})

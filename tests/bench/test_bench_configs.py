@@ -12,8 +12,8 @@ def _keys(cfgs):
     return [(c["model"], c["precision"], c["runner"]) for c in cfgs]
 
 
-def test_default_cpu_plan_skips_fp16_and_says_why(monkeypatch):
-    monkeypatch.setattr(C, "_slow_low_precision", lambda device: None)  # a CPU with bf16 units
+@pytest.mark.cpu_caps("avx512_bf16")  # a CPU with bf16 units
+def test_default_cpu_plan_skips_fp16_and_says_why():
     cfgs, notes = plan(Settings(models=["cnn"], device="cpu"))
     modes = {c["precision"] for c in cfgs if c["runner"] == "ampkit"}
     assert {"fp32", "bf16-mixed", "bf16-master"} <= modes
@@ -39,20 +39,35 @@ def test_auto_is_resolved_for_the_loop_baseline():
     assert {c["precision"] for c in cfgs} == {"fp32", baseline_precision(auto_mode("cpu")[0])}
 
 
-def test_cpu_without_bf16_units_measures_less_bf16_and_says_why(monkeypatch):
-    monkeypatch.setattr(C, "_slow_low_precision", lambda device: "this CPU has no bf16 units")
+@pytest.mark.cpu_caps("avx2")  # torch emulates bf16
+def test_cpu_without_bf16_units_measures_less_bf16_and_says_why():
     cfgs, notes = plan(Settings(models=["cnn"], device="cpu"))
     assert {c["precision"] for c in cfgs} == {"fp32", "bf16-mixed"}
     assert any("bf16-master and bf16-pure skipped: this CPU has no bf16 units" in n for n in notes)
-    # --quick: the 16-bit rows of the first model show the cost; the GPT's would take minutes a step
+    # --quick stays quick: no emulated 16-bit row (the CNN's took 2.3 s a step, the GPT's 12 s), and says so
     cfgs, notes = plan(dataclasses.replace(QUICK, device="cpu"))
-    assert _keys(cfgs) == [("cnn", "fp32", "ampkit"), ("cnn", "bf16-mixed", "ampkit"), ("cnn", "fp32", "torch-loop"),
-                           ("cnn", "bf16-mixed", "torch-loop"), ("gpt", "fp32", "ampkit"), ("gpt", "fp32", "torch-loop")]
-    assert any("16-bit rows for cnn only" in n for n in notes)
+    assert _keys(cfgs) == [("cnn", "fp32", "ampkit"), ("cnn", "fp32", "torch-loop"),
+                           ("gpt", "fp32", "ampkit"), ("gpt", "fp32", "torch-loop")]
+    assert [n for n in notes if n.startswith("--quick left out bf16-mixed (every 16-bit row): this CPU has no bf16 "
+                                             "units") and "without --quick" in n]
+    # auto resolves to fp32 there: nothing left out, no note
+    cfgs, notes = plan(dataclasses.replace(QUICK, device="cpu", precisions=["auto"], runners=["ampkit"]))
+    assert _keys(cfgs) == [("cnn", "fp32", "ampkit"), ("cnn", "auto", "ampkit"), ("gpt", "fp32", "ampkit"),
+                           ("gpt", "auto", "ampkit")]
+    assert not [n for n in notes if "--quick left out" in n]
 
 
-def test_quick_preset_and_batch_sizes(monkeypatch):
-    monkeypatch.setattr(C, "_slow_low_precision", lambda device: None)
+@pytest.mark.parametrize("kind", ["amx", "avx512_bf16"])
+def test_quick_times_bf16_rows_where_the_cpu_has_bf16_units(kind, monkeypatch):
+    monkeypatch.setenv("AMPKIT_CPU_CAPS", kind)
+    cfgs, notes = plan(dataclasses.replace(QUICK, device="cpu"))
+    assert [(m, p) for m, p, r in _keys(cfgs) if r == "ampkit"] == [
+        ("cnn", "fp32"), ("cnn", "bf16-mixed"), ("gpt", "fp32"), ("gpt", "bf16-mixed")]
+    assert not [n for n in notes if "--quick left out" in n]
+
+
+@pytest.mark.cpu_caps("amx")
+def test_quick_preset_and_batch_sizes():
     cfgs, _ = plan(dataclasses.replace(QUICK, device="cpu"))
     assert {c["model"] for c in cfgs} == {"cnn", "gpt"}
     assert {c["batch_size"] for c in cfgs if c["model"] == "gpt"} == {4}

@@ -137,14 +137,14 @@ def test_bad_arguments(kwargs, match):
         check(planted_overflow(), batch(), **kwargs)
 
 
-def test_auto_precision_for_the_trainer():
+def test_auto_precision_for_the_trainer(any_cpu_kind):
     from ampkit.diagnose import auto_precision
     from ampkit.precision import auto_mode
 
     torch.manual_seed(0)
     choice = auto_precision(mlp(), batch(), device="cpu")
     device_choice = auto_mode("cpu")[0]
-    assert choice["device_choice"] == device_choice
+    assert choice["device_choice"] == device_choice == ("fp32" if any_cpu_kind == "avx2" else "bf16-mixed")
     if device_choice == "fp32":
         assert choice["mode"] == "fp32" and choice["verdicts"] == {}
     else:
@@ -154,11 +154,8 @@ def test_auto_precision_for_the_trainer():
 # ------------------------------------------------------------------ one `auto` rule (issue 19)
 def _bf16_device(monkeypatch):
     from ampkit.diagnose import verdict
-    from ampkit.precision.device import device_info
 
-    fast = type(device_info("cpu"))(**{**device_info("cpu").__dict__, "bf16_fast": True})
-    monkeypatch.setattr(verdict, "device_info", lambda d=None: fast)
-    monkeypatch.setattr(verdict, "auto_mode", lambda d=None: ("bf16-mixed", "test CPU has bf16"))
+    monkeypatch.setenv("AMPKIT_CPU_CAPS", "amx")  # a CPU with bf16 units, whatever this one has
     return verdict
 
 
@@ -175,9 +172,15 @@ def test_safe_modes_is_the_one_rule_for_check_and_tuning(monkeypatch):
     assert first["mode"] == "bf16-mixed" and first["fp32_modules"] == ["head"]
     # the check's recommendation is the first safe mode; tuning times exactly this list
     assert choose_auto({"bf16-mixed": ok}, "cpu")["mode"] == "bf16-mixed"
-    # a checked fp8 mode comes first where its end-to-end verdict and every converted layer pass
+    # a checked fp8 mode comes first where its end-to-end verdict and every converted layer pass, on a device
+    # with fp8 GEMMs; where they are emulated (a CPU) it is numerics only, never the speed pick
     fp8_ok = {"fp8-rowwise": {"verdict": "ok", "reasons": []}}
+    safe = verdict.safe_modes({"bf16-mixed": ok, "fp8-rowwise": ok}, "cpu", fp8=fp8_ok)
+    assert "fp8-rowwise" not in [m["mode"] for m in safe["modes"]] and "emulated on cpu" in safe["skipped"][0]
+    monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)
     assert modes({"bf16-mixed": ok, **{"fp8-rowwise": ok}}, fp8=fp8_ok)[:2] == ["fp8-rowwise", "bf16-mixed"]
+    nothing = {"fp8-rowwise": {**fp8_ok["fp8-rowwise"], "applies": False, "why_not": "fp8-rowwise: no layer runs"}}
+    assert modes({"bf16-mixed": ok, "fp8-rowwise": ok}, fp8=nothing)[0] == "bf16-mixed"
     bad_layer = {"fp8-rowwise": {"verdict": "risky", "reasons": ["1: output_sqnr 12 dB < 18"]}}
     a = choose_auto({"bf16-mixed": ok, "fp8-rowwise": ok}, "cpu", fp8=bad_layer)
     assert a["mode"] == "bf16-mixed" and "fp8-rowwise was risky per layer" in a["reason"]
@@ -185,10 +188,20 @@ def test_safe_modes_is_the_one_rule_for_check_and_tuning(monkeypatch):
     assert a["mode"] == "fp32" and "fp8-rowwise was risky per layer" in a["reason"]
 
 
-def test_check_fp8_alone_recommends_the_fp8_mode():
+def test_check_fp8_alone_recommends_the_fp8_mode(monkeypatch):
+    from ampkit.diagnose import verdict
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
                           nn.Linear(64, 8))
-    r = check(model, (torch.randn(16, 32), torch.randint(0, 8, (16,))), precisions=["fp8-rowwise"], device="cpu")
+    batch = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu")
     assert r["fp8"]["recipes"]["fp8-rowwise"]["verdict"] == "ok", r["fp8"]["recipes"]
+    # on a CPU the fp8 GEMMs are emulated: the recipe is numerically right, but not sold as a speed pick
+    advice = r["fp8"]["recommendation"]
+    assert advice["precision"] == "fp8-tensorwise" and "emulated on cpu" in advice["reason"]
+    assert "(the fastest recipe)" not in advice["reason"]
+    assert r["auto"]["mode"] == "fp32" and "emulated on cpu" in r["auto"]["reason"], r["auto"]
+    monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)  # as on an sm90 GPU
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu")
     assert r["auto"]["mode"] == r["recommendation"]["precision"] == "fp8-rowwise", r["auto"]

@@ -133,4 +133,5 @@ def test_trainer_trains_and_checkpoints(tmp_path, mode, kwargs):
     ckpt = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)
     assert ckpt["AmpkitPrecision"]["name"] == plugin.ampkit.name  # the scaler and its counters travel along
     if plugin.ampkit.mode.master_weights:
-        assert "master_params" in ckpt["optimizer_states"][0]
+        state = ckpt["optimizer_states"][0]["state"]  # each parameter's entry holds its fp32 master
+        assert state and all(s["master_weight"].dtype == torch.float32 for s in state.values())

@@ -202,10 +202,9 @@ def test_fsdp_refuses_modes_that_cast_parameters(name, fix):
     import warnings
 
     from ampkit import Precision
-    from ampkit.train.distributed import mixed_precision_policy
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         precision = Precision(name, "cpu")
     with pytest.raises(ValueError, match=f"casts the model's parameters.*{fix}.*or --strategy ddp"):
-        mixed_precision_policy(precision)
+        precision.fsdp_policy()  # the kind answers what FSDP accepts

@@ -6,21 +6,12 @@ from torch.utils.data import TensorDataset
 
 import ampkit
 from ampkit import Precision, Trainer
-from ampkit.diagnose import verdict
 from ampkit.tuning import autotune
-from ampkit.precision.device import device_info
 
 
 def _bf16_cpu(monkeypatch):
-    """Pretend the CPU has bf16 units, so the test does not depend on the machine."""
-    info = device_info("cpu")
-    fast = type(info)(**{**info.__dict__, "bf16_fast": True})
-    monkeypatch.setattr(verdict, "device_info", lambda d=None: fast)
-    for mod in (autotune, verdict):
-        monkeypatch.setattr(mod, "auto_mode", lambda d=None: ("bf16-mixed", "test CPU has bf16"))
-    import ampkit.precision.policy as policy
-
-    monkeypatch.setattr(policy, "auto_mode", lambda d=None: ("bf16-mixed", "test CPU has bf16"))
+    """Run as a CPU with bf16 units (AMX) would, so the test does not depend on the machine."""
+    monkeypatch.setenv("AMPKIT_CPU_CAPS", "amx")
 
 
 def _model():
@@ -33,8 +24,7 @@ def test_candidates(monkeypatch):
     assert autotune.auto_candidates("cpu") == ["bf16-mixed", "bf16-master", "fp32"]
     # accumulating micro-batches in bf16 model grads is a numerics change: not a candidate then
     assert autotune.auto_candidates("cpu", grad_accum=4) == ["bf16-mixed", "fp32"]
-    slow = type(device_info("cpu"))(**{**device_info("cpu").__dict__, "bf16_fast": False})
-    monkeypatch.setattr(verdict, "device_info", lambda d=None: slow)
+    monkeypatch.setenv("AMPKIT_CPU_CAPS", "avx2")  # bf16 emulated: nothing to time
     assert autotune.auto_candidates("cpu") == ["fp32"]
 
 

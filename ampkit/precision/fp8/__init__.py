@@ -12,15 +12,17 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .delayed import DelayedScalingLinear, has_fp8_gemm
+from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
+from .detect import gemm_kind, is_conv1d
 from .quant import amax, fake_quantise, quantise, scale_from_amax
 from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
                       recipe_for)
-from .swap import Fp8Filter, convert_to_fp8, fp8_layers, plan
+from .swap import MIN_FLOP_SHARE, Fp8Filter, convert_to_fp8, coverage, coverage_warning, fp8_layers, plan, skip_label
 
 __all__ = [
     "Fp8Plan", "DelayedScaling", "TensorwiseScaling", "RowwiseScaling", "RECIPES", "recipe_for", "Recipe",
-    "DelayedScalingLinear", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers", "has_fp8_gemm",
+    "DelayedScalingLinear", "DelayedScalingConv1D", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers",
+    "coverage", "coverage_warning", "MIN_FLOP_SHARE", "gemm_kind", "is_conv1d", "has_fp8_gemm",
     "E4M3", "E5M2", "fp8_max", "amax", "scale_from_amax", "quantise", "fake_quantise", "EMULATED_NOTE",
 ]
 
@@ -28,14 +30,21 @@ EMULATED_NOTE = "emulated: numerics only, not a speed claim"
 
 
 class Fp8Plan:
-    """What an fp8 mode does on top of bf16-mixed: Linears swapped for fp8 ones by ``apply``."""
+    """What an fp8 mode does on top of bf16-mixed: Linears and Conv1Ds swapped for fp8 ones by ``apply``.
+
+    ``coverage`` (after ``apply``): how many layers converted, why the others did not, and the
+    converted share of their FLOPs (:func:`.swap.coverage`); ``apply`` warns once when nothing, or
+    under half the FLOPs, converts.
+    """
 
     def __init__(self, mode: str, recipe: Optional[Recipe] = None, skip: Sequence[str] = (),
                  force: Sequence[str] = (), keep_ends: bool = True) -> None:
         self.recipe = recipe_for(mode, recipe)
         self.filter = Fp8Filter(tuple(skip or ()), tuple(force or ()), keep_ends)
+        self.mode = mode
         self.layers: list = []
         self.emulated: Optional[bool] = None
+        self.coverage: Optional[dict] = None
 
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
         self.emulated = not has_fp8_gemm(device, self.recipe.rowwise)
@@ -44,10 +53,22 @@ class Fp8Plan:
                           "row-wise): the fp8 GEMMs "
                           "are emulated (same numerics, slower than bf16-mixed). Use bf16-mixed for speed.",
                           stacklevel=3)
-        if not fp8_layers(model):  # setup twice (resume, tune) swaps once
+        if self.coverage is None:  # setup twice (resume, tune) warns once and swaps once
+            self.coverage = coverage(model, self.filter)
+            note = coverage_warning(self.coverage, self.mode)
+            if note:
+                warnings.warn(note, stacklevel=3)
+        if not fp8_layers(model):
             model = convert_to_fp8(model, self.recipe, self.filter, device)
         self.layers = fp8_layers(model)
         return model
+
+    def summary(self) -> dict:
+        """For the run's summary.json: the recipe, the converted count and why the rest stayed bf16."""
+        cov = self.coverage or {}
+        return {"recipe": self.recipe.name, "layers_in_fp8": len(self.layers), "candidates": cov.get("candidates"),
+                "conv1d_in_fp8": cov.get("conv1d"), "flop_share": cov.get("flop_share"),
+                "skipped": dict(cov.get("skipped") or {}), "emulated": self.emulated}
 
     def state_dict(self) -> dict:
         """The recipe, so a resume can refuse another one (the amax histories live in the model's state_dict)."""
@@ -63,5 +84,11 @@ class Fp8Plan:
         what = (f"delayed scaling (history {r.amax_history_len}, {r.amax_compute_algo}, margin {r.margin}, {r.format})"
                 if isinstance(r, DelayedScaling) else f"{r.name} current scaling (torchao)")
         where = "" if self.emulated is None else (f"; {EMULATED_NOTE}" if self.emulated else "; torch._scaled_mm")
-        n = f", {len(self.layers)} Linear(s) in fp8" if self.emulated is not None else ""
+        n = ""
+        if self.emulated is not None:
+            cov = self.coverage or {}
+            n = f", {len(self.layers)} of {cov.get('candidates', len(self.layers))} Linear/Conv1D layers in fp8"
+            extra = [f"{cov['flop_share']:.0%} of their FLOPs"] if cov.get("flop_share") is not None else []
+            extra += [f"{c} {skip_label(why)} in bf16" for why, c in (cov.get("skipped") or {}).items()]
+            n += f" ({'; '.join(extra)})" if extra else ""
         return f"fp8 {what}{n}{where}"

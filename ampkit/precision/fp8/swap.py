@@ -1,33 +1,59 @@
-"""Which Linears run in fp8, and the explicit module swap that converts them (torch is never patched).
+"""Which GEMM layers run in fp8, the explicit module swap that converts them (torch is never patched),
+and how much of the model that covers.
 
-The default filter converts an ``nn.Linear`` when both its dims are multiples of 16 (what fp8
-tensor cores need) and it is neither the model's first nor its last Linear (embedding-side and
-output projections are the most sensitive layers; TE and torchao users keep them in bf16).
-``skip`` names are kept in bf16 whatever their dims; ``force`` names are converted even when
-first/last (dims must still be multiples of 16). A name matches a module and everything under it.
+Candidates are ``nn.Linear`` and Conv1D (a Linear with an ``(in, out)`` weight: Hugging Face's GPT-2
+projections; :mod:`.detect`). The default filter converts one when both its dims are multiples of 16
+(what fp8 tensor cores need) and it is neither the model's first nor its last candidate
+(embedding-side and output projections are the most sensitive layers; TE and torchao users keep
+them in bf16). ``skip`` names are kept in bf16 whatever their dims; ``force`` names are converted
+even when first/last (dims must still be multiples of 16). A name matches a module and everything
+under it.
+
+:func:`coverage` counts what converts and why the rest does not, with the converted share of the
+candidates' FLOPs (a GEMM's FLOPs per token are proportional to its weight's size); ``setup`` warns
+when that share is under :data:`MIN_FLOP_SHARE` (an "fp8" run that is mostly bf16-mixed).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from .current import convert_current
-from .delayed import DelayedScalingLinear, has_fp8_gemm
+from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
+from .detect import gemm_dims, gemm_kind
 from .recipes import DelayedScaling, Recipe
 
-__all__ = ["Fp8Filter", "plan", "convert_to_fp8", "fp8_layers"]
+__all__ = ["skip_label", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers", "coverage", "coverage_warning", "MIN_FLOP_SHARE"]
+
+#: below this share of the Linear/Conv1D FLOPs in fp8, ``setup`` warns that the run is mostly bf16
+MIN_FLOP_SHARE = 0.5
+
+#: why a candidate stays in bf16 (the keys of ``coverage()["skipped"]``)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+DIMS, ENDS, NAMED = "dims not multiples of 16", "first/last layer", "named in fp8_skip"
+_LABEL = {DIMS: "with dims not multiples of 16", ENDS: "first/last", NAMED: "named in fp8_skip"}
+
+
+def skip_label(why: str) -> str:
+    """How a ``coverage()["skipped"]`` key reads after its count ("2 first/last")."""
+    return _LABEL.get(why, why)
 
 
 def _under(name: str, prefixes: Sequence[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def is_fp8_module(m: nn.Module) -> bool:
+    """An fp8 GEMM module: ampkit's (delayed or current scaling) or torchao's own ``Float8Linear``."""
+    return bool(getattr(type(m), "fp8_gemm", False)) or type(m).__name__ == "Float8Linear"
+
+
 @dataclass(frozen=True)
 class Fp8Filter:
-    """``skip``: Linear names (or parents) kept in bf16; ``force``: converted even if first/last;
-    ``keep_ends``: keep the first and last Linear in bf16 (default True)."""
+    """``skip``: layer names (or parents) kept in bf16; ``force``: converted even if first/last;
+    ``keep_ends``: keep the first and last Linear/Conv1D in bf16 (default True)."""
 
     skip: Tuple[str, ...] = ()
     force: Tuple[str, ...] = ()
@@ -43,55 +69,128 @@ class Fp8Filter:
         if clash:
             raise ValueError(f"module(s) {sorted(clash)} are both kept in bf16 and forced to fp8: name each once.")
 
-    def check_names(self, model: nn.Module) -> None:
+    def check_names(self, model: nn.Module, layers: Sequence[str]) -> None:
         names = {n for n, _ in model.named_modules()}
         unknown = [n for n in self.skip + self.force if n not in names]
         if unknown:
-            raise ValueError(f"fp8: no module named {unknown[0]!r} in the model (Linear names: "
-                             f"{', '.join(n for n, m in model.named_modules() if isinstance(m, nn.Linear))}).")
+            raise ValueError(f"fp8: no module named {unknown[0]!r} in the model (Linear/Conv1D names: "
+                             f"{', '.join(layers) or 'none'}).")
+
+
+def _decide(model: nn.Module, filt: Fp8Filter) -> List[Dict[str, Any]]:
+    """One record per candidate GEMM (and per fp8 module already swapped in), in module order."""
+    rows = []
+    for name, m in model.named_modules():
+        if is_fp8_module(m):
+            kind = "conv1d" if getattr(type(m), "transposed", False) or hasattr(m, "nf") else "linear"
+            rows.append({"name": name, "kind": kind, "dims": gemm_dims(m, kind), "why": "fp8"})
+        else:
+            kind = gemm_kind(m)
+            if kind is not None:
+                rows.append({"name": name, "kind": kind, "dims": gemm_dims(m, kind), "why": None})
+    filt.check_names(model, [r["name"] for r in rows])
+    ends = {rows[0]["name"], rows[-1]["name"]} if rows and filt.keep_ends else set()
+    for r in rows:
+        if r["why"] is not None:
+            continue
+        i, o = r["dims"]
+        if i % 16 or o % 16:
+            r["why"] = DIMS
+        elif _under(r["name"], filt.skip):
+            r["why"] = NAMED
+        elif r["name"] in ends and not _under(r["name"], filt.force):
+            r["why"] = ENDS
+        else:
+            r["why"] = "fp8"
+    return rows
+
+
+def _text(r: Dict[str, Any]) -> str:
+    what = "Conv1D" if r["kind"] == "conv1d" else "Linear"
+    return {"fp8": "fp8", DIMS: f"bf16: dims {r['dims'][0]}x{r['dims'][1]} not multiples of 16",
+            NAMED: "bf16: kept by name", ENDS: f"bf16: first/last {what} (force it by name to convert)"}[r["why"]]
 
 
 def plan(model: nn.Module, filt: Fp8Filter = Fp8Filter()) -> Dict[str, str]:
-    """``{linear name: "fp8" or the reason it stays bf16}`` for every ``nn.Linear`` of ``model``."""
-    filt.check_names(model)
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
-    ends = {linears[0][0], linears[-1][0]} if linears and filt.keep_ends else set()
-    out = {}
-    for name, m in linears:
-        if m.in_features % 16 or m.out_features % 16:
-            out[name] = f"bf16: dims {m.in_features}x{m.out_features} not multiples of 16"
-        elif _under(name, filt.skip):
-            out[name] = "bf16: kept by name"
-        elif name in ends and not _under(name, filt.force):
-            out[name] = "bf16: first/last Linear (force it by name to convert)"
-        else:
-            out[name] = "fp8"
-    return out
+    """``{layer name: "fp8" or the reason it stays bf16}`` for every ``nn.Linear`` and Conv1D of ``model``."""
+    return {r["name"]: _text(r) for r in _decide(model, filt)}
+
+
+def coverage(model: nn.Module, filt: Fp8Filter = Fp8Filter()) -> Dict[str, Any]:
+    """What an fp8 swap covers: ``{"converted", "candidates", "flop_share", "conv1d", "skipped": {why: n},
+    "kept": {name: why}, "sizes": {name: in*out}, "convolutions"}`` (``flop_share``: converted share of the candidates' weight sizes,
+    None without candidates; ``convolutions``: torch Conv layers, which fp8 does not convert)."""
+    rows = _decide(model, filt)
+    size = {r["name"]: r["dims"][0] * r["dims"][1] for r in rows}
+    done = [r for r in rows if r["why"] == "fp8"]
+    skipped: Dict[str, int] = {}
+    for r in rows:
+        if r["why"] != "fp8":
+            skipped[r["why"]] = skipped.get(r["why"], 0) + 1
+    total = sum(size.values())
+    return {
+        "converted": len(done),
+        "candidates": len(rows),
+        "conv1d": sum(r["kind"] == "conv1d" for r in done),
+        "flop_share": (sum(size[r["name"]] for r in done) / total) if total else None,
+        "skipped": skipped,
+        "kept": {r["name"]: _text(r)[6:] for r in rows if r["why"] != "fp8"},
+        "sizes": size,
+        "convolutions": sum(isinstance(m, _CONVS) for m in model.modules()),
+    }
+
+
+def coverage_warning(cov: Dict[str, Any], mode: str) -> Optional[str]:
+    """The setup warning when fp8 covers nothing or under :data:`MIN_FLOP_SHARE` of the GEMM FLOPs (else None)."""
+    convs = (f"; its {cov['convolutions']} convolution(s) are not converted by fp8 (Linear/Conv1D only)"
+             if cov["convolutions"] else "")
+    if not cov["candidates"]:
+        return (f"{mode}: the model has no nn.Linear or Conv1D layer, so nothing runs in fp8 and this run is "
+                f"bf16-mixed{convs}: use precision='bf16-mixed'.")
+    share = cov["flop_share"] or 0.0
+    if cov["converted"] and share >= MIN_FLOP_SHARE:
+        return None
+    why = ", ".join(f"{n} {_LABEL[k]}" for k, n in cov["skipped"].items())
+    fix = []
+    if ENDS in cov["skipped"]:
+        fix.append("fp8_force=[names] converts first/last layers")
+    if DIMS in cov["skipped"]:
+        fix.append("fp8 needs both dims multiples of 16")
+    fix.append("precision='bf16-mixed' runs the same without fp8")
+    if not cov["converted"]:
+        head = f"{mode}: no layer runs in fp8, so this run is bf16-mixed"
+    else:
+        head = (f"{mode}: only {cov['converted']} of {cov['candidates']} Linear/Conv1D layers "
+                f"({share:.0%} of their FLOPs) run in fp8, so this run is mostly bf16-mixed")
+    return f"{head} (of {cov['candidates']} Linear/Conv1D layers, in bf16: {why}){convs}. {'; '.join(fix)}."
 
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Fp8Filter = Fp8Filter(), device=None) -> nn.Module:
-    """Swap the Linears :func:`plan` selects for fp8 Linears of ``recipe`` (in place; returns the model).
+    """Swap the layers :func:`plan` selects for fp8 modules of ``recipe`` (in place; returns the model).
 
-    The GEMM is real (``torch._scaled_mm``) on sm89+ GPUs and emulated elsewhere. Parameters are the
-    same objects afterwards, so an optimizer built before the swap keeps working.
+    Linears become fp8 Linears, Conv1Ds fp8 Conv1Ds (same ``(in, out)`` weight, no copy). The GEMM is
+    real (``torch._scaled_mm``) on sm89+ GPUs and emulated elsewhere. Parameters are the same objects
+    afterwards, so an optimizer built before the swap keeps working.
     """
-    chosen = {n for n, v in plan(model, filt).items() if v == "fp8"}
-    if isinstance(model, nn.Linear):
+    if gemm_kind(model) is not None:
         raise ValueError("fp8: the model is a single Linear (its first and last layer): wrap it in a module, "
                          "or use a bf16 mode.")
+    chosen = {r["name"]: r["kind"] for r in _decide(model, filt) if r["why"] == "fp8"}
+    chosen = {n: k for n, k in chosen.items() if not is_fp8_module(model.get_submodule(n))}
     dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
     emulate = not has_fp8_gemm(dev, recipe.rowwise)
-    keep = lambda m, name: name in chosen  # noqa: E731
-    if isinstance(recipe, DelayedScaling):
-        for name in chosen:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, DelayedScalingLinear.from_linear(getattr(parent, attr), recipe, emulate=emulate))
-        return model
-    return convert_current(model, recipe, keep, emulate)
+    if not isinstance(recipe, DelayedScaling):
+        return convert_current(model, recipe, chosen, emulate)
+    for name, kind in chosen.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        new = (DelayedScalingLinear.from_linear(old, recipe, emulate=emulate) if kind == "linear"
+               else DelayedScalingConv1D.from_conv1d(old, recipe, emulate=emulate))
+        setattr(parent, attr, new)
+    return model
 
 
 def fp8_layers(model: nn.Module) -> List[str]:
-    """Names of the modules of ``model`` that run fp8 GEMMs (either kind)."""
-    return [n for n, m in model.named_modules()
-            if isinstance(m, DelayedScalingLinear) or type(m).__name__ == "Float8Linear"]
+    """Names of the modules of ``model`` that run fp8 GEMMs (any kind)."""
+    return [n for n, m in model.named_modules() if is_fp8_module(m)]

@@ -25,7 +25,7 @@ def _short_circuit(_amp_state: _AmpState, loss_id: int) -> bool:
     """apex's fast path: no master weights and a static scale of 1 -> nothing to unscale or check."""
     scaler = _amp_state.scalers[loss_id]
     return (
-        not _amp_state.precision.mode.master_weights
+        not _amp_state.precision.keeps_fp32_masters
         and scaler.static_scale == 1.0
     )
 

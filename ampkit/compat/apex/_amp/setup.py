@@ -118,12 +118,12 @@ def initialize(
         keep_norm_fp32=bool(props.keep_batchnorm_fp32),
         cast_outputs=cast_model_outputs is None,
     )
-    uses_masters = precision.mode.master_weights
 
     # masters are taken from the fp32 weights, so wrap before the models are cast
-    returned = []
+    returned, masters = [], []
     for opt in opt_list:
-        master = _AmpMasterOptimizer(opt) if uses_masters else None
+        master = precision.master_optimizer(opt, _AmpMasterOptimizer)  # None: the kind keeps no masters
+        masters.append(master)
         stash = _Stash(master if master is not None else opt, master, state)
         if master is not None:
             master._amp_stash = stash
@@ -141,8 +141,8 @@ def initialize(
             model.register_forward_hook(hooks.leave, always_call=True)
         elif cast_model_outputs is not None:
             model.register_forward_hook(_CastOutput(cast_model_outputs))
-    if not uses_masters:  # O3: the optimizer's state is fp16 like the weights; an eps fp16 cannot hold is raised
-        for opt in opt_list:
+    for opt, master in zip(opt_list, masters):  # O3: the optimizer's state is fp16 like the weights;
+        if master is None:  # an eps fp16 cannot hold is raised
             precision.check_optimizer_eps(opt)
 
     dynamic = props.dynamic
@@ -154,7 +154,7 @@ def initialize(
             dynamic=dynamic,
             min_scale=min_loss_scale if dynamic else None,
             max_scale=max_loss_scale if dynamic else None,
-            allow_fp16_grads=not uses_masters,
+            allow_fp16_grads=not precision.keeps_fp32_masters,
         )
         scaler.register_names(model_list[0])
         _amp_state.scalers.append(scaler)

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ....optim.master import MasterWeightOptimizer, _foreach_copy, delegated
+from ....optim.master import MasterWeightOptimizer, foreach_copy, delegated
 from ....precision.scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]
@@ -223,11 +223,11 @@ class FP16_Optimizer:
         with torch.no_grad():
             dst = [m for g in self.fp32_from_fp16_groups for m in g]
             src = [s.to(m.device) for s, m in zip([s for g in saved for s in g], dst)]
-            _foreach_copy(dst, src)
+            foreach_copy(dst, src)
             # fp32 params are their own masters in apex: refresh their copies from the model
             f32_model = [p for p, m in zip(self._master.model_params, self._master.master_params)
                          if p.dtype == torch.float32]
             f32_master = [m for p, m in zip(self._master.model_params, self._master.master_params)
                           if p.dtype == torch.float32]
-            _foreach_copy(f32_master, f32_model)
+            foreach_copy(f32_master, f32_model)
             self._master.copy_masters_to_model()

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ....precision.convert import cast_floating
-from ....optim.master import _foreach_copy
+from ....optim.master import foreach_copy
 
 __all__ = [
     "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network", "FP16Model",
@@ -120,7 +120,7 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
     with torch.no_grad():
         if flat_master:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model_params]
-            _foreach_copy(_views(master_params[0].grad, model_params), grads)
+            foreach_copy(_views(master_params[0].grad, model_params), grads)
             return
         dst, src = [], []
         for model, master in zip(model_params, master_params):
@@ -131,16 +131,16 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
                 master.grad = torch.empty_like(master)
             dst.append(master.grad)
             src.append(model.grad)
-        _foreach_copy(dst, src)
+        foreach_copy(dst, src)
 
 
 def master_params_to_model_params(model_params, master_params, flat_master: bool = False) -> None:
     """Copy (round) the fp32 masters into the model's params."""
     with torch.no_grad():
         if flat_master:
-            _foreach_copy(list(model_params), _views(master_params[0].detach(), model_params))
+            foreach_copy(list(model_params), _views(master_params[0].detach(), model_params))
         else:
-            _foreach_copy(list(model_params), [m.detach() for m in master_params])
+            foreach_copy(list(model_params), [m.detach() for m in master_params])
 
 
 def to_python_float(t) -> float:

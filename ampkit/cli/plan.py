@@ -1,0 +1,134 @@
+"""`ampkit plan`: will it fit? The peak memory of a training step per precision mode, and the largest batch
+that fits the device, traced on fake tensors (no compute, no real memory)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List
+
+from . import UsageError
+
+_LABELS = {"weights": "weights", "grads": "gradients", "master_weights": "fp32 masters",
+           "optimizer_state": "optimizer state", "compensation": "Kahan buffers", "activations": "activations",
+           "temporaries": "temporaries", "fp8_casts": "fp8 casts", "inputs": "batch", "other": "other"}
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="cnn | resnet | gpt | gpt2 | mlp | pkg.module:factory (default: the data's model)")
+    p.add_argument("--data", default="digits", help="digits (default) | images | sequences | FILE.npz | "
+                   "pkg.module:factory, as `ampkit train` takes it (one sample gives the shapes)")
+    p.add_argument("--batch-size", type=int, default=32, help="the batch to plan (default 32)")
+    p.add_argument("--precision", default="auto", help="a mode, a comma list of modes, or `all` (default auto)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    p.add_argument("--memory", help="the budget, e.g. 80GB, 24GiB, 512MB (default: the device's free memory: "
+                   "CUDA free memory, or available RAM on CPU)")
+    p.add_argument("--margin", type=float, default=0.1, help="fraction of the budget kept free (default 0.1)")
+    p.add_argument("--max-batch", type=int, default=4096, help="cap on the batch search (default 4096)")
+    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _modes(text: str) -> List[str]:
+    from ..precision import MODES, resolve
+
+    if text.strip().lower() == "all":
+        return list(MODES)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError("--precision is empty: give a mode, a comma list, or all.")
+    return [resolve(n) for n in names]
+
+
+def sample_batch(data, n: int):
+    """The first ``min(n, len)`` training samples as one batch, as the Trainer fetches them."""
+    import torch
+    from torch.utils.data import TensorDataset, default_collate
+
+    from ..utils.batch import batch_target
+
+    ds = data.train
+    idx = list(range(min(n, len(ds))))
+    if isinstance(ds, TensorDataset):
+        return tuple(t[torch.tensor(idx)] for t in ds.tensors[:2])
+    batch = default_collate([ds[i] for i in idx])
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return (batch[0], batch[1] if len(batch) > 1 else None)
+    return batch if batch_target(batch) is not None or not isinstance(batch, dict) else batch
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def _run(args) -> int:
+    import torch
+
+    from ..data import load_data
+    from ..memory import available_memory, format_bytes, parse_bytes, plan
+    from ..models import build_model
+    from ..precision import resolve_device
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    if not 0 <= args.margin < 1:
+        raise ValueError(f"--margin must be in [0, 1), got {args.margin}.")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}.")
+    budget = parse_bytes(args.memory) if args.memory else None
+    modes = _modes(args.precision)
+    device = resolve_device(args.device)
+    data = load_data(args.data)
+    spec = args.model or data.default_model
+    if not spec:
+        raise ValueError(f"--data {args.data} yields dict samples: pass the model with --model pkg.module:factory.")
+    with torch.device("meta"):  # shapes only: a model larger than this machine's memory plans the same
+        model = build_model(spec, **data.model_kwargs)
+    batch = sample_batch(data, 1)
+    if budget is None:
+        budget = available_memory(device)
+        source = f"free memory of {device}"
+    else:
+        source = "--memory"
+    rows, failed = [], {}
+    for mode in modes:
+        try:
+            p = plan(model, batch, precision=mode, optimizer=args.optimizer, device=device, batch_size=args.batch_size)
+            choice = p.max_batch_size(budget, margin=args.margin, cap=args.max_batch)
+        except (ValueError, RuntimeError, TypeError, ImportError) as e:  # a mode this device or install cannot run
+            failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+            continue
+        rows.append((mode, p, choice))
+    if args.json:
+        out = {"model": spec, "data": args.data, "device": str(device), "budget_bytes": budget, "budget_from": source,
+               "margin": args.margin, "cap": args.max_batch,
+               "modes": [{**p.as_dict(), "max_batch_size": c.batch_size, "max_batch_peak_bytes": c.peak_bytes,
+                          "max_batch_reason": c.reason} for _, p, c in rows],
+               "failed": failed}
+        print(json.dumps(out, indent=1))
+        return 0 if rows else 2
+    n_params = rows[0][1].num_params if rows else 0
+    print(f"ampkit plan: {spec} ({n_params / 1e6:.2f}M params) on {args.data}, batch {args.batch_size}, "
+          f"{args.optimizer}, {device}; traced on fake tensors")
+    if rows:
+        cats = [k for k in _LABELS if any(p.breakdown.get(k) for _, p, _ in rows)]
+        head = ["", *[m for m, _, _ in rows]]
+        body = [[_LABELS[k], *[format_bytes(p.breakdown.get(k, 0)) if p.breakdown.get(k) else "-" for _, p, _ in rows]]
+                for k in cats]
+        body.append(["peak", *[format_bytes(p.peak_bytes) for _, p, _ in rows]])
+        body.append(["peak bytes/param", *[f"{p.bytes_per_param:.1f}" for _, p, _ in rows]])
+        body.append(["peak during", *[p.peak_phase for _, p, _ in rows]])
+        body.append(["max batch", *[str(c.batch_size) + (" (cap)" if c.batch_size == c.cap else "")
+                                    for _, _, c in rows]])
+        widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+        for r in [head, *body]:
+            print("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        print(f"max batch: the largest batch whose planned peak fits {format_bytes(budget)} ({source}) less a "
+              f"{args.margin:.0%} margin for what a trace cannot see (allocator caching, library workspaces), "
+              f"at most {args.max_batch}; the breakdown is what is live at the peak.")
+    for mode, why in failed.items():
+        print(f"{mode}: not planned: {why}", file=sys.stderr)
+    return 0 if rows else 2

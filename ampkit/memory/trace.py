@@ -1,0 +1,167 @@
+"""One training step traced on fake tensors: the Trainer's step, with the precision's own hooks.
+
+``trace_step`` copies the model with fake parameters (the user's model is not touched; a model built on
+the meta device, ``with torch.device("meta"): model = ...``, works the same and may be far larger than
+this machine's memory), builds the optimizer as ``ampkit train`` does, runs ``Precision.setup`` (the
+mode's conversion: 16-bit params, fp32 masters, the compensated optimizer, fp8 module swaps) and two
+steps of forward under ``precision.autocast()``, loss, ``precision.backward``, ``precision.step`` and
+``zero_grad(set_to_none=True)``, counting live storage bytes (``LiveBytes``). Two steps: the optimizer
+creates its state in the first, so the second is the steady state every later step repeats.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+from torch import nn
+
+from ..diagnose.runner import default_loss
+from ..optim.master import MasterWeightOptimizer
+from ..precision import Precision
+from ..utils.batch import batch_size_of, batch_target, call_model
+from ..utils.tree import iter_tensors, map_tensors
+from .tracker import LiveBytes, fake_mode
+
+__all__ = ["trace_step", "run_steps", "split_batch", "make_precision", "build_optimizer"]
+
+STEPS = 2
+
+
+def split_batch(batch: Any):
+    """``(inputs, targets)`` as the Trainer takes a batch: a Mapping is the model's keyword inputs (its
+    target ``labels``), a 2-sequence is ``(inputs, targets)``, anything else inputs without a target."""
+    if isinstance(batch, Mapping):
+        return batch, batch_target(batch)
+    if isinstance(batch, (list, tuple)) and len(batch) == 2 and not hasattr(batch, "_fields"):
+        return batch[0], batch[1]
+    return batch, None
+
+
+def make_precision(precision: Union[str, Precision], device: Any) -> Precision:
+    """A fresh ``Precision`` (``setup`` runs once per object): from a name, or a copy of a given one."""
+    if isinstance(precision, Precision):
+        opts = precision.options()
+        if device is not None:
+            opts["device"] = device
+        return Precision(precision.requested, **opts, tuned=precision.tuned)
+    return Precision(precision, device=device)
+
+
+def build_optimizer(name: Union[str, Callable], params, device: torch.device):
+    """The optimizer ``ampkit train`` builds (fused where torch has the kernel), or ``name(params)``."""
+    if callable(name):
+        return name(params)
+    fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
+    key = str(name).lower()
+    if key == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, **fused)
+    if key == "adam":
+        return torch.optim.Adam(params, lr=1e-3, **fused)
+    if key == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **fused)
+    raise ValueError(f"Unknown optimizer {name!r}: use adamw, adam or sgd, or a callable params -> optimizer.")
+
+
+def _fake_like(mode, t: torch.Tensor, device: torch.device, shape=None) -> torch.Tensor:
+    with mode:
+        return torch.empty(tuple(shape if shape is not None else t.shape), dtype=t.dtype, device=device)
+
+
+def fake_model(model: nn.Module, mode, device: torch.device) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors on ``device`` (ties kept)."""
+    memo: Dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in memo:
+            continue
+        fake = _fake_like(mode, t, device)
+        memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    return copy.deepcopy(model, memo)
+
+
+def fake_batch(batch: Any, mode, device: torch.device, size: Optional[int] = None) -> Any:
+    """The batch as fake tensors, with ``size`` samples: every tensor whose leading size is the batch's
+    gets the new one (inputs, targets, attention masks); the others keep their shape."""
+    n0 = batch_size_of(batch)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        shape = list(t.shape)
+        if size is not None and shape and shape[0] == n0:
+            shape[0] = size
+        return _fake_like(mode, t, device, shape)
+
+    return map_tensors(one, batch)
+
+
+def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision] = "auto",
+               optimizer: Union[str, Callable] = "adamw", loss_fn: Optional[Callable] = None,
+               device: Any = None, batch_size: Optional[int] = None) -> Dict[str, Any]:
+    """Trace ``STEPS`` training steps on fake tensors; returns the peak, its breakdown and more."""
+    prec = make_precision(precision, device)
+    dev = prec.device
+    mode = fake_mode()
+    live = LiveBytes(dev)
+    fmodel = fake_model(model, mode, dev)
+    fbatch = fake_batch(batch, mode, dev, batch_size)
+    with mode, live:
+        live.track_all(fmodel.parameters(), "weights")
+        live.track_all(fmodel.buffers(), "weights")
+        live.track_all(iter_tensors(fbatch), "inputs")
+        run_steps(fmodel, fbatch, prec, optimizer, loss_fn, live)
+        at_rest = live.current
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return {"peak_bytes": int(live.peak), "peak_phase": live.peak_phase, "breakdown": live.breakdown(),
+            "at_rest_bytes": int(at_rest), "num_params": int(n_params), "mode": prec.name,
+            "device": str(dev), "batch_size": batch_size if batch_size is not None else batch_size_of(batch)}
+
+
+class _NoTracker:
+    phase = ""
+
+    def track_all(self, tensors, category=None) -> None:
+        pass
+
+
+def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[str, Callable] = "adamw",
+              loss_fn: Optional[Callable] = None, live: Optional[LiveBytes] = None, steps: int = STEPS):
+    """The Trainer's steps (ampkit/train/loop.py, one micro-batch per step): optimizer built, model and
+    optimizer set up by the precision, then forward under autocast, loss, backward, step, zero_grad.
+    The same code runs on fake tensors (traced) and on real ones (``benchmarks/plan_calibration.py``)."""
+    live = live if live is not None else _NoTracker()
+    loss_fn = loss_fn or default_loss
+    inputs, targets = split_batch(batch)
+    opt = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], prec.device)
+    model, opt = prec.setup(model, opt)
+    model.train()
+    _tag_state(live, model, opt)
+    for _ in range(steps):
+        live.phase = "forward"
+        with prec.autocast():
+            out = call_model(model, inputs)
+            loss = loss_fn(out, targets)
+        del out
+        live.phase = "backward"
+        prec.backward(loss)
+        del loss
+        live.track_all((p.grad for p in model.parameters() if p.grad is not None), "grads")
+        live.phase = "step"
+        prec.step(opt)
+        _tag_state(live, model, opt)
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _tag_state(live: LiveBytes, model: nn.Module, opt) -> None:
+    """Tag the storages that make up training state (after setup, and after each step before zero_grad)."""
+    live.track_all(model.parameters(), "weights")
+    live.track_all(model.buffers(), "weights")
+    if isinstance(opt, MasterWeightOptimizer):
+        live.track_all(opt.master_params, "master_weights")
+        live.track_all((m.grad for m in opt.master_params if m.grad is not None), "grads")
+    live.track_all((p.grad for p in model.parameters() if p.grad is not None), "grads")
+    for per_param in (getattr(opt, "state", None) or {}).values():
+        if isinstance(per_param, dict):
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor):
+                    live.track_all([value], "compensation" if key == "compensation" else "optimizer_state")

@@ -1,0 +1,61 @@
+"""`ampkit plan`: the side-by-side table, --json, and one-line errors for bad input."""
+import json
+
+import pytest
+
+from ampkit.cli import main
+
+
+def test_json_per_mode_with_the_largest_batch(capsys):
+    rc = main(["plan", "--model", "mlp", "--precision", "fp32,bf16-pure", "--memory", "64MB", "--json",
+               "--batch-size", "16"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [m["mode"] for m in out["modes"]] == ["fp32", "bf16-pure"]
+    fp32, pure = out["modes"]
+    assert out["budget_bytes"] == 64 * 10**6 and out["margin"] == 0.1
+    assert pure["breakdown"]["weights"] * 2 == fp32["breakdown"]["weights"]
+    assert pure["breakdown"]["compensation"] > 0 and "compensation" not in fp32["breakdown"]
+    for m in out["modes"]:
+        assert 0 < m["max_batch_peak_bytes"] <= 64 * 10**6 * 0.9
+        assert m["max_batch_size"] >= 1
+
+
+def test_table_names_the_margin_and_every_mode(capsys):
+    rc = main(["plan", "--model", "mlp", "--precision", "fp32,bf16-master", "--memory", "1GB", "--max-batch", "256"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "fp32 masters" in out and "optimizer state" in out and "peak" in out
+    assert "10% margin" in out and "256 (cap)" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--memory", "80XB"], "80GB"),
+    (["--precision", "fp99"], "Unknown precision"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--margin", "2"], "--margin"),
+    (["--model", "nosuch"], "Unknown model"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, words):
+    rc = main(["plan", "--model", "mlp", *argv] if "--model" not in argv else ["plan", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and words in err and len(err.splitlines()) == 1
+
+
+def test_train_batch_size_auto_says_what_it_chose_and_records_the_plan(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["train", "--batch-size", "auto", "--max-steps", "2", "--epochs", "1", "--precision", "fp32",
+               "--no-progress", "--no-autotune", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0
+    line = [ln for ln in err.splitlines() if "--batch-size auto ->" in ln]
+    assert len(line) == 1 and "10% margin" in line[0]
+    chosen = int(line[0].split("->")[1].split(":")[0])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["planned_peak_bytes"] > 0 and summary["peak_memory_bytes"] > 0
+    assert "batch_size = %d" % chosen in (out / "config.toml").read_text()
+
+
+def test_train_batch_size_must_be_a_number_or_auto(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--batch-size", "lots"])
+    assert e.value.code == 2 and "number of samples or auto" in capsys.readouterr().err

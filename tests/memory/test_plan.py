@@ -1,0 +1,150 @@
+"""ampkit.plan: the traced peak on fake tensors, checked against the same steps on real tensors."""
+import resource
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ampkit
+from ampkit.memory import parse_bytes
+from ampkit.memory.trace import make_precision, run_steps
+from ampkit.memory.tracker import LiveBytes
+from ampkit.models import GPT, MLP
+from ampkit.optim import state_bytes
+
+
+def _mlp_batch(n=8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _real_trace(model, batch, mode, **kw):
+    """The planner's steps on real tensors, under the same byte counter: what the fake trace must equal."""
+    live = LiveBytes(torch.device("cpu"))
+    with live:
+        live.track_all(model.parameters(), "weights")
+        live.track_all(model.buffers(), "weights")
+        live.track_all(batch, "inputs")
+        model, opt = run_steps(model, batch, make_precision(mode, "cpu"), live=live, **kw)
+    return live, model, opt
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-mixed", "bf16-master", "bf16-pure", "fp16-pure"])
+def test_fake_trace_equals_real_tensors(mode):
+    torch.manual_seed(0)
+    model, batch = MLP(hidden=128), _mlp_batch()
+    p = ampkit.plan(model, batch, precision=mode, device="cpu")
+    live, real_model, opt = _real_trace(MLP(hidden=128), batch, mode)
+    assert p.peak_bytes == live.peak
+    assert p.breakdown == {k: v for k, v in live.breakdown().items() if v}
+    # the training state in the breakdown is what ampkit.optim.state_bytes reads off the real tensors
+    sb = state_bytes(real_model, opt)
+    assert p.breakdown["weights"] == sb["params"]
+    assert p.breakdown.get("master_weights", 0) == sb["masters"]
+    assert p.breakdown.get("compensation", 0) == sb["compensation"]
+    assert sum(p.breakdown.values()) == p.peak_bytes
+
+
+def test_user_model_is_not_touched():
+    model = MLP()
+    before = [(id(q), q.dtype, q.clone()) for q in model.parameters()]
+    ampkit.plan(model, _mlp_batch(), precision="bf16-master", device="cpu")
+    assert [(id(q), q.dtype) for q in model.parameters()] == [(i, d) for i, d, _ in before]
+    assert all(torch.equal(q, c) for q, (_, _, c) in zip(model.parameters(), before))
+    assert all(q.grad is None for q in model.parameters())
+
+
+def test_state_bytes_per_mode():
+    """AdamW's state per param: fp32 16 B at rest, bf16-master 18 (+2 bf16 weights... masters 4, moments 8),
+    bf16-pure with Kahan: weights 2 + moments 4 + Kahan 2; stochastic rounding: no Kahan buffer."""
+    model, batch = MLP(hidden=256), _mlp_batch()
+    n = sum(q.numel() for q in model.parameters())
+    fp32 = ampkit.plan(model, batch, precision="fp32", device="cpu")
+    assert fp32.breakdown["optimizer_state"] >= 8 * n and fp32.breakdown["weights"] == 4 * n
+    master = ampkit.plan(model, batch, precision="bf16-master", device="cpu")
+    assert master.breakdown["master_weights"] == 4 * n and master.breakdown["weights"] < 4 * n
+    kahan = ampkit.plan(model, batch, precision="bf16-pure", device="cpu")
+    assert kahan.breakdown["compensation"] > 0
+    sr = ampkit.plan(model, batch, precision=ampkit.Precision("bf16-pure", "cpu", compensation="stochastic"))
+    assert "compensation" not in sr.breakdown
+
+
+def test_a_model_far_larger_than_memory_plans_on_the_meta_device():
+    with torch.device("meta"):
+        model = GPT(vocab_size=50257, d_model=8192, n_layers=3, n_heads=64, block_size=256)
+    n = sum(q.numel() for q in model.parameters())
+    assert n > 2.5e9  # 10 GB of fp32 weights alone, more than a CI runner's memory with AdamW
+    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    p = ampkit.plan(model, (ids, ids), precision="fp32", device="cpu")
+    grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    assert p.peak_bytes >= 16 * n  # weights, grads and both moments are live at the backward's end
+    assert 8 * n <= p.breakdown["optimizer_state"] < 8 * n + 4096  # two moments, and a step counter per tensor
+    assert grew_mib < 500
+
+
+class _Blocks(nn.Module):
+    def __init__(self, ckpt):
+        super().__init__()
+        self.ckpt = ckpt
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.ckpt else layer(x)
+        return self.head(x)
+
+
+def test_activation_checkpointing_lowers_the_planned_activations():
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    plain = ampkit.plan(_Blocks(False), (x, y), precision="fp32", device="cpu")
+    ckpt = ampkit.plan(_Blocks(True), (x, y), precision="fp32", device="cpu")
+    assert ckpt.peak_bytes < plain.peak_bytes
+    live, _, _ = _real_trace(_Blocks(True), (x, y), "fp32")
+    assert ckpt.peak_bytes == live.peak
+
+
+def test_hugging_face_dict_batch():
+    hf = pytest.importorskip("hf_models")
+    model, batch = hf.build("bert"), hf.BATCHES["bert"](0)
+    n = batch["input_ids"].shape[0]
+    p = ampkit.plan(model, batch, precision="bf16-mixed", device="cpu", batch_size=2 * n)
+    assert p.peak_bytes > p.at_rest_bytes > 0 and p.breakdown["weights"] > 0
+    # labels, ids, mask and token types all resized to the planned batch
+    assert p.breakdown["inputs"] == 2 * sum(t.numel() * t.element_size() for t in batch.values())
+
+
+def test_fp8_casts_are_counted():
+    pytest.importorskip("torchao")
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    p = ampkit.plan(model, (torch.randn(32, 64), torch.randint(0, 10, (32,))), precision="fp8-tensorwise", device="cpu")
+    live, _, _ = _real_trace(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                           nn.Linear(256, 10)), (torch.randn(32, 64), torch.randint(0, 10, (32,))),
+                             "fp8-tensorwise")
+    assert p.peak_bytes == live.peak
+
+
+def test_max_batch_size_fits_the_budget_less_the_margin():
+    model, batch = MLP(hidden=512, depth=3), _mlp_batch(4)
+    p = ampkit.plan(model, batch, precision="fp32", device="cpu")
+    budget = p.at_rest_bytes * 3
+    c = p.max_batch_size(budget, margin=0.1)
+    assert 0 < c.batch_size < 4096
+    assert c.peak_bytes == p.at(c.batch_size).peak_bytes <= budget * 0.9
+    assert p.at(c.batch_size * 103 // 100 + 1).peak_bytes > budget * 0.9  # the largest within 2%
+    assert "10% margin" in c.reason
+    assert p.max_batch_size(budget * 100, cap=64).batch_size == 64
+    assert p.max_batch_size(p.at_rest_bytes // 2).batch_size == 0
+
+
+def test_bad_input_is_one_clear_error():
+    with pytest.raises(ValueError, match="80GB"):
+        parse_bytes("80XB")
+    assert parse_bytes("1.5GiB") == int(1.5 * 2**30) and parse_bytes("80GB") == 80 * 10**9
+    p = ampkit.plan(MLP(), _mlp_batch(), precision="fp32", device="cpu")
+    with pytest.raises(ValueError, match="margin"):
+        p.max_batch_size(10**9, margin=1.5)
+    with pytest.raises(ValueError, match="leading"):
+        ampkit.plan(MLP(), torch.tensor(3.0))

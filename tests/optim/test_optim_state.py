@@ -1,0 +1,137 @@
+"""optimizer_state: AdamW/Adam/SGD moments in bf16 (stochastically rounded) or 8-bit (torchao), in every mode."""
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit import Precision
+from ampkit.optim import AdamW, SGD, state_bytes, with_state_precision
+from optim_helpers import regression
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _precision(mode, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bf16/fp16 on this CPU: said elsewhere
+        return Precision(mode, "cpu", **kw)
+
+
+def _train(prec, model, opt, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        prec.backward(loss)
+        prec.step(opt, max_norm=1.0)
+        opt.zero_grad(set_to_none=True)
+    return loss
+
+
+# bytes per parameter at rest (params + grads + moments + masters + Kahan), 0-d step counters aside
+@pytest.mark.parametrize("mode,state,expected", [
+    ("fp32", None, 16), ("fp32", "bf16", 12), ("bf16-mixed", "bf16", 12),
+    ("bf16-master", None, 18), ("bf16-master", "bf16", 14), ("fp16-master", "bf16", 14),
+    ("bf16-pure", None, 10), ("bf16-pure", "fp32", 14), ("bf16-pure", "bf16", 10),
+    ("fp16-pure", None, 8), ("fp16-pure", "bf16", 8), ("fp16-pure", "fp32", 12),
+])
+def test_state_bytes_per_mode(mode, state, expected):
+    prec = _precision(mode, optimizer_state=state)
+    model = _model()
+    model, opt = prec.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _train(prec, model, opt, 2)
+    per = state_bytes(model, opt)
+    steps = 4 * 4 / per["num_params"]  # one 0-d float32 counter per param tensor
+    assert per["per_param"]["total"] == pytest.approx(expected + steps, abs=1e-6)
+    moments = [v for s in opt.state.values() for k, v in s.items() if k.startswith("exp_avg")]
+    want = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(state)
+    if want is not None:
+        assert {m.dtype for m in moments} == {want}
+
+
+def test_bf16_moments_of_fp32_params_keep_the_fp32_curve():
+    # the regression of test_optim_adamw (v * 0.999 rounds back to v in bf16): fp32 params, bf16 moments
+    # stochastically rounded follow fp32 moments' loss; rounded to nearest they drift
+    kw = dict(steps=500, lr=3e-3, init_noise=1.0)
+    fp32 = regression(lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0), torch.float32, **kw)
+    bf16 = regression(lambda ps, lr: AdamW(ps, lr=lr, weight_decay=0, compensation=None, state_dtype=torch.bfloat16,
+                                           seed=0), torch.float32, **kw)
+    nearest = regression(lambda ps, lr: AdamW(ps, lr=lr, weight_decay=0, compensation=None,
+                                              state_dtype=torch.bfloat16, moment_rounding="nearest"),
+                         torch.float32, **kw)
+    assert bf16[-1] == pytest.approx(fp32[-1], rel=0.015)
+    assert abs(nearest[-1] / fp32[-1] - 1) > 2 * abs(bf16[-1] / fp32[-1] - 1)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-master", "bf16-pure"])
+def test_resume_is_bit_exact_and_the_option_is_checked(mode):
+    prec = _precision(mode, optimizer_state="bf16")
+    model = _model()
+    model, opt = prec.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(prec, model, opt, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "prec": prec.state_dict()}, buf)
+    _train(prec, model, opt, 3, seed=2)
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    assert ckpt["prec"]["optimizer_state"] == "bf16"
+    prec2 = _precision(mode, optimizer_state="bf16")
+    model2 = _model()
+    model2, opt2 = prec2.setup(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2))
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    prec2.load_state_dict(ckpt["prec"])
+    _train(prec2, model2, opt2, 3, seed=2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    for sa, sb in zip(opt.state.values(), opt2.state.values()):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype, k
+
+    other = _precision(mode)
+    with pytest.raises(ValueError, match="optimizer-state bf16"):
+        other.load_state_dict(ckpt["prec"])
+
+
+def test_bad_values_are_one_line_errors():
+    with pytest.raises(ValueError, match="optimizer_state='fp8' is not supported: use 'fp32', 'bf16'"):
+        _precision("fp32", optimizer_state="fp8")
+    with pytest.raises(ValueError, match="not Kahan compensation: drop compensation='kahan'"):
+        _precision("bf16-pure", compensation="kahan", optimizer_state="8bit")
+    model = _model()
+    with pytest.raises(TypeError, match="build torch.optim.AdamW, Adam or SGD"):
+        _precision("fp32", optimizer_state="bf16").setup(model, torch.optim.RMSprop(model.parameters()))
+    with pytest.raises(TypeError, match="torchao's AdamW8bit/Adam8bit"):
+        with_state_precision(torch.optim.SGD(model.parameters(), lr=0.1), "8bit")
+
+
+def test_sgd_momentum_in_bf16_for_fp32_params():
+    model = _model()
+    prec = _precision("fp32", optimizer_state="bf16")
+    model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert isinstance(opt, SGD)
+    _train(prec, model, opt, 2)
+    assert {s["momentum_buffer"].dtype for s in opt.state.values()} == {torch.bfloat16}
+
+
+@pytest.mark.slow  # torchao compiles its step per parameter shape: ~1-2 min on a 2-core CPU
+def test_8bit_states_through_torchao():
+    pytest.importorskip("torchao.optim")
+    prec = _precision("bf16-master", optimizer_state="8bit")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    model, opt = prec.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert type(opt.optimizer).__name__ == "AdamW8bit"
+    _train(prec, model, opt, 2)
+    state = opt.state[opt.master_params[0]]
+    assert type(state["exp_avg"]).__name__ == "OptimState8bit"
+    assert "8-bit optimizer state" in prec.describe()

@@ -1,0 +1,161 @@
+"""The 16-bit-param modes keep the norms models write themselves in fp32 (nanoGPT's LayerNorm, a
+Llama-style RMSNorm, Hugging Face Llama and T5), honour ``_keep_in_fp32_modules[_strict]``, and say
+how many and which modules stayed fp32 (describe(), the Trainer's summary.json)."""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ampkit import Precision, Trainer
+from nanogpt_style import GPT, get_batch
+from norm_models import LlamaStyleRMSNorm, Normalizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:precision=.*:UserWarning")
+
+CAST_MODES = ["bf16-master", "fp16-master", "bf16-pure", "fp16-pure"]
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, d=16, vocab=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norm1, self.up, self.norm2 = LlamaStyleRMSNorm(d), nn.Linear(d, d), LlamaStyleRMSNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + self.up(self.norm1(h))
+        return self.head(self.norm2(h))
+
+
+def _train(precision, model, batches, loss_of):
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4))
+    ctx = precision.autocast()
+    for batch in batches:
+        with ctx:
+            loss = loss_of(model, batch)
+        precision.backward(loss)
+        precision.step(opt, max_norm=1.0)
+        opt.zero_grad(set_to_none=True)
+    return model, loss
+
+
+def _norm_output_is_fp32_math(norm, dtype):
+    """The kept norm takes a 16-bit input and returns the fp32 computation rounded once to 16 bits."""
+    x = torch.randn(3, norm.weight.shape[0]).to(dtype)
+    out = norm(x)
+    hooks = (norm._forward_pre_hooks, norm._forward_hooks)
+    saved = [dict(h) for h in hooks]
+    for h in hooks:
+        h.clear()
+    try:
+        expected = norm(x.float()).to(dtype)  # the same module, run in fp32 by hand
+    finally:
+        for h, s in zip(hooks, saved):
+            h.update(s)
+    return out.dtype == dtype and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("name", CAST_MODES)
+def test_nanogpt_layernorm_stays_fp32_and_trains(name):
+    torch.manual_seed(0)
+    precision = Precision(name, "cpu")
+    model, loss = _train(precision, GPT(n_layer=1, bias=True), [get_batch(i) for i in range(3)],
+                         lambda m, b: m(*b)[1])
+    low = precision.param_dtype
+    norms = ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.ln_f"]
+    modules = dict(model.named_modules())
+    for n in norms:
+        assert modules[n].weight.dtype == modules[n].bias.dtype == torch.float32
+        assert _norm_output_is_fp32_math(modules[n], low)
+    assert model.transformer.h[0].attn.c_attn.weight.dtype == low and model.lm_head.weight.dtype == low
+    assert torch.isfinite(loss) and all(torch.isfinite(p).all() for p in model.parameters())
+    assert list(precision.kept_fp32) == norms
+    assert "3 modules kept fp32 (norms: 3): transformer.h.0.ln_1, transformer.h.0.ln_2, transformer.ln_f" in \
+        precision.describe()
+
+
+@pytest.mark.parametrize("name", CAST_MODES)
+def test_llama_style_rmsnorm_stays_fp32_and_trains(name):
+    torch.manual_seed(0)
+    precision = Precision(name, "cpu")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 32, (4, 8), generator=g) for _ in range(3)]
+    model, loss = _train(precision, TinyLlama(), batches,
+                         lambda m, b: nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()))
+    for norm in (model.norm1, model.norm2):
+        assert norm.weight.dtype == torch.float32 and _norm_output_is_fp32_math(norm, precision.param_dtype)
+    assert model.up.weight.dtype == precision.param_dtype
+    assert torch.isfinite(loss) and all(torch.isfinite(p).all() for p in model.parameters())
+    assert precision.kept_fp32 == {"norm1": "norm (class name)", "norm2": "norm (class name)"}
+
+
+def test_a_norm_given_to_setup_itself_stays_fp32():
+    precision = Precision("fp16-pure", "cpu")
+    norm, _ = precision.setup(LlamaStyleRMSNorm(8))
+    assert norm.weight.dtype == torch.float32 and torch.isfinite(norm(torch.randn(2, 8))).all()
+    assert precision.kept_fp32 == {"": "norm (class name)"}
+
+
+def test_a_linear_named_like_a_norm_is_cast():
+    model = nn.Sequential(Normalizer(8, 8), LlamaStyleRMSNorm(8))
+    precision = Precision("bf16-master", "cpu")
+    precision.setup(model)
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    assert list(precision.kept_fp32) == ["1"]
+
+
+def test_keep_norm_fp32_false_casts_them_and_says_so():
+    precision = Precision("bf16-pure", "cpu", keep_norm_fp32=False)
+    model, _ = precision.setup(TinyLlama())
+    assert model.norm1.weight.dtype == torch.bfloat16 and precision.kept_fp32 == {}
+    assert "norms bfloat16 too (keep_norm_fp32=False)" in precision.describe()
+    assert "no module kept fp32" in precision.describe()
+
+
+@pytest.mark.parametrize("name", CAST_MODES)
+def test_a_wrong_fp32_module_name_changes_nothing(name):
+    model = TinyLlama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="fp32 module.*'upp'.*did you mean up"):
+        Precision(name, "cpu", fp32_modules=["upp"]).setup(model, opt)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], model.parameters()))
+
+
+class Router(nn.Module):
+    """An MoE router as transformers 5 writes them: a bias buffer listed in ``_keep_in_fp32_modules_strict``."""
+
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.register_buffer("e_score_correction_bias", torch.zeros(4))
+
+    def forward(self, x):
+        return self.gate(x).float() + self.e_score_correction_bias
+
+
+def test_keep_in_fp32_modules_strict_tensor():
+    precision = Precision("bf16-master", "cpu")
+    model, _ = precision.setup(Router())
+    assert model.e_score_correction_bias.dtype == torch.float32 and model.gate.weight.dtype == torch.bfloat16
+    assert precision.kept_fp32 == {"e_score_correction_bias": "_keep_in_fp32_modules_strict"}
+
+
+def test_summary_json_lists_the_fp32_modules(tmp_path):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=g)
+    data = TensorDataset(x, (x.sum(1) > 0).long())
+    model = nn.Sequential(nn.Linear(8, 16), LlamaStyleRMSNorm(16), nn.ReLU(), nn.Linear(16, 2))
+    out = str(tmp_path / "run")
+    Trainer(model, data, out=out, precision="bf16-master", batch_size=16, epochs=1, progress=False,
+            optimizer="sgd", lr=0.1, device="cpu").fit()
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["fp32_modules"] == {"count": 1, "names": {"1": "norm (class name)"}, "truncated": False}
+    assert "1 module kept fp32 (norms: 1): 1" in open(os.path.join(out, "report.txt")).read()

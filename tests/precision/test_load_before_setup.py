@@ -1,0 +1,153 @@
+"""Issue 23 item 7: the optimizer's state loaded before ``setup()`` (nanoGPT's resume order: build the model
+and load its weights, build the optimizer and load its state, then the precision lines) continues exactly:
+bitwise equal to the documented order (setup, then load) and to the run never interrupted. Master modes
+used to raise ``KeyError: 'param_groups'``; bf16-pure loaded but dropped its rounding generator.
+"""
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import ampkit
+from ampkit.models import GPT
+from ampkit.optim import CompensatedOptimizer, MasterWeightOptimizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CASES = [("fp16-master", None), ("bf16-master", None), ("bf16-pure", "kahan"), ("bf16-pure", "stochastic"),
+         ("fp16-mixed", None), ("bf16-mixed", None)]
+IDS = [m if c is None else f"{m}-{c}" for m, c in CASES]
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(vocab_size=64, d_model=32, n_layers=1, n_heads=2, block_size=16, tie_weights=True)
+
+
+def _precision(mode, compensation):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 / emulated bf16 on this CPU
+        return ampkit.Precision(mode, "cpu", **({"compensation": compensation} if compensation else {}))
+
+
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
+
+
+def _steps(prec, model, opt, first, count):
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 64, (4, 16), generator=g)
+        with prec.autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, 64), torch.roll(x, -1, 1).view(-1))
+        prec.backward(loss)
+        prec.step(opt, max_norm=1.0)
+        opt.zero_grad(set_to_none=True)
+
+
+def _weights(model, opt):
+    """What the run continues from: the model's weights, the masters, the optimizer state (Kahan buffers)."""
+    out = [p.detach().clone() for p in model.parameters()]
+    if isinstance(opt, MasterWeightOptimizer):
+        out += [m.detach().clone() for m in opt.master_params]
+    for st in opt.state.values():
+        out += [v.detach().clone() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _checkpoint(mode, compensation, steps=3):
+    prec = _precision(mode, compensation)
+    model = _model()
+    model, opt = prec.setup(model, _optimizer(model))
+    _steps(prec, model, opt, 0, steps)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "precision": prec.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _resume(mode, compensation, ck, order):
+    ck = copy.deepcopy(ck)  # torch's load keeps fused AdamW's step tensors as they are: do not share them
+    model = _model()
+    if order == "documented":  # setup, then load
+        prec = _precision(mode, compensation)
+        model, opt = prec.setup(model, _optimizer(model))
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+    else:  # nanoGPT: weights and optimizer state first, the precision lines after
+        model.load_state_dict(ck["model"])
+        opt = _optimizer(model)
+        opt.load_state_dict(ck["optimizer"])
+        prec = _precision(mode, compensation)
+        model, opt = prec.setup(model, opt)
+    prec.load_state_dict(ck["precision"])
+    return prec, model, opt
+
+
+@pytest.mark.parametrize("mode,compensation", CASES, ids=IDS)
+def test_load_before_setup_continues_exactly(mode, compensation):
+    prec = _precision(mode, compensation)
+    model = _model()
+    model, opt = prec.setup(model, _optimizer(model))
+    _steps(prec, model, opt, 0, 6)
+    uninterrupted = _weights(model, opt)
+
+    ck = _checkpoint(mode, compensation)
+    runs = {}
+    for order in ("documented", "nanogpt"):
+        p, m, o = _resume(mode, compensation, ck, order)
+        assert isinstance(o, MasterWeightOptimizer) == p.mode.master_weights
+        assert isinstance(o, CompensatedOptimizer) == p.mode.compensated
+        assert o._step_supports_amp_scaling  # the fused kernel takes the skip flag: still no host sync per step
+        _steps(p, m, o, 3, 3)
+        runs[order] = _weights(m, o)
+    for order, got in runs.items():
+        assert len(got) == len(uninterrupted), order
+        assert all(torch.equal(a, b) for a, b in zip(got, uninterrupted)), order
+
+
+@pytest.mark.parametrize("mode", ["fp16-master", "bf16-master"])
+def test_master_state_is_the_optimizer_layout(mode):
+    """The wrapped optimizer's state dict is torch's layout (so a plain optimizer loads it) with each fp32
+    master in its parameter's entry; the layout of earlier ampkit checkpoints still loads."""
+    ck = _checkpoint(mode, None, steps=1)
+    sd = ck["optimizer"]
+    assert set(sd) == {"state", "param_groups"}
+    assert all(s["master_weight"].dtype == torch.float32 for s in sd["state"].values())
+    _, model, opt = _resume(mode, None, ck, "documented")
+    old = {"optimizer": {"state": {i: {k: v for k, v in s.items() if k != "master_weight"}
+                                   for i, s in sd["state"].items()}, "param_groups": sd["param_groups"]},
+           "master_params": [sd["state"][i]["master_weight"] for i in range(len(sd["state"]))]}
+    fresh = _precision(mode, None)
+    m = _model()
+    m, o = fresh.setup(m, _optimizer(m))
+    o.load_state_dict(old)
+    assert all(torch.equal(a, b) for a, b in zip(o.master_params, opt.master_params))
+
+
+def test_plain_state_after_setup_refused_in_one_line():
+    """A plain optimizer's state has no masters: after setup the model is already 16-bit, so the masters
+    cannot be exact; the error says to load before setup (where the masters start from the fp32 weights)."""
+    model = _model()
+    plain = _optimizer(model)
+    sd = plain.state_dict()
+    prec = _precision("bf16-master", None)
+    model, opt = prec.setup(model, _optimizer(model))
+    with pytest.raises(ValueError, match="no fp32 master weights.*before precision.setup"):
+        opt.load_state_dict(sd)
+
+
+def test_stochastic_state_into_kahan_refused_before_setup_too():
+    """The documented order refuses a checkpoint of another compensation; loading it before setup does too
+    (torch would keep the saved groups' compensation: the run would not do what it reports)."""
+    ck = _checkpoint("bf16-pure", "stochastic", steps=1)
+    model = _model()
+    model.load_state_dict(ck["model"])
+    opt = _optimizer(model)
+    opt.load_state_dict(ck["optimizer"])
+    with pytest.raises(ValueError, match="compensation='stochastic', this one uses 'kahan'"):
+        _precision("bf16-pure", "kahan").setup(model, opt)

@@ -1,0 +1,87 @@
+"""The kinds answer for themselves when a caller sets up in two halves (Lightning's plugin: the module
+first, the optimizer later; apex's initialize; the FSDP path): ``fp32_copies``, ``convert_module``,
+``master_optimizer``, ``wrap_optimizer``, ``fsdp_policy``/``prepare_fsdp`` (ampkit/precision/kinds.py)."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit import Precision
+from ampkit.optim import AdamW as CompensatedAdamW
+from ampkit.optim import MasterWeightOptimizer
+
+
+def _precision(name, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # emulated bf16 / fp16 on this CPU
+        return Precision(name, "cpu", **kw)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+
+
+def _train(model, opt, precision, steps=3):
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+        with precision.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        precision.backward(loss)
+        precision.step(opt)
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["bf16-master", "fp16-master", "bf16-pure", "bf16-mixed"])
+def test_two_halves_match_setup_bitwise(name):
+    """Lightning's order (module converted, optimizer built on it, then wrapped) trains exactly as setup
+    (setup's switch to torch's fused kernel aside: it needs the optimizer while converting, so off here)."""
+    ref_model = _mlp()
+    ref_prec = _precision(name, fused_optimizer=False)
+    ref_model, ref_opt = ref_prec.setup(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2))
+    ref = _train(ref_model, ref_opt, ref_prec)
+
+    prec = _precision(name, fused_optimizer=False)
+    model = _mlp()
+    copies = prec.fp32_copies(model)  # masters start from these, not from their 16-bit roundings
+    model = prec.convert_module(model)
+    opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), fp32_params=copies)
+    assert type(opt) is type(ref_opt)
+    assert copies == {}  # consumed by the masters (nothing kept for kinds without them)
+    assert all(torch.equal(a, b) for a, b in zip(_train(model, opt, prec), ref))
+
+
+def test_masters_are_the_kinds_decision():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name in ("fp32", "bf16-mixed", "bf16-pure", "fp16-pure", "fp8-tensorwise"):
+        prec = _precision(name)
+        assert not prec.keeps_fp32_masters and prec.master_optimizer(opt) is None and prec.fp32_copies(model) == {}
+    master = _precision("bf16-master")
+    made = master.master_optimizer(opt)
+    assert master.keeps_fp32_masters and isinstance(made, MasterWeightOptimizer)
+    assert master.master_optimizer(made) is made  # already the one stepped: not wrapped twice
+    assert isinstance(_precision("bf16-pure").wrap_optimizer(torch.optim.AdamW(_mlp().parameters())),
+                      CompensatedAdamW)
+
+
+@pytest.mark.parametrize("name,match", [("bf16-pure", "casts the model's parameters.*bf16-mixed"),
+                                        ("fp16-master", "casts the model's parameters.*fp16-mixed"),
+                                        ("fp8-rowwise", "fp8.*--strategy ddp")])
+def test_fsdp_refusals_come_from_the_kind(name, match):
+    with pytest.raises(ValueError, match=match):
+        _precision(name).prepare_fsdp()
+
+
+def test_prepare_fsdp_turns_the_layout_off_or_refuses_it():
+    pytest.importorskip("torch.distributed.fsdp")
+    prec = _precision("bf16-mixed")
+    policy = prec.prepare_fsdp()
+    assert prec.channels_last is False and policy.param_dtype == torch.bfloat16
+    assert policy.reduce_dtype == torch.float32
+    assert _precision("fp32").fsdp_policy().param_dtype is None
+    with pytest.raises(ValueError, match="channels_last=True cannot be used with strategy 'fsdp'"):
+        _precision("bf16-mixed", channels_last=True).prepare_fsdp()
