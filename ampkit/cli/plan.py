@@ -21,6 +21,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="the batch to plan (default 32)")
     p.add_argument("--precision", default="auto", help="a mode, a comma list of modes, or `all` (default auto)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    p.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit"],
+                   help="precision of the optimizer's moments, as `ampkit train --optimizer-state` (default: the mode's)")
     p.add_argument("--memory", help="the budget, e.g. 80GB, 24GiB, 512MB (default: the device's free memory: "
                    "CUDA free memory, or available RAM on CPU)")
     p.add_argument("--margin", type=float, default=0.1, help="fraction of the budget kept free (default 0.1)")
@@ -70,7 +72,7 @@ def _run(args) -> int:
     from ..data import load_data
     from ..memory import available_memory, format_bytes, parse_bytes, plan
     from ..models import build_model
-    from ..precision import resolve_device
+    from ..precision import Precision, resolve_device
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
@@ -96,7 +98,8 @@ def _run(args) -> int:
     rows, failed = [], {}
     for mode in modes:
         try:
-            p = plan(model, batch, precision=mode, optimizer=args.optimizer, device=device, batch_size=args.batch_size)
+            prec = Precision(mode, device, optimizer_state=args.optimizer_state) if args.optimizer_state else mode
+            p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device, batch_size=args.batch_size)
             choice = p.max_batch_size(budget, margin=args.margin, cap=args.max_batch)
         except (ValueError, RuntimeError, TypeError, ImportError) as e:  # a mode this device or install cannot run
             failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__

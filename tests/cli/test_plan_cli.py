@@ -59,3 +59,12 @@ def test_train_batch_size_must_be_a_number_or_auto(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--batch-size", "lots"])
     assert e.value.code == 2 and "number of samples or auto" in capsys.readouterr().err
+
+
+def test_optimizer_state_bf16_halves_the_planned_moments(capsys):
+    base = ["plan", "--model", "mlp", "--precision", "fp32", "--memory", "1GB", "--json", "--max-batch", "64"]
+    assert main(base) == 0
+    fp32 = json.loads(capsys.readouterr().out)["modes"][0]["breakdown"]["optimizer_state"]
+    assert main(base + ["--optimizer-state", "bf16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)["modes"][0]["breakdown"]["optimizer_state"]
+    assert bf16 < 0.6 * fp32
