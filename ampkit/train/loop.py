@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 from ..precision import NonFiniteGradientsError
 from ..utils.batch import batch_size_of, call_model
 from . import distributed as _dist
+from .evaluate import label_error
 from .metrics import MetricsLogger, Progress
 from .signals import TrainingInterrupted
 
@@ -55,7 +56,13 @@ def train_epochs(tr: "Trainer", logger: MetricsLogger, is_main: bool) -> int:
             with _sync_context(tr, last_in_window):
                 with precision.autocast():
                     out = call_model(model, x)
-                    loss = tr.loss_fn(out, y) / window
+                    try:
+                        loss = tr.loss_fn(out, y) / window
+                    except IndexError as e:  # a label the output cannot take (classes counted from a prefix)
+                        err = label_error(e, out, y, f"training data (epoch {tr.epoch + 1}, batch {i})")
+                        if err is None:
+                            raise
+                        raise err from None
                 precision.backward(loss)
             window_loss += loss.detach()
             n_samples = batch_size_of(y, x)
