@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ampkit-installed
 
-.PHONY: run test install bench bench-quick dist-run clean
+.PHONY: run test install bench bench-quick dist-run clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,3 +41,11 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# On a CUDA machine: install a CUDA torch first, e.g.
+#   make gpu-check TORCH_SPEC='torch --index-url https://download.pytorch.org/whl/cu126'
+# Runs the suite on CUDA, every mode's steps under sync debug "error", bench --paired, fp8 vs bf16 and
+# MFU on GPT-2 124M, the memory plan vs max_memory_allocated; writes benchmarks/gpu-check-<device>-<time>/.
+# Without CUDA it runs the CPU smoke (tiny sizes, CUDA-only parts skipped with the reason).
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

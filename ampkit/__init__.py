@@ -3,6 +3,9 @@
 Core objects are imported eagerly; the heavier parts (trainer, diagnostics, bench, compat)
 load on first use so ``import ampkit`` stays cheap.
 """
+from ._startup import install_cli_handler
+
+install_cli_handler()  # the `ampkit` command: a Ctrl-C inside any start-up import is one line and exit 130
 try:  # torch imports here (seconds): Ctrl-C meanwhile, as the `ampkit` command, is one line and exit 130
     from .precision import (
         LossScaler,

@@ -39,9 +39,9 @@ def row_of(dataset: Dataset, index: int) -> str:
 def check_labels(dataset: Dataset, num_outputs: int, what: str = "training") -> None:
     """Integer targets must be class ids 0..num_outputs-1 (cross-entropy's -100 = ignore): one ValueError
     naming the first bad row and the fix, instead of torch's 'Target 5 is out of bounds' mid-run."""
-    if not isinstance(dataset, TensorDataset) or len(dataset.tensors) < 2:
-        return
-    y = dataset.tensors[1]
+    y = _all_labels(dataset)
+    if y is None:
+        return  # labels not exposed: one beyond the outputs is caught at the loss
     if y.is_floating_point() or y.dtype == torch.bool or y.numel() == 0:
         return
     flat = y.reshape(len(y), -1)
@@ -236,6 +236,40 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
                      "or 'pkg.module:factory'.")
 
 
+_PREFIX = 2000  # samples read to count the classes of a Dataset that does not expose its labels
+
+
+def _all_labels(dataset: Dataset) -> Optional[torch.Tensor]:
+    """Every label of ``dataset`` without loading its samples: a TensorDataset's second tensor, a
+    ``targets`` attribute (torchvision's datasets), a Subset of either; None otherwise."""
+    from torch.utils.data import Subset
+
+    if isinstance(dataset, Subset):
+        inner = _all_labels(dataset.dataset)
+        return None if inner is None else inner[torch.as_tensor(list(dataset.indices), dtype=torch.long)]
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) >= 2:
+        return dataset.tensors[1]
+    for name in ("targets",):
+        labels = getattr(dataset, name, None)
+        if labels is not None and not isinstance(labels, (str, bytes)):
+            try:
+                t = torch.as_tensor(np.asarray(labels))
+            except (TypeError, ValueError):
+                continue
+            if len(t) == len(dataset) and not t.is_floating_point():
+                return t
+    return None
+
+
+def _largest_label(dataset: Dataset) -> int:
+    """The largest class label: over all labels where the dataset exposes them (cheap), else over its
+    first samples (a label beyond them is caught at the loss, with a message naming the fix)."""
+    labels = _all_labels(dataset)
+    if labels is not None and labels.numel():
+        return int(labels.max())
+    return max(int(torch.as_tensor(dataset[i][1]).max()) for i in range(min(len(dataset), _PREFIX)))
+
+
 def _from_dataset(train: Dataset, test: Optional[Dataset], name: str) -> DataSplits:
     dataset = train.dataset if isinstance(train, DataLoader) else train
     if len(dataset) == 0:
@@ -256,8 +290,7 @@ def _from_dataset(train: Dataset, test: Optional[Dataset], name: str) -> DataSpl
         task, nc = "regression", None
     else:
         task = "lm" if y0.dim() == 1 and not x0.is_floating_point() else "classification"
-        ys = [int(torch.as_tensor(dataset[i][1]).max()) for i in range(min(len(dataset), 2000))]
-        nc = max(ys) + 1
+        nc = _largest_label(dataset) + 1
     shape = tuple(x0.shape)
     default = "gpt" if task == "lm" else ("cnn" if len(shape) == 3 else "mlp")
     kw = ({"vocab_size": nc, "block_size": shape[0]} if task == "lm" else

@@ -51,6 +51,24 @@ def _moving_mean(values: List[float], window: int) -> List[float]:
     return out
 
 
+def _loss_axis(ax, values: List[float]) -> str:
+    """Keep normal runs readable beside a diverged one: a log axis when positive losses span more than
+    100x, else (a loss that goes negative) the range clipped to the bulk of the values. The axis label's
+    suffix says which."""
+    if len(values) < 2:
+        return ""
+    lo, hi = min(values), max(values)
+    if lo > 0 and hi / lo > 100:
+        ax.set_yscale("log")
+        return " (log scale)"
+    ordered = sorted(values)
+    q = ordered[int(0.98 * (len(ordered) - 1))]
+    if q > lo and hi > q + 10 * (q - lo):
+        ax.set_ylim(lo - 0.05 * (q - lo), q + 0.25 * (q - lo))
+        return " (clipped: larger values off the top)"
+    return ""
+
+
 def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[str] = None) -> str:
     """Write a PNG with three panels (train loss, eval accuracy or loss, loss scale) to ``out``.
 
@@ -73,11 +91,14 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     floor = [blended_transform_factory(ax.transData, ax.transAxes) for ax in axes]
     any_positive_scale = False
+    plotted: List[float] = []  # the loss panel's values, to choose its axis
     for d, m in runs:
         label = _label(d)
         steps = [r["step"] for r in m["train"]]
         losses = [r["loss"] if _finite(r.get("loss")) and not r.get("skipped") else float("nan") for r in m["train"]]
-        line, = axes[0].plot(steps, _moving_mean(losses, smooth) if smooth > 1 else losses, label=label)
+        curve = _moving_mean(losses, smooth) if smooth > 1 else losses
+        plotted += [v for v in curve if _finite(v)]
+        line, = axes[0].plot(steps, curve, label=label)
         skipped = [r["step"] for r in m["train"] if r.get("skipped")]
         if skipped:
             axes[0].plot(skipped, [0.02] * len(skipped), "x", color="red", ms=4, transform=floor[0],
@@ -94,7 +115,8 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
         if zero:
             axes[2].plot(zero, [0.02] * len(zero), "v", color=line.get_color(), ms=4, transform=floor[2],
                          label=f"{label}: scale 0 or non-finite")
-    axes[0].set(title="train loss" + (f" (moving mean of {smooth})" if smooth > 1 else ""), xlabel="step", ylabel="loss")
+    axes[0].set(title="train loss" + (f" (moving mean of {smooth})" if smooth > 1 else ""), xlabel="step",
+                ylabel="loss" + _loss_axis(axes[0], plotted))
     axes[1].set(title="evaluation", xlabel="step", ylabel=f"eval {key}")
     axes[2].set(title="loss scale", xlabel="step", ylabel="scale")
     if any_positive_scale:

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..precision import Precision
+from ..precision import Precision, compile_model, compile_step
 from ..train.trainer import build_optimizer
 from ..tuning import tune
 from ..utils.batch import call_model
@@ -46,12 +46,17 @@ class Step:
     def __init__(self, module: nn.Module, optimizer, fn: Callable, describe: str) -> None:
         self.module, self.optimizer, self._fn, self.describe = module, optimizer, fn, describe
         self.precision = None
+        self.step_fn = None  # the compiled ``precision.step`` (ampkit runner, after ``compile``)
 
     def __call__(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
         return self._fn(self, inputs, targets)
 
     def compile(self) -> None:
-        self.module = torch.compile(self.module)
+        """As the Trainer's ``compile=True``: the model regionally (repeated blocks) or whole, and for
+        the ampkit runner the optimizer step (``compile_step``: tensor lr, no recompiles)."""
+        self.module = compile_model(self.module)[0]
+        if self.precision is not None:
+            self.step_fn = compile_step(self.precision, self.optimizer)
 
 
 def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float) -> Step:
@@ -67,7 +72,7 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float)
         with precision.autocast():
             loss = loss_fn(call_model(self.module, inputs), targets)
         precision.backward(loss)
-        precision.step(optimizer)
+        (self.step_fn or precision.step)(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 

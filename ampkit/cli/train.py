@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from . import UsageError
 
@@ -130,21 +131,31 @@ def _config_from_args(args, announce: bool = False):
             print(f"ampkit train: resuming {saved.get('out') or values['resume']} with its saved options"
                   + (f"; overridden by what was given here: {', '.join(parts)}" if parts else ""), file=sys.stderr)
         values = {**saved, **values}
-    cfg = TrainConfig(**values).checked()
-    for k in ("epochs", "batch_size", "grad_accum", "keep_last", "log_every", "save_every", "max_steps", "num_threads"):
-        v = getattr(cfg, k)
-        if v is not None and v < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {v}.")
-    cpus = os.cpu_count() or 1
-    if cfg.num_threads and cfg.num_threads > cpus:  # thousands of threads exhaust memory before training starts
-        raise ValueError(f"--num-threads {cfg.num_threads} is more than the {cpus} CPU(s) here: use at most {cpus}.")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}.")
-    return cfg
+    return TrainConfig(**values).checked()  # every range rule lives in TrainConfig.checked
 
 
 def run(args) -> int:
     """Under torchrun: set up the process group from its environment first, destroy it at exit."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning(set())
+        return _run_with_group(args)
+
+
+def _one_line_warning(seen: set):
+    """Warnings as the command shows them: one line each, each text once (a Precision built again after
+    tuning repeats its CPU warning from another line of code), none on ranks other than 0."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = str(message).strip()
+        if env_is_secondary() or text in seen:
+            return
+        seen.add(text)
+        print(f"ampkit train: warning: {' '.join(text.split())}", file=sys.stderr)
+
+    return show
+
+
+def _run_with_group(args) -> int:
     from ..train.distributed import process_group_from_env
 
     try:

@@ -99,9 +99,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     masters.append(m)
                 group["params"] = masters
             self._adopt_state(optimizer.state)
-        self._grads_synced = False
-        self._seen: List[Optional[tuple]] = []  # per model param: (its grad, version) when last synced
-        self._in_step = False
+        # per-step flags in a dict, read and written through the properties below: torch.compile loses
+        # an attribute set on an Optimizer after a no_grad block, but keeps a container's mutation.
+        # seen: per model param, (its grad, version) when last synced
+        self._flags: Dict[str, Any] = {"grads_synced": False, "seen": [], "in_step": False}
         # torch.optim machinery that schedulers and hooks look up on the instance
         self._optimizer_step_pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
         self._optimizer_step_post_hooks = getattr(optimizer, "_optimizer_step_post_hooks", {})
@@ -115,7 +116,20 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         return self.__dict__
 
     def __setstate__(self, state):
+        state = dict(state)
+        flags = state.setdefault("_flags", {"grads_synced": False, "seen": [], "in_step": False})
+        for name in ("grads_synced", "seen", "in_step"):  # pickled before the flags moved into _flags
+            if "_" + name in state:
+                flags[name] = state.pop("_" + name)
         self.__dict__.update(state)
+
+    def _flag(name: str) -> property:  # noqa: N805 (a property factory used in the class body)
+        return property(lambda self: self._flags[name], lambda self, value: self._flags.__setitem__(name, value))
+
+    _grads_synced = _flag("grads_synced")
+    _seen = _flag("seen")
+    _in_step = _flag("in_step")
+    del _flag
 
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({self.optimizer!r})"
@@ -128,6 +142,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if self._grads_synced:
             self._take_changed_grads()
             return
+        self._copy_model_grads()
+        self._flags["exposed"] = False
+        self._grads_synced = True
+
+    def _copy_model_grads(self) -> None:
         dst, src = [], []
         with torch.no_grad():
             for p, m in zip(self.model_params, self.master_params):
@@ -141,7 +160,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 src.append(g)
             foreach_copy(dst, src)
         self._remember_model_grads()
-        self._grads_synced = True
 
     def expose_grads(self) -> None:
         """Write the (unscaled) master grads back into the model's grads, so code that reads or clips
@@ -157,12 +175,19 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             foreach_copy(dst, src)
         self._remember_model_grads()
+        self._flags["exposed"] = True
 
     def _remember_model_grads(self) -> None:
         self._seen = [(p.grad, p.grad._version) if p.grad is not None else None for p in self.model_params]
 
     def _take_changed_grads(self) -> None:
         """Master grads <- the model grads changed, replaced, added or removed since the last sync."""
+        if torch.compiler.is_compiling():
+            # version counters are data-dependent under torch.compile: take every exposed model grad
+            # again (unchanged ones equal their masters); unexposed ones are still scaled, never taken
+            if self._flags.get("exposed"):
+                self._copy_model_grads()
+            return
         dst, src = [], []
         with torch.no_grad():
             for p, m, seen in zip(self.model_params, self.master_params, self._seen):
@@ -196,7 +221,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def in_step(self) -> bool:
         """True while :meth:`step` runs (so a wrapper of the inner optimizer's ``step`` can tell the
         master step calling it from a script calling it directly)."""
-        return getattr(self, "_in_step", False)
+        return self._in_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in (*self.model_params, *self.master_params):
@@ -227,16 +252,18 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             )
         self.sync_grads()
         self._drop_model_grads()
-        handed = [name for name in ("grad_scale", "found_inf") if name in self.__dict__]
-        for name in handed:  # set on us by the scaler (fused protocol): the inner optimizer reads them
-            setattr(self.optimizer, name, self.__dict__[name])
+        # set on us by the scaler (fused protocol): the inner optimizer reads them. getattr, not
+        # ``self.__dict__``: under torch.compile the dict does not show attributes set in the traced frame
+        handed = [name for name in ("grad_scale", "found_inf") if getattr(self, name, None) is not None]
+        for name in handed:
+            setattr(self.optimizer, name, getattr(self, name))
         self._in_step = True
         try:
             retval = self.optimizer.step()
         finally:
             self._in_step = False
             for name in handed:
-                self.optimizer.__dict__.pop(name, None)
+                delattr(self.optimizer, name)
         self.copy_masters_to_model()
         self._grads_synced = False
         return retval

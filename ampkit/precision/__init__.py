@@ -1,4 +1,5 @@
 """Precision core: mode table, loss scaler, fp32 master weights, model conversion, policies."""
+from .compiled import compile_model, compile_step, repeated_blocks, takes_tensor_lr, tensor_lr_
 from .convert import cast_floating, convert_model, is_norm
 from .auto import auto_mode
 from .device import device_info, resolve_device
@@ -17,5 +18,6 @@ __all__ = [
     "MasterWeightOptimizer", "convert_model", "cast_floating", "is_norm", "apply_fp32_islands",
     "Precision", "Fp32Precision", "AutocastPrecision", "MasterPrecision", "PurePrecision",
     "Fp8Precision", "precision_class", "Tuned", "set_global_policy", "global_policy",
-    "auto_mode", "device_info", "resolve_device",
+    "auto_mode", "device_info", "resolve_device", "compile_step", "compile_model", "repeated_blocks", "tensor_lr_",
+    "takes_tensor_lr",
 ]

@@ -83,6 +83,14 @@ def _grads_params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
+def _has_grads(optimizer) -> bool:
+    """Did a backward reach the optimizer's parameters (the model's, under fp32 masters)? On the Python
+    side only, no host sync; it stops at the first parameter with a grad."""
+    if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        return True
+    return isinstance(optimizer, MasterWeightOptimizer) and any(p.grad is not None for p in optimizer.model_params)
+
+
 class Precision:
     """A precision policy built from the mode table (``ampkit.precision.modes``): ``Precision(name)``
     returns the class of the mode's kind (``ampkit.precision.kinds``: fp32, autocast, cast with fp32
@@ -456,6 +464,10 @@ class Precision:
         under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
         Clipping done by the caller after ``unscale_`` is applied as it is; ``max_norm`` clips on top.
         """
+        if not _has_grads(optimizer):
+            raise RuntimeError(
+                "Precision.step() found no gradients on the optimizer's parameters: call precision.backward(loss) "
+                "(or loss.backward()) before each step(); nothing was stepped or counted.")
         self.last_grad_norm = None
         if max_norm is not None and max_norm > 0:
             self.last_grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)

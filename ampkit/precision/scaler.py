@@ -47,7 +47,7 @@ from collections import defaultdict
 from typing import Any, Dict, Optional, Union
 
 import torch
-from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 from ..optim.master import MasterWeightOptimizer
 from .loss_scale import parse_loss_scale, positive_finite
@@ -55,6 +55,7 @@ from .nonfinite import (NonFiniteGradientsError, all_reduce_max, distributed_act
                         local_shard, nonfinite_flag, nonfinite_from_norm)
 from .step_result import HostCopy, StepResult
 from .telemetry import SkipTelemetry
+from .traceable import PerDevice, TraceableScalerMixin, fresh_state
 
 # the names this module had before its parts moved out (kept importable from here)
 _local, _foreach_check_and_unscale_, _positive_finite = local_shard, foreach_check_and_unscale_, positive_finite
@@ -70,6 +71,8 @@ def _takes_grad_scaler(optimizer) -> bool:
     """Whether ``optimizer.step`` takes the old ``grad_scaler=`` keyword, cached per step function
     (weakly: a wrapper closing over its optimizer must not keep it alive). ``inspect.signature`` on
     every step took ~65 us, a third of ampkit's per-step cost on a small model."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace the weak cache; it folds the signature
+        return "grad_scaler" in inspect.signature(optimizer.step).parameters
     fn = getattr(optimizer.step, "__func__", optimizer.step)
     try:
         hit = _GRAD_SCALER_KWARG.get(fn)
@@ -81,7 +84,7 @@ def _takes_grad_scaler(optimizer) -> bool:
 
 
 
-class LossScaler(SkipTelemetry, torch.amp.GradScaler):
+class LossScaler(SkipTelemetry, TraceableScalerMixin, torch.amp.GradScaler):
     """Gradient scaler; ``LossScaler(...)`` accepts everything ``torch.amp.GradScaler(...)`` does."""
 
     def __init__(
@@ -116,6 +119,8 @@ class LossScaler(SkipTelemetry, torch.amp.GradScaler):
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        if enabled:  # ampkit's factory: torch's lives in a file dynamo skips (a graph break per update)
+            self._per_optimizer_states = defaultdict(fresh_state)
         self._dynamic = bool(dynamic)
         self._min_scale = min_scale
         self._max_scale = max_scale
@@ -226,8 +231,8 @@ class LossScaler(SkipTelemetry, torch.amp.GradScaler):
         """torch's, plus: bf16 grads on CUDA, DTensor grads through their shards, fp16 grads allowed
         where the mode has no master copy, and found-inf all-reduced across ranks."""
         allow_fp16 = allow_fp16 or self._allow_fp16_grads
-        per_device_inv = _MultiDeviceReplicator(inv_scale)
-        per_device_found = _MultiDeviceReplicator(found_inf)
+        per_device_inv = PerDevice(inv_scale)
+        per_device_found = PerDevice(found_inf)
         buckets: Dict[torch.device, Dict[torch.dtype, list]] = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -252,7 +257,7 @@ class LossScaler(SkipTelemetry, torch.amp.GradScaler):
                     unscale = (foreach_check_and_unscale_ if dtype == torch.bfloat16 and device.type != "cpu"
                                else torch._amp_foreach_non_finite_check_and_unscale_)
                     unscale(grads, per_device_found.get(device), per_device_inv.get(device))
-        found = per_device_found._per_device_tensors
+        found = per_device_found.tensors
         if self._use_distributed():
             # One collective per unscale, on the scale's device, whatever devices this rank's
             # grads live on: ranks that hold grads on different device sets (or none at all,
@@ -358,6 +363,7 @@ class LossScaler(SkipTelemetry, torch.amp.GradScaler):
         if new_scale is not None:
             self._optimizers = {}
             super().update(new_scale)
+            self._per_optimizer_states = defaultdict(fresh_state)
             return
         scale, tracker = self._check_scale_growth_tracker("update")
         found_infs = [
@@ -381,7 +387,7 @@ class LossScaler(SkipTelemetry, torch.amp.GradScaler):
                 scale.clamp_(min=self._min_scale, max=self._max_scale)
         if any(st["stage"] is OptState.STEPPED for st in self._per_optimizer_states.values()):
             self._count_iteration(found)
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(fresh_state)
 
     def _update_with_hysteresis(self, scale, tracker, found):
         """torch's update rule, except the scale backs off only after `hysteresis` overflows in a row."""

@@ -17,6 +17,12 @@ from .step_result import HostCopy
 __all__ = ["SkipTelemetry"]
 
 
+@torch.compiler.disable
+def _check_outside_graph(telemetry: "SkipTelemetry", optimizer) -> None:
+    """The skip limit inside a user's ``torch.compile``: the host copy is read outside the graph."""
+    telemetry.check_skip_limit_now(optimizer)
+
+
 class SkipTelemetry:
     """Counters ``[skipped, consecutive skips, last skip (-1: none), iterations]`` and the skip limit."""
 
@@ -64,8 +70,29 @@ class SkipTelemetry:
         c[2].copy_(torch.where(skipped, c[3], c[2]))  # last skipped iteration
         c[0].add_(s)
         c[3].add_(1)
-        if self._max_consecutive_skips is not None:
-            self._pending_consecutive = HostCopy(c[1])
+        if not torch.compiler.is_compiling():  # compiled: ``start_skip_copy`` after the compiled call
+            self.start_skip_copy()
+
+    def start_skip_copy(self) -> None:
+        """Start the host copy of the consecutive-skip count that ``check_skip_limit`` reads (no wait)."""
+        if self._max_consecutive_skips is not None and self._counts is not None:
+            self._pending_consecutive = HostCopy(self._counts[1])
+
+    def check_skip_limit_now(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """``check_skip_limit`` outside a compiled region (the copy started by this update or the last)."""
+        if self._pending_consecutive is None:
+            self.start_skip_copy()
+        pending, self._pending_consecutive = self._pending_consecutive, None
+        if pending is None or pending.value() < self._max_consecutive_skips:
+            return
+        self._raise_limit(pending.value(), optimizer)
+
+    def _raise_limit(self, consecutive: int, optimizer) -> None:
+        if optimizer is not None:
+            self._optimizers = {id(optimizer): optimizer}
+        message = self._describe_nonfinite(consecutive)
+        self._optimizers = {}
+        raise NonFiniteGradientsError(message)
 
     def check_skip_limit(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Raise :class:`NonFiniteGradientsError` if the last update reached ``max_consecutive_skips``.
@@ -75,14 +102,16 @@ class SkipTelemetry:
         after ``update()`` to stop at once (it then waits for the copy). The error names the parameters
         whose gradients are non-finite now (``optimizer``'s, else the last iteration's optimizers).
         """
+        if torch.compiler.is_compiling():
+            # a host read: outside the graph (one break, with a limit only); ``compile_step`` checks
+            # before its compiled call and sets ``_limit_checked``, so its graph has no break here
+            if self._max_consecutive_skips is not None and not getattr(self, "_limit_checked", False):
+                _check_outside_graph(self, optimizer)
+            return
         pending, self._pending_consecutive = self._pending_consecutive, None
         if pending is None or pending.value() < self._max_consecutive_skips:
             return
-        if optimizer is not None:
-            self._optimizers = {id(optimizer): optimizer}
-        message = self._describe_nonfinite(pending.value())
-        self._optimizers = {}
-        raise NonFiniteGradientsError(message)
+        self._raise_limit(pending.value(), optimizer)
 
     def _describe_nonfinite(self, consecutive: int) -> str:
         bad = nonfinite_param_names(self._optimizers.values(), self._param_names)

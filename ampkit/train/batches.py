@@ -57,7 +57,18 @@ class Batches:
         if isinstance(dataset, TensorDataset):
             x, y = (t[idx] for t in dataset.tensors[:2])
         else:
-            batch = self._collate.get(id(dataset), default_collate)([dataset[int(i)] for i in idx])
+            collate = self._collate.get(id(dataset), default_collate)
+            samples = [dataset[int(i)] for i in idx]
+            try:
+                batch = collate(samples)
+            except RuntimeError as e:
+                if collate is not default_collate or "equal size" not in str(e):
+                    raise
+                raise ValueError(
+                    f"samples of different lengths cannot be batched ({str(e).splitlines()[0]}): pad them to one "
+                    "length in the dataset, or batch them with a padding collate_fn (e.g. transformers' "
+                    "DataCollatorWithPadding): pass DataLoader(dataset, batch_size=..., collate_fn=...) to the "
+                    "Trainer, or return such DataLoaders from the --data factory.") from None
             if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
                 x, y = batch[0], (batch[1] if len(batch) > 1 else None)
             else:

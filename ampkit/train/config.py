@@ -89,10 +89,7 @@ class TrainConfig:
                     raise ValueError(f"option {f.name} = {v!r}: it takes a list of names, e.g. [\"head\"].")
                 v = list(v)
             out[f.name] = v
-        for key, ok, rule in (("max_norm", lambda v: v > 0, "> 0 (or leave it out: no clipping)"),
-                              ("weight_decay", lambda v: v >= 0, ">= 0"), ("warmup_steps", lambda v: v >= 0, ">= 0")):
-            if out[key] is not None and not ok(out[key]):
-                raise ValueError(f"--{key.replace('_', '-')} must be {rule}, got {out[key]:g}.")
+        _check_ranges(out)
         return dataclasses.replace(self, **out)
 
     def updated(self, **overrides) -> "TrainConfig":
@@ -100,6 +97,41 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config key(s): {', '.join(sorted(unknown))}; valid: {', '.join(self.field_names())}")
         return dataclasses.replace(self, **overrides)
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+_SEED_MAX = 2**32 - 1  # numpy's and scikit-learn's seeds (the train/test split) take 0 .. 2**32-1
+
+
+def _check_ranges(out: Dict[str, Any]) -> None:
+    """Every range rule of the options, in one place (the CLI, a config file and the Python API share it)."""
+    for key in ("epochs", "batch_size", "grad_accum", "keep_last", "log_every", "save_every", "max_steps",
+                "num_threads"):
+        if out[key] is not None and out[key] < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1 (option {key}), got {out[key]}.")
+    for key, ok, rule in (("max_norm", lambda v: v > 0, "> 0 (or leave it out: no clipping)"),
+                          ("weight_decay", lambda v: v >= 0, ">= 0"), ("warmup_steps", lambda v: v >= 0, ">= 0")):
+        if out[key] is not None and not ok(out[key]):
+            raise ValueError(f"--{key.replace('_', '-')} must be {rule}, got {out[key]:g}.")
+    cpus = os.cpu_count() or 1
+    if out["num_threads"] and out["num_threads"] > cpus:  # thousands of threads exhaust memory before training
+        raise ValueError(f"--num-threads {out['num_threads']} is more than the {cpus} CPU(s) here: use at most {cpus}.")
+    if not out["lr"] > 0:
+        raise ValueError(f"--lr must be > 0, got {out['lr']}.")
+    if not 0 <= out["seed"] <= _SEED_MAX:
+        raise ValueError(f"--seed must be between 0 and {_SEED_MAX} (it also seeds numpy and the train/test split), "
+                         f"got {out['seed']}.")
+    for key in ("loss_scale", "init_scale"):
+        v = out[key]
+        try:
+            value = float(v) if v is not None and not isinstance(v, bool) else None
+        except ValueError:
+            continue  # 'dynamic' (or a typo, refused by the precision with its own message)
+        if value is not None and abs(value) > _FLOAT32_MAX:
+            raise ValueError(f"--{key.replace('_', '-')} {v} is beyond what float32 holds (at most 3.4e38): use "
+                             "'dynamic' or a static scale such as 65536 (= 2**16)." if key == "loss_scale" else
+                             f"--{key.replace('_', '-')} {v} is beyond what float32 holds (at most 3.4e38): use a "
+                             "scale such as 65536 (= 2**16, the default).")
 
 
 def _number(key: str, v: Any, kind: type) -> Any:

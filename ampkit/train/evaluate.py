@@ -13,7 +13,23 @@ from .._optional import MissingDependency, require
 from ..diagnose.runner import default_loss  # the one default loss (re-exported: the Trainer's default)
 from ..utils.batch import batch_size_of, call_model, output_logits, own_loss
 
-__all__ = ["default_loss", "evaluate", "classification_text"]
+__all__ = ["default_loss", "evaluate", "classification_text", "label_error"]
+
+
+def label_error(err: IndexError, out: Any, y: Any, where: str) -> Optional[ValueError]:
+    """torch's 'Target 12 is out of bounds' (a class label the model's output cannot take, found by the
+    loss: a Dataset whose labels could not all be counted upfront) as one ValueError naming the fix;
+    None when ``err`` is another IndexError. Only on this error path is the label read on the host."""
+    logits = output_logits(out)
+    if not isinstance(y, torch.Tensor) or y.is_floating_point() or logits is None or "out of bounds" not in str(err):
+        return None
+    n = logits.shape[-1]
+    bad = y[(y >= n) | ((y < 0) & (y != -100))]
+    value = int(bad.flatten()[0]) if bad.numel() else "?"
+    return ValueError(f"the {where} holds label {value}, but the model has {n} outputs: labels must be class ids "
+                      f"0..{n - 1}. A Dataset without `targets` (or `tensors`) has its classes counted from its first "
+                      "samples only: give it a `targets` attribute (all labels), or use a model with as many outputs "
+                      "as classes.")
 
 
 @torch.no_grad()
@@ -37,7 +53,13 @@ def evaluate(
         for x, y in batches:
             with autocast():
                 out = call_model(model, x)
-                loss = loss_fn(out, y)
+                try:
+                    loss = loss_fn(out, y)
+                except IndexError as e:
+                    err = label_error(e, out, y, "evaluation data")
+                    if err is None:
+                        raise
+                    raise err from None
             logits = output_logits(out)
             # accuracy where the predictions line up with the targets (a causal LM that shifts its labels
             # inside, e.g. Hugging Face's, has logits for the next token: no accuracy is claimed for it)

@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 from ..precision import NonFiniteGradientsError
 from ..utils.batch import batch_size_of, call_model
 from . import distributed as _dist
+from .evaluate import label_error
 from .metrics import MetricsLogger, Progress
 from .signals import TrainingInterrupted
 
@@ -55,7 +56,13 @@ def train_epochs(tr: "Trainer", logger: MetricsLogger, is_main: bool) -> int:
             with _sync_context(tr, last_in_window):
                 with precision.autocast():
                     out = call_model(model, x)
-                    loss = tr.loss_fn(out, y) / window
+                    try:
+                        loss = tr.loss_fn(out, y) / window
+                    except IndexError as e:  # a label the output cannot take (classes counted from a prefix)
+                        err = label_error(e, out, y, f"training data (epoch {tr.epoch + 1}, batch {i})")
+                        if err is None:
+                            raise
+                        raise err from None
                 precision.backward(loss)
             window_loss += loss.detach()
             n_samples = batch_size_of(y, x)
@@ -69,7 +76,7 @@ def train_epochs(tr: "Trainer", logger: MetricsLogger, is_main: bool) -> int:
             # the previous step's skip flag, one step late: its copy to the host finished while this
             # window's forward/backward was queued, so reading it does not wait for this step
             resolve_step(tr)
-            result = precision.step(optimizer, max_norm=cfg.max_norm)
+            result = (tr.compiled_step or precision.step)(optimizer, max_norm=cfg.max_norm)
             tr.attempted_steps += 1
             record = _log_step(tr, logger, window_loss)
             tr._pending_step = (record, result.to_host(), window_inputs, tr.batch_in_epoch)
@@ -148,7 +155,7 @@ def resolve_step(tr: "Trainer") -> None:
         tr.global_step += 1
         if tr.scheduler is not None:
             tr.scheduler.step()
-    record.update(optimizer_step=tr.global_step, skipped=not stepped, lr=tr.optimizer.param_groups[0]["lr"])
+    record.update(optimizer_step=tr.global_step, skipped=not stepped, lr=float(tr.optimizer.param_groups[0]["lr"]))
     if not stepped:
         try:
             tr.batches.check_window_inputs(window_inputs, tr.epoch)  # bad data explains a skip better

@@ -70,6 +70,14 @@ def check_saved_options(cfg: TrainConfig, world_size: int, ck: Dict[str, Any], p
 def check_model_signature(ck: Dict[str, Any], mine: list, path: str) -> None:
     """The checkpoint's tensors (names, shapes, dtypes) are this model's."""
     theirs = ck.get("model_signature")
+    if (theirs is not None and [list(x) for x in theirs] != mine
+            and [list(x)[:2] for x in theirs] == [x[:2] for x in mine]):  # same tensors, other dtypes: the precision
+        was = (ck.get("precision") or {}).get("name") or (ck.get("config") or {}).get("precision") or "another precision"
+        diff = next((a, b) for a, b in zip(theirs, mine) if list(a) != list(b))
+        raise ckpt.CheckpointError(
+            f"checkpoint {path!r} was written in precision {was} and this run's precision keeps the weights in another "
+            f"dtype ({diff[0][0]}: {diff[0][2]} in the checkpoint, {diff[1][2]} here): resume with --precision {was} "
+            "(or without --precision: a resumed run keeps its saved options), or start a new run in another --out.")
     if theirs is not None and [list(x) for x in theirs] != mine:
         diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
         detail = (f"first difference: checkpoint {diff[0][0]} {diff[0][1]} {diff[0][2]} vs model "
@@ -95,7 +103,8 @@ def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: in
             changes.append(f"the {cfg.lr_schedule} schedule now spans {now} optimizer steps, not {before} "
                            "(its length comes from --epochs/--max-steps)")
     if "lr" in saved and saved["lr"] != cfg.lr:
-        changes.append(f"--lr {cfg.lr:g} does not apply: the checkpoint's lr {saved['lr']:g} continues")
+        changes.append(f"--lr {cfg.lr:g} does not apply: the checkpoint's lr {saved['lr']:g} continues (and is "
+                       "what config.toml records)")
     if not changes:
         return None
     return ("resuming with other learning-rate options: " + "; ".join(changes) + ". The learning rate will "

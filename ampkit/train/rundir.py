@@ -1,7 +1,10 @@
-"""The run directory: refuse one that is not ours, create it, empty a stub after a failed start,
-write files atomically, and drop the metrics records a resumed run will produce again."""
+"""The run directory: refuse one that is not ours, lock it for one writer, create it, empty a stub
+after a failed start (a run that started training keeps what explains its failure), write files
+atomically, and drop the metrics records a resumed run will produce again."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -10,7 +13,11 @@ from typing import Any, Dict, List, Optional
 
 from . import checkpoint as ckpt
 
-__all__ = ["RunDirError", "RunDir", "is_run_dir", "default_run_dir", "write_atomic", "truncate_metrics"]
+__all__ = ["RunDirError", "RunDir", "is_run_dir", "default_run_dir", "write_atomic", "truncate_metrics", "LOCK_NAME"]
+
+# held (flock) by the one process writing the run; the OS drops the lock when that process dies, so a
+# killed run never blocks the next one; removed by its holder on exit (a killed run leaves it, unlocked)
+LOCK_NAME = ".ampkit.lock"
 
 
 class RunDirError(ValueError):
@@ -46,14 +53,22 @@ def default_run_dir(data: Any, precision: str) -> str:
     return out
 
 
+def _entries(path: str) -> List[str]:
+    """What a directory holds, a stale lock file left by a killed run not counted."""
+    return sorted(n for n in os.listdir(path) if n != LOCK_NAME)
+
+
 class RunDir:
-    """One invocation's use of ``--out``: `prepare` checks and creates it; `remove_stub` empties it
-    again when this invocation created it (or found it empty) and fails before its first checkpoint."""
+    """One invocation's use of ``--out``: `prepare` checks it, locks it against a second writer and
+    creates it; `release` unlocks it; `remove_stub` empties it again when this invocation created it
+    (or found it empty) and fails before training started; `keep_failed` says where a run that started
+    and failed before its first checkpoint left its explanation."""
 
     def __init__(self, out: Optional[str]) -> None:
         self.out = out
         self._created = False
         self._existed = False
+        self._lock_fd: Optional[int] = None
 
     @property
     def checkpoints(self) -> Optional[str]:
@@ -64,8 +79,9 @@ class RunDir:
         holds_run = is_run_dir(out)
         if os.path.exists(out) and not os.path.isdir(out):
             raise RunDirError(f"--out {out!r} is a file, not a directory: choose another --out.")
-        if not holds_run and os.path.isdir(out) and os.listdir(out):
-            shown = ", ".join(sorted(os.listdir(out))[:3]) + (", ..." if len(os.listdir(out)) > 3 else "")
+        if not holds_run and os.path.isdir(out) and _entries(out):
+            entries = _entries(out)
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
             raise RunDirError(f"--out {out!r} is a directory that is not an ampkit run and is not empty (it holds "
                               f"{shown}): ampkit writes only into a new or empty directory or a run of its own: "
                               "choose a new --out (nothing was written).")
@@ -74,9 +90,17 @@ class RunDir:
                 f"--out {out!r} already holds a run: continue it with --resume auto, or choose another --out "
                 "(nothing was overwritten).")
         try:
-            if not os.path.isdir(out) or not os.listdir(out):
-                self._created = True  # emptied again when this invocation fails before its first checkpoint
-                self._existed = os.path.isdir(out)
+            existed = os.path.isdir(out)
+            was_empty = not existed or not _entries(out)
+            os.makedirs(out, exist_ok=True)
+            self._lock()
+            if not resuming and is_run_dir(out):  # another invocation made it a run while we looked
+                self.release()
+                raise RunDirError(f"--out {out!r} already holds a run: continue it with --resume auto, or choose "
+                                  "another --out (nothing was overwritten).")
+            if was_empty:
+                self._created = True  # emptied again when this invocation fails before training starts
+                self._existed = existed
             os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
             probe = os.path.join(out, ".write-test")
             with open(probe, "w") as f:
@@ -85,15 +109,67 @@ class RunDir:
         except OSError as e:
             raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): choose another --out.") from e
 
+    def _lock(self) -> None:
+        """Hold ``LOCK_NAME`` (an exclusive flock) for this run's life: a second writer is refused at once."""
+        path = os.path.join(self.out, LOCK_NAME)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                raise RunDirError(f"--out {self.out!r} is in use by another ampkit train{holder}: wait for it to "
+                                  "finish, or choose another --out (nothing was written).") from None
+            try:  # the holder before us may have removed the file between our open and our lock: retry
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Unlock (and remove the lock file); idempotent. A killed process is unlocked by the OS."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(os.path.join(self.out, LOCK_NAME))
+        except OSError:
+            pass
+        os.close(fd)
+
     def remove_stub(self) -> None:
-        """A run directory this invocation created (or found empty) that holds no checkpoint yet is emptied on
-        failure, so the retry does not find 'a run' in its way; one that held anything is never touched."""
+        """A run directory this invocation created (or found empty) whose training never started is emptied
+        on failure, so the retry does not find 'a run' in its way; one that held anything is never touched."""
         out = self.out
         if not self._created or not os.path.isdir(out) or ckpt.list_checkpoints(self.checkpoints):
             return
         shutil.rmtree(out, ignore_errors=True)
         if self._existed:  # the user's empty directory stays, empty
             os.makedirs(out, exist_ok=True)
+
+    def kept_note(self) -> str:
+        """One line: a run that started training and failed before its first checkpoint keeps its directory."""
+        names = [n for n in ("nonfinite_report.txt", "metrics.jsonl", "config.toml")
+                 if os.path.isfile(os.path.join(self.out, n))]
+        return (f"the run stopped before its first checkpoint; its directory {self.out} is kept"
+                + (f" ({', '.join(names)} say what happened)" if names else "")
+                + ": start it again with --resume auto, or delete it.")
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        pid = os.pread(fd, 32, 0).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from ..data import check_labels
-from ..precision import Precision, Tuned
+from ..precision import Precision, Tuned, compile_model, compile_step
 from ..precision.convert import is_norm
 from ..precision.modes import AUTO, MODES
 from ..tuning import needs_tuning, tune
@@ -25,7 +26,7 @@ from .config import TrainConfig
 from .evaluate import default_loss
 from .metrics import require_tensorboard
 
-__all__ = ["build_optimizer", "build_scheduler", "check_config", "make_precision", "tune_for_run",
+__all__ = ["build_optimizer", "build_scheduler", "check_config", "make_precision", "tune_for_run", "check_run_length", "task_note",
            "check_model_accepts_data", "infer_task", "wire"]
 
 # TrainConfig.memory_format -> Precision(channels_last=...): None = measured on the model (ampkit.tune)
@@ -85,13 +86,7 @@ def build_scheduler(optimizer, kind: str, total_steps: int, warmup_steps: int):
 
 
 def check_config(cfg: TrainConfig, train_data: Dataset) -> None:
-    """Refuse what cannot train, before anything is built or written."""
-    if cfg.grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {cfg.grad_accum}.")
-    if cfg.batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}.")
-    if cfg.epochs < 1 and not cfg.max_steps:
-        raise ValueError(f"epochs must be >= 1, got {cfg.epochs}.")
+    """Refuse what cannot train, before anything is built or written (the options' ranges: TrainConfig.checked)."""
     if len(train_data) == 0:
         raise ValueError("the training set is empty: it needs at least one sample.")
     if cfg.tensorboard:
@@ -103,6 +98,18 @@ def check_config(cfg: TrainConfig, train_data: Dataset) -> None:
                          "torchrun --nproc-per-node N -m ampkit train --strategy fsdp ...")
     if cfg.memory_format not in MEMORY_FORMATS:
         raise ValueError(f"Unknown memory_format {cfg.memory_format!r}: use {', '.join(MEMORY_FORMATS)}.")
+
+
+def check_run_length(cfg: TrainConfig, micro_batches: int, total_steps: int) -> None:
+    """Options the data makes meaningless: a window longer than an epoch is refused (each step would
+    accumulate the epoch, not ``grad_accum`` micro-batches); a warm-up longer than the run is a warning."""
+    if cfg.grad_accum > micro_batches:
+        raise ValueError(f"--grad-accum {cfg.grad_accum} is more than the {micro_batches} micro-batch(es) of an epoch "
+                         f"(batch size {cfg.batch_size}): a step would accumulate one epoch, not {cfg.grad_accum}. Use "
+                         f"--grad-accum {micro_batches} or less, or a smaller --batch-size.")
+    if cfg.warmup_steps > total_steps:
+        warnings.warn(f"--warmup-steps {cfg.warmup_steps} is longer than the run ({total_steps} optimizer steps): the "
+                      "learning rate never reaches --lr. Use fewer warm-up steps, or train longer.", stacklevel=3)
 
 
 def make_precision(precision: Any, cfg: TrainConfig) -> Precision:
@@ -161,11 +168,63 @@ def check_model_accepts_data(model: nn.Module, batches: Batches, loss_fn: Callab
                          "that fits the data (--model), or fix the data.") from None
     finally:
         model.train(was_training)
+    _check_last_batch(model, batches, x)
     if (loss_fn is default_loss and isinstance(out, torch.Tensor) and out.dim() >= 2
             and isinstance(y, torch.Tensor) and not y.is_floating_point()):
         check_labels(batches.train_data, out.shape[-1], "training")
         if batches.eval_data is not None:
             check_labels(batches.eval_data, out.shape[-1], "evaluation")
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _check_last_batch(model: nn.Module, batches: Batches, x: Any) -> None:
+    """An epoch whose last batch holds one sample, with BatchNorm: a training forward of one sample (the
+    norms' running statistics put back after it) shows whether BatchNorm can train on it; a ValueError
+    naming the batch sizes that avoid it when it cannot (torch's error would come at the epoch's end)."""
+    samples = math.ceil(len(batches.train_data) / batches.world_size)
+    norms = [m for m in model.modules() if isinstance(m, _BATCH_NORMS)]
+    if samples % batches.batch_size != 1 or samples == 1 or not norms:
+        return
+    one = next(iter(batches.eval_batches(batches.train_data, 1)))[0]
+    dev = next((p.device for p in model.parameters()), None)
+    if dev is not None and dev != batches.device:
+        one = to_device(one, dev)
+    saved = [{k: v.clone() for k, v in m.named_buffers(recurse=False)} for m in norms]
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad():
+            call_model(model, one)
+    except ValueError as e:
+        if "Expected more than 1 value per channel" not in str(e):
+            raise
+        b = batches.batch_size
+        fits = [c for c in range(max(2, b - 8), b + 9) if samples % c != 1]
+        fits = sorted(fits, key=lambda c: abs(c - b))[:2]
+        raise ValueError(f"the last batch of each epoch holds 1 sample ({samples} samples, batch size {b}) and the "
+                         f"model's BatchNorm cannot train on a batch of one: use another batch size (e.g. "
+                         f"{' or '.join(map(str, sorted(fits)))}), or drop a sample from the training data.") from None
+    finally:
+        model.train(was_training)
+        for m, buffers in zip(norms, saved):
+            for k, v in buffers.items():
+                getattr(m, k).copy_(v)
+
+
+def task_note(task: str, ds: Dataset) -> Optional[str]:
+    """The line `fit` prints on stdout for a regression: which task, and why (float targets; whole
+    numbers among them look like class labels saved as floats)."""
+    if task != "regression":
+        return None
+    y = ds.tensors[1] if isinstance(ds, TensorDataset) and len(ds.tensors) >= 2 else None
+    if y is not None and y.is_floating_point() and y.numel() and bool((y == y.round()).all()):
+        distinct = torch.unique(y).numel()
+        if distinct <= 100:
+            return (f"task: regression (the targets are floats; they hold {distinct} whole numbers: if those are "
+                    "class labels, save them as integers, e.g. y.astype('int64'), to train a classifier)")
+    return "task: regression (the targets are floats: MSE loss; class labels must be integers)"
 
 
 def infer_task(ds: Dataset) -> str:
@@ -206,6 +265,14 @@ def wire(model: nn.Module, optimizer, prec: Precision, cfg: TrainConfig, world_s
         model = _dist.wrap_model(model, device)
         # DDP all-reduces gradients: every rank sees the same ones, so found-inf needs no collective
         prec.scaler.distributed = False
-    if cfg.compile:
-        model = torch.compile(model)
+    if cfg.compile:  # regional (repeated blocks) or whole; the step: ``compiled_step``
+        model, _ = compile_model(model)
     return model, raw_model, optimizer
+
+
+def compiled_step(prec: Precision, optimizer, cfg: TrainConfig, world_size: int):
+    """``precision.step`` compiled (tensor lr: no recompiles under the schedule) when ``cfg.compile``,
+    single-process or DDP; None otherwise (FSDP's DTensor grads keep the eager step)."""
+    if not cfg.compile or cfg.strategy == "fsdp":
+        return None
+    return compile_step(prec, optimizer)

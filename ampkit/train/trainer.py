@@ -108,8 +108,10 @@ class Trainer:
             self.precision = setup.tune_for_run(self.precision, model, cfg, self.batches, self.loss_fn, saved_mode,
                                                 single_process=self.world_size == 1 and not self._fsdp)
         self.model, self.raw_model, self.optimizer = setup.wire(model, optimizer, self.precision, cfg, self.world_size)
+        self.compiled_step = setup.compiled_step(self.precision, self.optimizer, cfg, self.world_size)
         self.steps_per_epoch = math.ceil(self.batches.per_epoch() / cfg.grad_accum)
         total = cfg.max_steps or self.steps_per_epoch * cfg.epochs
+        setup.check_run_length(cfg, self.batches.per_epoch(), total)
         self._own_schedule = scheduler is None  # built from the config (then a resume can say what changed)
         self.scheduler = scheduler if scheduler is not None else build_scheduler(
             self.optimizer, cfg.lr_schedule, total, cfg.warmup_steps)
@@ -129,6 +131,8 @@ class Trainer:
         self._run_dir = RunDir(cfg.out)
         self._t_segment: Optional[float] = None
         self._pending_step: Optional[tuple] = None  # the last step, its skip flag not yet read (loop.resolve_step)
+        self._fit_called = False
+        self._training_started = False  # config.toml and metrics written: a failure keeps the run directory
 
     def _epoch_order(self, epoch: int) -> List[torch.Tensor]:
         return self.batches.epoch_order(epoch)
@@ -219,6 +223,9 @@ class Trainer:
         note = resume.schedule_change(self.config, saved, self.steps_per_epoch) if self._own_schedule and saved else None
         if note:
             warnings.warn(note, stacklevel=2)
+        if self._own_schedule and "lr" in saved and saved["lr"] != self.config.lr:
+            # the checkpoint's lr continues (optimizer and scheduler state): config.toml records that one
+            self.config = self.config.updated(lr=saved["lr"])
         try:
             self.precision.load_state_dict(ck["precision"])
             if self._fsdp:
@@ -271,13 +278,25 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def fit(self) -> Dict[str, Any]:
         """Train for the configured epochs/steps; returns the summary dict."""
+        if self._fit_called:
+            raise RuntimeError(
+                f"Trainer.fit() already ran on this Trainer (it reached epoch {self.epoch}, optimizer step "
+                f"{self.global_step}): a Trainer trains once. To train further, build a new Trainer with "
+                f"resume='auto' and the same out= ({self.config.out!r}) and a larger epochs= or max_steps=; "
+                "to start over, build a new Trainer with another out=.")
+        self._fit_called = True
         resume_path = self._prepare_run()
         try:
             return self._fit(resume_path)
         except BaseException:
-            if self.rank == 0 and not self.last_checkpoint:
-                self._run_dir.remove_stub()
+            if self.rank == 0 and not self.last_checkpoint and self.run_dir:
+                if self._training_started:  # what explains the failure stays, and where it is is said
+                    print(f"ampkit: {self._run_dir.kept_note()}", file=sys.stderr)
+                else:
+                    self._run_dir.remove_stub()
             raise
+        finally:
+            self._run_dir.release()
 
     def _fit(self, resume_path: Optional[str]) -> Dict[str, Any]:
         cfg = self.config
@@ -306,13 +325,17 @@ class Trainer:
             reduce=mean_loss_over_ranks if self.world_size > 1 else None,
         )
         if self.run_dir and is_main:
-            write_config(cfg.updated(resume=None), os.path.join(self.run_dir, "config.toml"),
+            write_config(self.config.updated(resume=None), os.path.join(self.run_dir, "config.toml"),
                          {"precision (resolved)": self.precision.describe()})
         if is_main:
             print(f"ampkit: {self.precision.describe()}", file=sys.stderr)
+            note = setup.task_note(self.task, self.train_data)
+            if note:
+                print(note)
             if resume_path:
                 print(f"ampkit: resumed from {resume_path} (epoch {self.epoch}, step {self.global_step})", file=sys.stderr)
         t_start = self._t_segment = time.perf_counter()
+        self._training_started = True
         meter = _memory.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
         resident = _memory.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
         try:
@@ -355,7 +378,11 @@ class Trainer:
         logger.event(rec)
         self.history.append(rec)
         acc = f", accuracy {ev['accuracy']:.4f}" if ev["accuracy"] is not None else ""
-        print(f"epoch {self.epoch}/{self.config.epochs}: eval loss {ev['loss']:.4f}{acc}, "
+        where = f"epoch {self.epoch}/{self.config.epochs}"
+        if self.batch_in_epoch:  # --max-steps stopped inside an epoch: name that epoch and how far it got
+            where = (f"epoch {self.epoch + 1}/{self.config.epochs} (stopped by --max-steps after micro-batch "
+                     f"{self.batch_in_epoch} of {self.batches.per_epoch()})")
+        print(f"{where}: eval loss {ev['loss']:.4f}{acc}, "
               f"steps {self.global_step}, skipped {self.precision.skipped_steps}", file=sys.stderr)
 
     def _finish(self, logger: MetricsLogger, train_time: float, is_main: bool) -> Dict[str, Any]:

@@ -77,3 +77,24 @@ def test_several_runs_never_replace_a_users_curves_png(tmp_path, monkeypatch, ca
     (tmp_path / "curves.png").write_bytes(b"mine")
     assert main(["plot", a, b]) == 2
     assert (tmp_path / "curves.png").read_bytes() == b"mine"
+
+
+def test_a_diverged_run_beside_a_normal_one_keeps_both_readable(tmp_path, figures):
+    """A run whose loss climbs to 1e6 before NaN would flatten a normal run's curve on a linear axis: the
+    loss panel goes to a log axis (and says so); a loss that goes negative gets a clipped range instead."""
+    from ampkit.plot import plot_runs
+
+    normal = _run_dir(tmp_path / "ok", [{"step": i, "loss": 2.0 / i, "scale": 1.0, "skipped": False}
+                                        for i in range(1, 21)])
+    blown = _run_dir(tmp_path / "div", [{"step": i, "loss": 2.0 * 10 ** min(i / 3, 6) if i < 19 else math.nan,
+                                         "scale": 1.0, "skipped": i >= 19} for i in range(1, 21)])
+    plot_runs([normal, blown], str(tmp_path / "c.png"), smooth=1)
+    ax_loss = figures[0].axes[0]
+    assert ax_loss.get_yscale() == "log" and ax_loss.get_ylabel() == "loss (log scale)"
+    plot_runs([normal], str(tmp_path / "d.png"), smooth=1)
+    assert figures[1].axes[0].get_yscale() == "linear" and figures[1].axes[0].get_ylabel() == "loss"
+    signed = _run_dir(tmp_path / "neg", [{"step": i, "loss": -1.0 + 0.01 * i if i < 59 else 1e6, "scale": 1.0,
+                                          "skipped": False} for i in range(1, 61)])
+    plot_runs([signed], str(tmp_path / "e.png"), smooth=1)
+    ax = figures[2].axes[0]
+    assert ax.get_ylim()[1] < 10 and "clipped" in ax.get_ylabel()
