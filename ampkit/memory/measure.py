@@ -97,8 +97,13 @@ def resident_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
         if isinstance(per_param, dict):
             tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
-        st = t.untyped_storage()
-        key = (str(st.device), st.data_ptr())
+        if hasattr(t, "to_local"):  # a DTensor (FSDP2): this rank holds its local shard
+            t = t.to_local()
+        try:
+            st = t.untyped_storage()
+            key = (str(st.device), st.data_ptr())
+        except RuntimeError:  # a tensor subclass without a plain storage (fake, wrapper): not resident bytes
+            continue
         if key not in seen:
             seen.add(key)
             total += st.nbytes()

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..memory import measure as _memory
+from ..memory import measure as memory_measure
 from ..precision import NonFiniteGradientsError
 from . import checkpoint as ckpt
 from . import distributed as _dist
@@ -336,8 +336,8 @@ class Trainer:
                 print(f"ampkit: resumed from {resume_path} (epoch {self.epoch}, step {self.global_step})", file=sys.stderr)
         t_start = self._t_segment = time.perf_counter()
         self._training_started = True
-        meter = _memory.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
-        resident = _memory.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
+        meter = memory_measure.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
+        resident = memory_measure.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
         try:
             with self.stop.guard():
                 train_epochs(self, logger, is_main)

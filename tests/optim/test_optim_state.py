@@ -128,7 +128,7 @@ def test_8bit_states_through_torchao():
     pytest.importorskip("torchao.optim")
     prec = _precision("bf16-master", optimizer_state="8bit")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))  # _train feeds 64 features
     model, opt = prec.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert type(opt.optimizer).__name__ == "AdamW8bit"
     _train(prec, model, opt, 2)
