@@ -147,9 +147,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._grads_synced = True
 
     def _copy_model_grads(self) -> None:
+        self._load_master_grads(zip(self.model_params, self.master_params))
+
+    def _load_master_grads(self, pairs) -> None:
+        """Master grads <- the model grads of ``pairs`` (model param, master): one foreach copy, a master
+        grad allocated only where it is missing; a model grad of None clears its master's."""
         dst, src = [], []
         with torch.no_grad():
-            for p, m in zip(self.model_params, self.master_params):
+            for p, m in pairs:
                 g = p.grad
                 if g is None:
                     m.grad = None
@@ -188,22 +193,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if self._flags.get("exposed"):
                 self._copy_model_grads()
             return
-        dst, src = [], []
-        with torch.no_grad():
-            for p, m, seen in zip(self.model_params, self.master_params, self._seen):
-                g = p.grad
-                if seen is not None and g is seen[0] and g._version == seen[1]:
-                    continue
-                if g is None:
-                    if seen is not None:
-                        m.grad = None
-                    continue
-                if m.grad is None or m.grad.shape != m.shape:
-                    m.grad = torch.empty_like(m)
-                dst.append(m.grad)
-                src.append(g)
-            foreach_copy(dst, src)
-        self._remember_model_grads()
+        changed = [(p, m) for p, m, seen in zip(self.model_params, self.master_params, self._seen)
+                   if not (seen is not None and p.grad is seen[0] and p.grad._version == seen[1])
+                   and not (seen is None and p.grad is None)]  # unchanged, or None then and now
+        self._load_master_grads(changed)
 
     def _drop_model_grads(self) -> None:
         """The model's 16-bit grads are consumed: the optimizer step runs without both copies."""
