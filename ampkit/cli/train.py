@@ -118,6 +118,7 @@ def _config_from_args(args, announce: bool = False):
     for k in ("out", "resume", "data", "model", "precision", "device"):
         if isinstance(values.get(k), str) and not values[k].strip():
             raise ValueError(f"--{k} is empty: give a value, or leave the flag out.")
+
     def note(msg: str) -> None:
         if announce and not env_is_secondary():
             print(f"ampkit train: {msg}", file=sys.stderr)
@@ -238,10 +239,11 @@ def _auto_batch(args, cfg, model, data):
     """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once."""
     from ..cli.plan import sample_batch
     from ..memory import auto_batch_size
+    from ..train.distributed import run_device
 
     cap = min(4096, len(data.train))
     choice = auto_batch_size(model, sample_batch(data, 2), precision=cfg.precision, optimizer=cfg.optimizer,
-                             device=cfg.device, cap=cap)
+                             device=run_device(cfg.device), cap=cap)
     if not env_is_secondary():
         print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}"
               f"{' (the dataset size)' if choice.batch_size == cap == len(data.train) else ''}", file=sys.stderr)
