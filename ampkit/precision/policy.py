@@ -47,7 +47,26 @@ __all__ = ["Precision", "PrecisionOptions", "set_global_policy", "global_policy"
 FP16_STATE_MIN_EPS = checks.FP16_STATE_MIN_EPS
 
 
-class Precision(KindHooks):
+class _ByKind(type):
+    """``Precision(name, device, *, tuned=None, options=None, **options)``: the mode is chosen once
+    (``choice.py``), the options built once (``options.py``), then the class of the mode's kind (the table
+    ``kinds/__init__.py`` hands to :func:`use_kinds`) is built with both. A kind's class called directly
+    builds itself (and refuses a mode of another kind); copies and unpickling do not come through here."""
+
+    def __call__(cls, name: Optional[str] = None, device: Any = None, *, tuned: Optional[Tuned] = None,
+                 options: Optional[PrecisionOptions] = None, **kwargs: Any):
+        choice = choose_mode(name, device if device is not None or options is None else options.device, tuned)
+        if options is None:
+            options = PrecisionOptions.from_kwargs(device=device, **kwargs)
+        elif kwargs or (device is not None and device != options.device):
+            options = dataclasses.replace(options, **kwargs, **({} if device is None else {"device": device}))
+        kind = _KINDS[choice.mode.kind] if cls is Precision else cls
+        self = kind.__new__(kind)
+        self.__init__(choice, options, tuned)
+        return self
+
+
+class Precision(KindHooks, metaclass=_ByKind):
     """A precision policy built from the mode table (``ampkit.precision.modes``): ``Precision(name)``
     returns the class of the mode's kind (``ampkit.precision.kinds``: fp32, autocast, cast with fp32
     masters, pure with compensation, fp8), each overriding only the hooks its kind needs.
@@ -93,27 +112,12 @@ class Precision(KindHooks):
             kept in bf16, and names converted although first/last (see docs/FP8.md).
         tuned: what ``ampkit.tune`` measured on the model (:class:`~ampkit.precision.tuned.Tuned`):
             auto's mode, the memory format, attention kernels. Explicit arguments win over it.
+        options: a :class:`PrecisionOptions` instead of the keywords (keywords given too replace its fields).
     """
 
-    def __new__(cls, name: Optional[str] = None, device: Any = None, **kwargs: Any):
-        """``Precision(...)`` builds the class of the mode's kind (the table ``kinds/__init__.py`` hands to
-        :func:`use_kinds`); a kind's class built directly (or copied, unpickled) is itself."""
-        if cls is not Precision:
-            return super().__new__(cls)
-        options = kwargs.get("options")
-        choice = choose_mode(name, options.device if device is None and options is not None else device,
-                             kwargs.get("tuned"))
-        self = super().__new__(_KINDS[choice.mode.kind])
-        self._choice = choice  # __init__ picks it up: the mode is resolved (and auto measured) once
-        return self
-
-    def __init__(self, name: Optional[str] = None, device: Any = None, *, tuned: Optional[Tuned] = None,
-                 options: Optional[PrecisionOptions] = None, **kwargs: Any) -> None:
-        if options is None:
-            options = PrecisionOptions.from_kwargs(device=device, **kwargs)
-        elif kwargs or (device is not None and device != options.device):
-            options = dataclasses.replace(options, **kwargs, **({} if device is None else {"device": device}))
-        choice: Choice = self.__dict__.pop("_choice", None) or choose_mode(name, options.device, tuned)
+    def __init__(self, choice: Choice, options: PrecisionOptions, tuned: Optional[Tuned]) -> None:
+        """Called by ``Precision(name, device, **options)`` (:class:`_ByKind`) with the mode it chose and
+        the options it built, once each."""
         if choice.mode.kind != self.kind:
             raise TypeError(f"{type(self).__name__} runs the {self.kind!r} modes, not {choice.mode.name!r}: "
                             f"build it with ampkit.Precision({choice.mode.name!r}).")

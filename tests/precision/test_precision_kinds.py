@@ -44,8 +44,10 @@ def test_a_kind_built_directly_runs_its_modes_only():
     with pytest.raises(TypeError, match=r"runs the 'autocast' modes, not 'bf16-pure'.*Precision\('bf16-pure'\)"):
         AutocastPrecision("bf16-pure", "cpu")
     p = Precision("bf16-mixed", "cpu")
-    with pytest.raises(TypeError, match="not 'fp32'"):
-        p.__init__("fp32", "cpu")  # no re-initialising a live object into another kind
+    from ampkit.precision.choice import choose_mode
+
+    with pytest.raises(TypeError, match="not 'fp32'"):  # no re-initialising a live object into another kind
+        p.__init__(choose_mode("fp32", "cpu", None), p.settings, None)
 
 
 def test_copies_keep_the_kind_and_state():
