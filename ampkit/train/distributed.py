@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_initialized", "broadcast_object",
+    "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_main_process", "is_initialized",
+    "broadcast_object", "barrier",
     "default_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
     "reduce_eval", "reduce_mean_", "full_state", "load_full_state", "any_rank", "rescale_position",
     "keep_implementation",
@@ -57,6 +58,12 @@ def rank_and_world():
     if is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def is_main_process() -> bool:
+    """The one answer to "am I rank 0": the process that prints, writes the run directory and saves
+    checkpoints (rank 0 of the process group; the only process when none is up)."""
+    return rank_and_world()[0] == 0
 
 
 def _launched() -> bool:
@@ -125,6 +132,14 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process)."""
+    if rank_and_world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def any_rank(flag: int, device: torch.device) -> int:

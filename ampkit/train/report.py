@@ -1,15 +1,34 @@
-"""The end of a run: summary.json, report.txt (and the printed report), nonfinite_report.txt."""
+"""What a run says (rank 0): its start (config.toml, the precision line), its end (summary.json,
+report.txt and the printed report), or why it stopped (nonfinite_report.txt)."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Dict, List, Optional
 
 from ..precision import Precision
+from .config import TrainConfig, write_config
 from .evaluate import classification_text
+from .metrics import MetricsLogger
 from .rundir import write_atomic
 
-__all__ = ["build_summary", "report_text", "write_reports", "nonfinite_report"]
+__all__ = ["announce", "build_summary", "report_text", "write_reports", "publish", "nonfinite_report",
+           "write_nonfinite_report"]
+
+
+def announce(precision: Precision, config: TrainConfig, run_dir: Optional[str], task_note: Optional[str],
+             resumed_from: Optional[str]) -> None:
+    """The start of a run: config.toml in the run directory (the precision resolved), the precision line,
+    the task note, where a resume continues from."""
+    if run_dir:
+        write_config(config.updated(resume=None), os.path.join(run_dir, "config.toml"),
+                     {"precision (resolved)": precision.describe()})
+    print(f"ampkit: {precision.describe()}", file=sys.stderr)
+    if task_note:
+        print(task_note)
+    if resumed_from:
+        print(f"ampkit: resumed from {resumed_from}", file=sys.stderr)
 
 
 def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Optional[Dict[str, Any]],
@@ -76,6 +95,22 @@ def write_reports(run_dir: Optional[str], text: str, summary: Dict[str, Any]) ->
     with open(os.path.join(run_dir, "report.txt"), "w") as f:
         f.write(text + "\n")
     write_atomic(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
+
+
+def publish(logger: MetricsLogger, run_dir: Optional[str], precision: Precision, summary: Dict[str, Any],
+            report: Optional[Dict[str, Any]], step: int) -> None:
+    """The summary as metrics.jsonl's last record, the report printed, report.txt and summary.json written."""
+    logger.event({"kind": "summary", "step": step,
+                  **{k: v for k, v in summary.items() if k not in ("classification_report", "confusion_matrix")}})
+    text = report_text(precision, summary, report)
+    print(text)
+    write_reports(run_dir, text, summary)
+
+
+def write_nonfinite_report(run_dir: str, message: str, **where: Any) -> None:
+    """nonfinite_report.txt (`nonfinite_report`'s text) in the run directory."""
+    with open(os.path.join(run_dir, "nonfinite_report.txt"), "w") as f:
+        f.write(nonfinite_report(message, **where))
 
 
 def nonfinite_report(message: str, *, attempted: int, applied: int, skipped: int, epoch: int,
