@@ -91,10 +91,11 @@ def evaluate(
     return result
 
 
-def evaluate_shards(model: torch.nn.Module, batches, data, loss_fn: Callable, autocast: Callable[[], Any], task: str,
+def evaluate_shards(model: torch.nn.Module, batches, loss_fn: Callable, autocast: Callable[[], Any], task: str,
                     batch_size: int, collect: bool, reshard: bool) -> Dict[str, Any]:
-    """`evaluate` over ``data`` (a `Batches`' evaluation set): each rank evaluates its shard, the sums (loss,
-    correct, count) are all-reduced. ``reshard``: an FSDP root, unsharded after a forward, back to its shards."""
+    """`evaluate` over a `Batches`' evaluation set: each rank evaluates its shard, the sums (loss, correct,
+    count) are all-reduced. ``reshard``: an FSDP root, unsharded after a forward, back to its shards."""
+    data = batches.eval_data
     rank, world = _dist.rank_and_world()
     if world == 1:
         parts = batches.eval_batches(data, batch_size)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.utils.data import TensorDataset
 
+from ..memory import measure as memory_measure
 from ..precision import NonFiniteGradientsError
 from ..utils.batch import batch_size_of, call_model
 from . import distributed as _dist
@@ -54,26 +55,29 @@ class TrainLoop:
     """
 
     def __init__(self, config, *, model, raw_model, fsdp: bool, precision, optimizer, scheduler, step: Callable,
-                 batches, data, loss_fn: Callable, stop, counters: Counters, history: List[Dict[str, Any]],
+                 batches, loss_fn: Callable, stop, counters: Counters, history: List[Dict[str, Any]],
                  save: Callable[[], Optional[str]], evaluate: Optional[Callable[[], Dict[str, Any]]],
                  checkpoints: bool, world_size: int, device: torch.device) -> None:
         self.config = config
         self.model, self.raw_model, self.fsdp = model, raw_model, fsdp
         self.precision, self.optimizer, self.scheduler, self.step = precision, optimizer, scheduler, step
-        self.batches, self.data, self.loss_fn = batches, data, loss_fn
+        self.batches, self.loss_fn = batches, loss_fn
         self.stop, self.counters, self.history = stop, counters, history
         self.save, self.evaluate = save, evaluate
         self.checkpoints = checkpoints  # False without a run directory: then saves write nothing
         self.world_size, self.device = world_size, device
         self.pending: Optional[tuple] = None  # the last step, its skip flag not yet read (`resolve`)
         self.saved_at: Optional[tuple] = None  # the position of the last checkpoint
-        self.samples_seen = 0
         # TensorDatasets are checked for NaN/inf upfront; other datasets when a step is skipped
-        self.check_skipped_inputs = not isinstance(data, TensorDataset)
+        self.check_skipped_inputs = not isinstance(batches.train_data, TensorDataset)
 
     def run(self, logger: MetricsLogger) -> int:
-        """Train until the configured epochs/max_steps (or a signal); returns the samples seen."""
+        """Train until the configured epochs/max_steps (or a signal); returns the peak memory of the steps in
+        bytes: what they added on the device (off CUDA plus the model's and optimizer's tensors, resident
+        before the meter started)."""
         cfg, c = self.config, self.counters
+        meter = memory_measure.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
+        resident = memory_measure.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
         self.model.train()
         while c.epoch < cfg.epochs:
             done = self._epoch(logger)
@@ -89,7 +93,7 @@ class TrainLoop:
                 break
         if self.saved_at != c.position():
             self._save()  # the final state, whatever --save-every said
-        return self.samples_seen
+        return meter.peak() + resident
 
     def _epoch(self, logger: MetricsLogger) -> int:
         """The micro-batches of the current epoch from where the counters are; returns the epoch's length."""
@@ -107,7 +111,7 @@ class TrainLoop:
             window_start = (i // accum) * accum
             window = min(accum, n - window_start)
             last_in_window = (i - window_start) == window - 1
-            x, y = self.batches.fetch(self.data, order[i])
+            x, y = self.batches.fetch(self.batches.train_data, order[i])
             if self.check_skipped_inputs:
                 window_inputs.append((i, order[i], x, y))
             with self._sync_context(last_in_window):
@@ -122,9 +126,7 @@ class TrainLoop:
                         raise err from None
                 precision.backward(loss)
             window_loss += loss.detach()
-            n_samples = batch_size_of(y, x)
-            samples_flush += n_samples
-            self.samples_seen += n_samples
+            samples_flush += batch_size_of(y, x)
             i += 1
             c.batch_in_epoch = i
             progress.advance()

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..memory import measure as memory_measure
 from ..precision import NonFiniteGradientsError
 from . import checkpoint as ckpt
 from . import distributed as _dist
@@ -37,9 +36,9 @@ from .batches import Batches, unwrap_loaders
 from .config import TrainConfig
 from .evaluate import default_loss, evaluate_shards
 from .loop import Counters, TrainLoop
-from .metrics import MetricsLogger, mean_loss_over_ranks
-from .report import announce, build_summary, publish, write_nonfinite_report
-from .rundir import RunDir, RunDirError, truncate_metrics
+from .metrics import MetricsLogger
+from .report import announce, build_summary, open_metrics, publish, write_nonfinite_report
+from .rundir import RunDir, RunDirError, checkpoint_dir
 from .setup import build_optimizer, build_scheduler
 from .signals import StopSignal, TrainingInterrupted
 
@@ -136,9 +135,6 @@ class Trainer:
         self._fit_called = False
         self._training_started = False  # config.toml and metrics written: a failure keeps the run directory
 
-    def _epoch_order(self, epoch: int) -> List[torch.Tensor]:
-        return self.batches.epoch_order(epoch)
-
     # ------------------------------------------------------------------ run directory
     def _prepare_run(self) -> Optional[str]:
         """Rank 0 checks the run directory and picks the checkpoint to resume; every rank gets its
@@ -162,9 +158,6 @@ class Trainer:
         if self.world_size > 1:
             _dist.broadcast_object((path, None))
         return path
-
-    def _checkpoint_dir(self) -> Optional[str]:
-        return os.path.join(self.run_dir, "checkpoints") if self.run_dir else None
 
     # ------------------------------------------------------------------ checkpoints
     def _model_optim_state(self):
@@ -192,7 +185,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Optional[str]:
         """Write a checkpoint of the run's state (every rank calls it); its path on the rank that wrote it."""
-        directory = self._checkpoint_dir()
+        directory = checkpoint_dir(self.run_dir)
         if directory is None or not _dist.is_main_process():
             if directory is not None and self._fsdp:
                 self._model_optim_state()  # rank 0 gathers the shards: take part
@@ -284,10 +277,7 @@ class Trainer:
             return self._fit(resume_path)
         except BaseException:
             if _dist.is_main_process() and not self.last_checkpoint and self.run_dir:
-                if self._training_started:  # what explains the failure stays, and where it is is said
-                    print(f"ampkit: {self._run_dir.kept_note()}", file=sys.stderr)
-                else:
-                    self._run_dir.remove_stub()
+                self._run_dir.failed(self._training_started)
             raise
         finally:
             self._run_dir.release()
@@ -302,72 +292,58 @@ class Trainer:
         else:
             torch.manual_seed(cfg.seed)
             if cfg.resume == "auto" and _dist.is_main_process():
-                print(f"ampkit: --resume auto: no checkpoint in {self._checkpoint_dir()}: starting a new run there",
+                print(f"ampkit: --resume auto: no checkpoint in {checkpoint_dir(self.run_dir)}: starting a new run there",
                       file=sys.stderr)
         self.batches.check_finite(self.epoch)
-        logger = self._open_metrics(resume_path)
+        if cfg.resume and self.run_dir and _dist.is_main_process():  # a checkpoint (if any) loaded: clear
+            ckpt.remove_partial_writes(checkpoint_dir(self.run_dir))  # what a crash left
+        logger, kept = open_metrics(self.run_dir, cfg.tensorboard,
+                                    (self.attempted_steps, self.epoch) if resume_path else None, self.world_size)
+        if kept is not None:
+            self.history = kept
         if _dist.is_main_process():
             announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
                      resume_path and f"{resume_path} (epoch {self.epoch}, step {self.global_step})")
         t_start = self._t_segment = time.perf_counter()
         self._training_started = True
-        meter = memory_measure.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
-        resident = memory_measure.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
         loop = TrainLoop(
             cfg, model=self.model, raw_model=self.raw_model, fsdp=self._fsdp, precision=self.precision,
             optimizer=self.optimizer, scheduler=self.scheduler, step=self.compiled_step or self.precision.step,
-            batches=self.batches, data=self.train_data, loss_fn=self.loss_fn, stop=self.stop, counters=self.counters,
-            history=self.history, save=self.save_checkpoint, checkpoints=bool(self.run_dir),
+            batches=self.batches, loss_fn=self.loss_fn, stop=self.stop, counters=self.counters, history=self.history,
+            save=self.save_checkpoint, checkpoints=bool(self.run_dir),
             evaluate=(lambda: self._evaluate(collect=False)) if self.eval_data is not None else None,
             world_size=self.world_size, device=self.device)
         try:
             with self.stop.guard():
-                loop.run(logger)
-                self.peak_memory_bytes = meter.peak() + resident
+                peak_memory_bytes = loop.run(logger)
         except NonFiniteGradientsError as e:
             logger.close()
             if self.run_dir and _dist.is_main_process():
-                write_nonfinite_report(self.run_dir, str(e), attempted=self.attempted_steps, applied=self.global_step,
-                                       skipped=self.precision.skipped_steps, epoch=self.epoch,
-                                       batch_in_epoch=self.batch_in_epoch, grad_accum=cfg.grad_accum,
-                                       last_checkpoint=self.last_checkpoint)
+                write_nonfinite_report(self.run_dir, str(e), self.counters, self.precision.skipped_steps,
+                                       cfg.grad_accum, self.last_checkpoint)
             raise
         except TrainingInterrupted:
             logger.close()
             raise
         train_time = self._time_before + time.perf_counter() - t_start  # all segments of a resumed run
-        summary = self._finish(logger, train_time)
+        summary = self._finish(logger, train_time, peak_memory_bytes)
         logger.close()
         return summary
-
-    def _open_metrics(self, resume_path: Optional[str]) -> MetricsLogger:
-        """metrics.jsonl (and TensorBoard) on rank 0, cut back to the resumed checkpoint; other ranks log nothing."""
-        cfg = self.config
-        metrics_path = os.path.join(self.run_dir, "metrics.jsonl") if self.run_dir and _dist.is_main_process() else None
-        if cfg.resume and metrics_path:  # the checkpoint (if any) loaded: clear what a crash left
-            ckpt.remove_partial_writes(self._checkpoint_dir())
-        if resume_path and metrics_path:
-            # before the logger opens the file: truncation replaces it with a new one
-            self.history = truncate_metrics(metrics_path, self.attempted_steps, self.epoch)
-        return MetricsLogger(metrics_path,
-                             os.path.join(self.run_dir, "tensorboard") if metrics_path and cfg.tensorboard else None,
-                             append=bool(resume_path), reduce=mean_loss_over_ranks if self.world_size > 1 else None)
 
     # ------------------------------------------------------------------ evaluation and the summary
     def _evaluate(self, collect: bool) -> Dict[str, Any]:
         autocast = self.precision.autocast if self.config.eval_precision == "train" else contextlib.nullcontext
-        return evaluate_shards(self.raw_model, self.batches, self.eval_data, self.loss_fn, autocast, self.task,
+        return evaluate_shards(self.raw_model, self.batches, self.loss_fn, autocast, self.task,
                                self.config.batch_size * 4, collect, reshard=self._fsdp)
 
-    def _finish(self, logger: MetricsLogger, train_time: float) -> Dict[str, Any]:
+    def _finish(self, logger: MetricsLogger, train_time: float, peak_memory_bytes: int) -> Dict[str, Any]:
         final = self._evaluate(collect=True) if self.eval_data is not None else None
         summary, report = build_summary(
             self.precision, self.history, final, device=self.device, task=self.task, epochs=self.epoch,
             optimizer_steps=self.global_step, train_time=train_time, world_size=self.world_size,
             strategy=self.config.strategy if (self.world_size > 1 or self._fsdp) else None,
-            class_names=self.class_names)
-        summary["peak_memory_bytes"] = getattr(self, "peak_memory_bytes", None)
-        summary["planned_peak_bytes"] = self.planned_peak_bytes
+            class_names=self.class_names, peak_memory_bytes=peak_memory_bytes,
+            planned_peak_bytes=self.planned_peak_bytes)
         if _dist.is_main_process():
             publish(logger, self.run_dir, self.precision, summary, report, self.attempted_steps)
         return summary
