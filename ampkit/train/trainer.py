@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -32,6 +31,7 @@ from torch.utils.data import Dataset
 
 from ..memory import measure as memory_measure
 from ..precision import NonFiniteGradientsError
+from ..utils.tree import to_device
 from . import checkpoint as ckpt
 from . import distributed as _dist
 from . import resume, setup
@@ -65,6 +65,8 @@ class Trainer:
         precision: a name/alias or a ready `Precision` (overrides ``config.precision``).
         config: a `TrainConfig`; keyword overrides (``epochs=3``...) are applied on top.
         task: "classification" | "lm" | "regression" (inferred from the targets when None).
+        resume_plan: the `ResumePlan` of ``config.resume`` when the caller made it (``ampkit train``
+            does): its one read of the checkpoint serves the Trainer too.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Trainer:
         config: Optional[TrainConfig] = None,
         task: Optional[str] = None,
         class_names: Optional[Sequence[str]] = None,
+        resume_plan: Optional[resume.ResumePlan] = None,
         **overrides: Any,
     ) -> None:
         if isinstance(optimizer, str):  # an optimizer *name* (config key), not an instance
@@ -99,12 +102,14 @@ class Trainer:
         self.loss_fn = loss_fn or default_loss
         # resuming: refuse options that contradict the checkpoint before the data is even tried on the
         # model (another --data can make the model fail on it first, with a less useful message)
-        peek_path, peeked = resume.peek_checkpoint(cfg) if cfg.resume else (None, None)
+        self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
+        peeked = self._resume.peek() if self._resume else None
         if peeked is not None:
-            resume.check_saved_options(cfg, self.world_size, peeked, peek_path)
+            resume.check_saved_options(cfg, self.world_size, peeked, self._resume.path)
+            self._resume.options_checked = True
         setup.check_model_accepts_data(model, self.batches, self.loss_fn, self.task)  # before timing or writing
         if precision is not self.precision:  # not a ready Precision: measure what it left open
-            saved_mode = (peeked or {}).get("precision", {}).get("name")
+            saved_mode = self._resume.saved_mode if self._resume else None
             self.precision = setup.tune_for_run(self.precision, model, cfg, self.batches, self.loss_fn, saved_mode,
                                                 single_process=self.world_size == 1 and not self._fsdp)
         self.model, self.raw_model, self.optimizer = setup.wire(model, optimizer, self.precision, cfg, self.world_size)
@@ -212,20 +217,15 @@ class Trainer:
             dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        ck = ckpt.load_checkpoint(path, map_location=self.device)
-        missing = [k for k in ("model", "optimizer", "precision", "progress", "rng") if k not in ck]
-        if missing:
-            raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
-                                       "incomplete or was not written by the ampkit Trainer.")
-        saved = ck.get("config") or {}
-        resume.check_saved_options(self.config, self.world_size, ck, path)
-        resume.check_model_signature(ck, ckpt.model_signature(self.raw_model), path)
-        note = resume.schedule_change(self.config, saved, self.steps_per_epoch) if self._own_schedule and saved else None
-        if note:
-            warnings.warn(note, stacklevel=2)
-        if self._own_schedule and "lr" in saved and saved["lr"] != self.config.lr:
-            # the checkpoint's lr continues (optimizer and scheduler state): config.toml records that one
-            self.config = self.config.updated(lr=saved["lr"])
+        """Continue from the checkpoint at ``path``: its options and model checked, every state loaded."""
+        self._apply_checkpoint(ckpt.load_checkpoint(path, map_location=self.device), path)
+
+    def _apply_checkpoint(self, ck: Dict[str, Any], path: str, options_checked: bool = False) -> None:
+        self.config = resume.check_checkpoint(ck, path, self.config, self.world_size,
+                                              ckpt.model_signature(self.raw_model),
+                                              self.steps_per_epoch if self._own_schedule else None, options_checked)
+        if self.device.type != "cpu":
+            ck = to_device(ck, self.device)  # a plan reads on the CPU: where map_location would have put it
         try:
             self.precision.load_state_dict(ck["precision"])
             if self._fsdp:
@@ -237,27 +237,26 @@ class Trainer:
                 self.scheduler.load_state_dict(ck["scheduler"])
         except (KeyError, RuntimeError, ValueError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
-        p = ck["progress"]
-        self.epoch, self.batch_in_epoch = p["epoch"], p["batch"]
-        saved_batch = p.get("world_size", 1) * int(ck.get("config", {}).get("batch_size", self.config.batch_size))
-        if saved_batch != self.world_size * self.config.batch_size and self.batch_in_epoch:
-            self.batch_in_epoch = _dist.rescale_position(
-                self.batch_in_epoch, saved_batch, self.world_size * self.config.batch_size, path)
-        self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
+        self.epoch, self.batch_in_epoch, self.global_step, self.attempted_steps = resume.saved_position(
+            ck, self.config, self.world_size, path)
         self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
 
     def _load_resumed(self, path: str) -> None:
-        """Load the checkpoint to resume; a damaged latest one names the earlier one to continue from."""
+        """Load the checkpoint to resume (the plan's one read of it); a damaged latest one names the
+        earlier one to continue from."""
+        plan = self._resume if self._resume is not None else resume.ResumePlan(path)
         try:
-            self.load_checkpoint(path)
+            self._apply_checkpoint(plan.load(path), path, options_checked=plan.options_checked and plan.path == path)
         except ckpt.CheckpointError as e:
             older = ckpt.list_checkpoints(os.path.dirname(path))[:-1] if self.config.resume == "auto" else []
             if older and e.damaged:
                 raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: continue from it "
                                            f"with --resume {older[-1]}") from e
             raise
+        finally:
+            plan.release()
 
     def _already_finished(self) -> Optional[Dict[str, Any]]:
         """Resuming a run that already reached its epochs/max-steps: say so, change no file, return its summary."""
