@@ -29,6 +29,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import OptState
 
 from ..optim.master import MasterWeightOptimizer
 from ..optim.state import with_state_precision
@@ -37,8 +38,11 @@ from .auto import decide
 from .device import device_info, resolve_device
 from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
 from .islands import apply_fp32_islands, resolve_module_names
+from .loss_scale import parse_loss_scale
 from .modes import AUTO, MODES, Mode, resolve
-from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
+from .scaling.loss_scaler import LossScaler
+from .scaling.nonfinite import nonfinite_flag, nonfinite_from_norm
+from .scaling.step_result import StepResult
 from .tuned import Tuned
 
 __all__ = ["Precision", "set_global_policy", "global_policy", "choose_mode", "FP16_STATE_MIN_EPS"]

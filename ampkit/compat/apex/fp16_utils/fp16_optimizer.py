@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ....optim.master import MasterWeightOptimizer, foreach_copy, delegated
-from ....precision.scaler import LossScaler
+from ....precision.scaling.loss_scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]
 
