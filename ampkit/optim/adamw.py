@@ -16,8 +16,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .base import CompensatedOptimizer, check_moment_rounding, _Target, foreach_cast, lr_of, scalar
+from .base import CompensatedOptimizer, check_moment_rounding, lr_of, scalar
+from .batches import foreach_cast
 from .rounding import stochastic_round_
+from .target import _Target
 
 __all__ = ["Adam", "AdamW"]
 

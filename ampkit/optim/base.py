@@ -1,40 +1,29 @@
-"""Shared machinery of the compensated optimizers: bucketing, where updates land, RNG, state I/O.
+"""The compensated optimizers' base class: bucketing, the device-side skip, RNG streams, state I/O.
 
-Each ``step`` groups a param group's tensors by (device, dtype), in batches of at most
-``bucket_numel`` elements (a param bigger than that, e.g. an embedding, in flat slices: :func:`pieces`), so
-the update's fp32 temporaries and the skip's snapshot stay bounded by the batch, and hands each batch to the subclass's ``_update`` as lists for
-``torch._foreach_*`` ops. The subclass adds its update to
-``target.tensors``, which are
-
-* the params themselves: fp32/fp64 params, or ``compensation=None`` (plain rounding);
-* the params' Kahan buffers (``compensation="kahan"``): the update is summed there and
-  :func:`~ampkit.optim.rounding.kahan_add_` moves what fits into the params;
-* fp32 copies of the params (``compensation="stochastic"``): rounded back unbiasedly.
-
-So one update rule serves every dtype and compensation, and fp32 params keep plain fp32 updates
-(no buffer) next to bf16 ones in the same optimizer.
-
-Why ~380 lines: bucketing and slicing, the device-side skip (snapshot and bit-exact restore, so a skip needs no
-host read), the RNG streams and state I/O all act on the same per-bucket state lists; split apart they
-would pass those lists between modules on every step.
+Each ``step`` groups a param group's tensors by (device, dtype), cuts each group into batches of at
+most ``bucket_numel`` elements (:func:`~ampkit.optim.batches.pieces`), and hands each batch to the
+subclass's ``_update`` as lists for ``torch._foreach_*`` ops, with a
+:class:`~ampkit.optim.target._Target` saying where the update lands (the params, their Kahan buffers,
+or fp32 copies rounded stochastically).
 
 No host reads per step: step counts live on the params' device (as in torch's fused/capturable
 Adam), a tensor ``lr`` stays a tensor, and the skip decision is taken on the device through torch's
 amp protocol (``_step_supports_amp_scaling``: the scaler sets ``found_inf`` and ``grad_scale``).
 A step whose ``found_inf`` is set computes its update and then selects, bit for bit, the state it
-started from (:func:`_Undo`): params, moments, Kahan buffers and step counts come back identical.
-Stochastic rounding draws its random bits before the outcome is known, so a skipped step does
-consume draws (deterministically: the same run with the same seed skips and draws the same way,
-and the generator state is saved in ``state_dict``).
+started from (:class:`~ampkit.optim.batches._Undo`): params, moments, Kahan buffers and step counts
+come back identical. Stochastic rounding draws its random bits before the outcome is known, so a
+skipped step does consume draws (deterministically: the same run with the same seed skips and draws
+the same way, and the generator state is saved in ``state_dict``).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .rounding import kahan_add_, stochastic_round_
+from .batches import _Undo, pieces
+from .target import _Target
 
 __all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "RNG_KEY"]
 
@@ -46,68 +35,12 @@ _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 RNG_KEY = "rng_states"
 
 
-def spans(numels: List[int], cap: int) -> List[Tuple[int, int]]:
-    """Consecutive index ranges whose numels sum to at most ``cap`` (a bigger tensor stands alone)."""
-    out, lo, total = [], 0, 0
-    for i, n in enumerate(numels):
-        if i > lo and total + n > cap:
-            out.append((lo, i))
-            lo, total = i, 0
-        total += n
-    if numels:
-        out.append((lo, len(numels)))
-    return out
-
-
-#: per-param state that is not split with the param (counts, flags): shared by its pieces, never undone
-_SHARED = ("step", "momentum_pending")
-
-
-def _splittable(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any]) -> bool:
-    return p.is_contiguous() and g.is_contiguous() and all(
-        v.is_contiguous() for k, v in state.items() if isinstance(v, torch.Tensor) and k not in _SHARED)
-
-
-def pieces(params: List[torch.Tensor], grads: List[torch.Tensor], states: List[Dict[str, Any]],
-           cap: int) -> List[Tuple[List[torch.Tensor], List[torch.Tensor], List[Dict[str, Any]]]]:
-    """Foreach batches of at most ``cap`` elements: params (with their grads and state) packed in order,
-    and a param larger than ``cap`` cut into flat slices of its storage (when it, its grad and its state
-    are contiguous; elementwise updates do not care where a slice ends). A slice's state dict holds slices
-    of the param-shaped state and the param's own counts and flags (:data:`_SHARED`)."""
-    flat_p, flat_g, flat_s = [], [], []
-    for p, g, st in zip(params, grads, states):
-        n = p.numel()
-        if n <= cap or not _splittable(p, g, st):
-            flat_p.append(p), flat_g.append(g), flat_s.append(st)
-            continue
-        pv, gv = p.view(-1), g.view(-1)
-        sv = {k: (v.view(-1) if isinstance(v, torch.Tensor) and k not in _SHARED else v) for k, v in st.items()}
-        for lo in range(0, n, cap):
-            flat_p.append(pv[lo:lo + cap])
-            flat_g.append(gv[lo:lo + cap])
-            flat_s.append({k: (v[lo:lo + cap] if isinstance(v, torch.Tensor) and k not in _SHARED else v)
-                           for k, v in sv.items()})
-    return [(flat_p[lo:hi], flat_g[lo:hi], flat_s[lo:hi]) for lo, hi in spans([p.numel() for p in flat_p], cap)]
-
-
 def check_compensation(value: Any) -> None:
     if value not in COMPENSATIONS:
         raise ValueError(
             f"compensation={value!r} is not supported: use 'kahan' (a 16-bit buffer per param), "
             "'stochastic' (stochastic rounding, no extra state) or None (plain rounding)."
         )
-
-
-def foreach_cast(tensors: List[torch.Tensor], dtype: torch.dtype) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """Copies of ``tensors`` in ``dtype`` as views of one flat buffer: one allocation, one foreach copy.
-
-    Returns ``(flat, views)``.
-    """
-    numels = [t.numel() for t in tensors]
-    flat = torch.empty(sum(numels), dtype=dtype, device=tensors[0].device)
-    views = [c.view(t.shape) for c, t in zip(flat.split(numels), tensors)]
-    torch._foreach_copy_(views, tensors)
-    return flat, views
 
 
 def check_same_compensation(saved: Optional[str], mine: Optional[str]) -> None:
@@ -135,80 +68,6 @@ def lr_of(group: Dict[str, Any], device: torch.device) -> Any:
     if isinstance(lr, torch.Tensor):
         return lr.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
     return lr
-
-
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class _Undo:
-    """Bit-exact ``x = old if skip else x`` for the tensors one bucket's step writes, with foreach ops.
-
-    The tensors are seen as integers of their width: ``snapshot = bits * skip`` before the step,
-    ``bits = bits * (1 - skip) + snapshot`` after it. Integer products by 0/1 and a sum where one
-    side is 0 are exact, so a skipped step leaves every bit as it was (NaN payloads, -0.0 included)
-    and a taken step every bit as computed.
-    """
-
-    def __init__(self, tensors: List[torch.Tensor], skip: torch.Tensor) -> None:
-        self.groups: Dict[torch.dtype, Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor]] = {}
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(_INT_VIEW[t.element_size()], []).append(t.view(_INT_VIEW[t.element_size()]))
-        for idt, views in by_dtype.items():
-            s = skip.to(idt)
-            self.groups[idt] = (views, torch._foreach_mul(views, s), 1 - s)
-
-    def __call__(self) -> None:
-        for views, saved, keep in self.groups.values():
-            torch._foreach_mul_(views, keep)
-            torch._foreach_add_(views, saved)
-
-
-class _Target:
-    """Where one bucket's update accumulates, and how it lands in the params (see module doc)."""
-
-    def __init__(self, mode: Optional[str], params: List[torch.Tensor], states: List[dict],
-                 generator_fn: Callable[[], torch.Generator], skip: Optional[torch.Tensor] = None) -> None:
-        self.mode = mode
-        self.params = params
-        #: the step's skip flag on the device (bool, 0-dim) or None: the bucket is restored after the
-        #: update when it is set; state created during the update must honour it itself
-        self.skip = skip
-        self._generator_fn = generator_fn
-        self._flat: Optional[torch.Tensor] = None
-        if mode == "kahan":
-            self.tensors = [s["compensation"] for s in states]
-        elif mode == "stochastic":
-            self._flat, self.tensors = foreach_cast(params, torch.float32)  # exact upcast
-        else:
-            self.tensors = params
-
-    @property
-    def generator(self) -> torch.Generator:
-        """The stochastic-rounding generator of this bucket's device (created on first use)."""
-        return self._generator_fn()
-
-    def decay_(self, amount: Any) -> None:
-        """Decoupled weight decay ``w -= amount * w``: multiplied into a weight, added to a Kahan buffer.
-        ``amount`` may be a device tensor (a tensor lr)."""
-        if isinstance(amount, torch.Tensor):
-            if self.mode == "kahan":
-                torch._foreach_add_(self.tensors, torch._foreach_mul(self.params, -amount))
-            else:
-                torch._foreach_mul_(self.tensors, 1.0 - amount)
-        elif self.mode == "kahan":
-            torch._foreach_add_(self.tensors, self.params, alpha=-amount)
-        else:
-            torch._foreach_mul_(self.tensors, 1.0 - amount)
-
-    def finish(self) -> None:
-        """Move the accumulated update into the params."""
-        if self.mode == "kahan":
-            kahan_add_(self.params, self.tensors)
-        elif self.mode == "stochastic":
-            stochastic_round_(self._flat, self.generator)
-            torch._foreach_copy_(self.params, self.tensors)  # exact: low bits are zero
-            self._flat = None
 
 
 class CompensatedOptimizer(torch.optim.Optimizer):
@@ -344,10 +203,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 for ps, gs, ss in pieces(params, grads, states, self._cap(device, sum(p.numel() for p in params))):
                     if scale is not None:  # grads still scaled: unscale copies (the model's grads stay)
                         gs = torch._foreach_div(gs, scale)
-                    undo = None
-                    if skip is not None:
-                        undo = _Undo(ps + [v for st in ss for k, v in st.items()
-                                           if isinstance(v, torch.Tensor) and k not in _SHARED], skip)
+                    undo = None if skip is None else _Undo.of_batch(ps, ss, skip)
                     self._update(group, ps, gs, ss, _Target(mode, ps, ss, gen, skip))
                     if undo is not None:
                         undo()

@@ -10,8 +10,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .base import CompensatedOptimizer, check_moment_rounding, _Target, foreach_cast, lr_of, scalar
+from .base import CompensatedOptimizer, check_moment_rounding, lr_of, scalar
+from .batches import foreach_cast
 from .rounding import stochastic_round_
+from .target import _Target
 
 __all__ = ["SGD"]
 

@@ -7,7 +7,7 @@ from .islands import apply_fp32_islands
 from ..optim.master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names
 from .policy import Precision, global_policy, set_global_policy
-from .kinds import (AutocastPrecision, Fp8Precision, Fp32Precision, MasterPrecision,  # registers the kinds
+from .kinds import (AutocastPrecision, Fp8Precision, Fp32Precision, MasterPrecision,  # the kinds table
                     PurePrecision, precision_class)
 from .loss_scale import parse_loss_scale
 from .scaling.loss_scaler import LossScaler

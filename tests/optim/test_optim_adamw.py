@@ -253,7 +253,7 @@ def test_errors_are_clear():
 
 
 def test_batching_does_not_change_deterministic_results():
-    from ampkit.optim.base import spans
+    from ampkit.optim.batches import spans
 
     assert spans([3, 3, 3, 10, 1], 6) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert spans([], 6) == []

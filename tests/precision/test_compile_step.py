@@ -32,7 +32,7 @@ ALL_MODES = list(MODES)
 # calls that step from its own frame; ampkit.optim's bf16 moments draw stochastic-rounding noise from a
 # torch.Generator (not traceable: ampkit/optim, see README "Compiled steps")
 BOUND = {"master": 3, "pure-compensated": 7}
-ALLOWED = re.compile(r"(torch/optim/|ampkit/optim/(base|adamw|sgd|rounding)\.py)")
+ALLOWED = re.compile(r"(torch/optim/|ampkit/optim/(base|batches|target|adamw|sgd|rounding)\.py)")
 
 
 def _bound(mode: str) -> int:

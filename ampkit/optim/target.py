@@ -1,0 +1,69 @@
+"""Where one batch's update accumulates, and how it lands in the params.
+
+The optimizer's update rule adds its update to ``target.tensors``, which are
+
+* the params themselves: fp32/fp64 params, or ``compensation=None`` (plain rounding);
+* the params' Kahan buffers (``compensation="kahan"``): the update is summed there and
+  :func:`~ampkit.optim.rounding.kahan_add_` moves what fits into the params;
+* fp32 copies of the params (``compensation="stochastic"``): rounded back unbiasedly.
+
+So one update rule serves every dtype and compensation, and fp32 params keep plain fp32 updates
+(no buffer) next to bf16 ones in the same optimizer.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from .batches import foreach_cast
+from .rounding import kahan_add_, stochastic_round_
+
+__all__: List[str] = []
+
+
+class _Target:
+    """Where one batch's update accumulates, and how it lands in the params (see module doc)."""
+
+    def __init__(self, mode: Optional[str], params: List[torch.Tensor], states: List[dict],
+                 generator_fn: Callable[[], torch.Generator], skip: Optional[torch.Tensor] = None) -> None:
+        self.mode = mode
+        self.params = params
+        #: the step's skip flag on the device (bool, 0-dim) or None: the batch is restored after the
+        #: update when it is set; state created during the update must honour it itself
+        self.skip = skip
+        self._generator_fn = generator_fn
+        self._flat: Optional[torch.Tensor] = None
+        if mode == "kahan":
+            self.tensors = [s["compensation"] for s in states]
+        elif mode == "stochastic":
+            self._flat, self.tensors = foreach_cast(params, torch.float32)  # exact upcast
+        else:
+            self.tensors = params
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The stochastic-rounding generator of this batch's device (created on first use)."""
+        return self._generator_fn()
+
+    def decay_(self, amount: Any) -> None:
+        """Decoupled weight decay ``w -= amount * w``: multiplied into a weight, added to a Kahan buffer.
+        ``amount`` may be a device tensor (a tensor lr)."""
+        if isinstance(amount, torch.Tensor):
+            if self.mode == "kahan":
+                torch._foreach_add_(self.tensors, torch._foreach_mul(self.params, -amount))
+            else:
+                torch._foreach_mul_(self.tensors, 1.0 - amount)
+        elif self.mode == "kahan":
+            torch._foreach_add_(self.tensors, self.params, alpha=-amount)
+        else:
+            torch._foreach_mul_(self.tensors, 1.0 - amount)
+
+    def finish(self) -> None:
+        """Move the accumulated update into the params."""
+        if self.mode == "kahan":
+            kahan_add_(self.params, self.tensors)
+        elif self.mode == "stochastic":
+            stochastic_round_(self._flat, self.generator)
+            torch._foreach_copy_(self.params, self.tensors)  # exact: low bits are zero
+            self._flat = None
