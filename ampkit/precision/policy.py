@@ -38,7 +38,8 @@ from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weigh
 from .islands import apply_fp32_islands, resolve_module_names
 from .modes import AUTO, MODES
 from .options import OPTION_GROUPS, PrecisionOptions
-from .scaler import LossScaler, StepResult
+from .scaling.loss_scaler import LossScaler
+from .scaling.step_result import StepResult
 from .tuned import Tuned
 
 __all__ = ["Precision", "PrecisionOptions", "set_global_policy", "global_policy", "choose_mode", "use_kinds",

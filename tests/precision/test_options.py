@@ -11,7 +11,7 @@ from torch import nn
 import ampkit
 from ampkit.precision import loss_scale as loss_scale_module
 from ampkit.precision import options as options_module
-from ampkit.precision import scaler as scaler_module
+from ampkit.precision.scaling import loss_scaler as scaler_module
 from ampkit.precision.options import PrecisionOptions
 
 
