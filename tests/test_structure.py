@@ -6,8 +6,8 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "ampkit")
 
-# module-level circles only: train/loop.py's import of train/trainer.py is inside a function (that
-# function-level circle is the acyclic_siblings contract's one ignored import, pyproject.toml)
+# module-level circles only (import-linter's acyclic_siblings contract, pyproject.toml, also forbids
+# function-level and TYPE_CHECKING ones)
 KNOWN_CYCLES = set()
 
 

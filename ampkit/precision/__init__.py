@@ -10,7 +10,9 @@ from .options import PrecisionOptions
 from .policy import Precision, global_policy, set_global_policy
 from .kinds import (AutocastPrecision, Fp8Precision, Fp32Precision, MasterPrecision,  # the kinds table
                     PurePrecision, precision_class)
-from .scaler import LossScaler, NonFiniteGradientsError, parse_loss_scale
+from .loss_scale import parse_loss_scale
+from .scaling.loss_scaler import LossScaler
+from .scaling.nonfinite import NonFiniteGradientsError
 from .tuned import Tuned
 
 __all__ = [

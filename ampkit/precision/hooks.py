@@ -30,6 +30,20 @@ class KindHooks:
     #: whether fp32 master copies own the update (``MasterPrecision``)
     keeps_fp32_masters = False
 
+    #: the option groups (``options.OPTION_GROUPS``) this class owns: a mode that does not take one is
+    #: refused in the owner's words (:meth:`refusal`); the loss scaling options are the base class's
+    owns: FrozenSet[str] = frozenset({"scaling"})
+
+    @classmethod
+    def refusal(cls, group: str, mode: Any, options: PrecisionOptions) -> str:
+        """The one-line error for an option of ``group`` (owned here) given to ``mode``, which does not take it."""
+        loss_scale, init_scale = options.loss_scale, options.init_scale
+        what = "a scaler" if options.scaler is not None else f"loss scale {loss_scale if loss_scale is not None else init_scale!r}"
+        return (f"precision={mode.name!r} does not use loss scaling, found {what}. "
+                + ("bf16 has fp32's exponent range, so gradients do not underflow: drop the loss scale, "
+                   if "bf16" in mode.name else "fp32 gradients do not underflow: drop the loss scale, ")
+                + "or pick an fp16 mode (fp16-mixed, fp16-master).")
+
     def own_options(self) -> FrozenSet[str]:
         """The option groups (``options.OPTION_GROUPS``) this mode takes; the others are refused: here the
         loss scaling options where the mode scales."""

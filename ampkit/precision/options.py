@@ -3,7 +3,7 @@
 ``Precision(name, device, **options)`` builds a :class:`PrecisionOptions` from its keywords; the loss
 scale is parsed here (once), ``compensation`` and ``optimizer_state`` are normalised here (once), and
 each option's range is checked here. Which options a mode takes is the kind's decision
-(``Precision.own_options``): a kind refuses the option groups it does not own with :func:`refuse`.
+(``Precision.own_options``); the kind that owns a group words its refusal (``Precision.refusal``).
 ``Precision.retuned`` and ``Precision.with_options`` rebuild from this object (``dataclasses.replace``).
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ from ..optim.state import normalise_state_precision
 from .loss_scale import parse_loss_scale, positive_finite
 from .modes import Mode
 
-__all__ = ["PrecisionOptions", "COMPENSATIONS", "OPTION_GROUPS", "refuse"]
+__all__ = ["PrecisionOptions", "COMPENSATIONS", "OPTION_GROUPS"]
 
 #: the ``compensation`` values a bf16-pure precision takes (``"none"``: plain rounding)
 COMPENSATIONS = ("kahan", "stochastic", "none")
-#: the option groups only some kinds take, in the order they are refused
+#: the option groups only some modes take, in the order they are refused (:meth:`PrecisionOptions.given`)
 OPTION_GROUPS = ("compensation", "fp8", "scaling")
 
 
@@ -104,25 +104,6 @@ class PrecisionOptions:
         if group == "fp8":
             return self.fp8_recipe is not None or bool(self.fp8_skip or self.fp8_force)
         return self.loss_scale is not None or self.scaler is not None or self.init_scale is not None
-
-
-def refuse(group: str, mode: Mode, options: PrecisionOptions) -> None:
-    """Raise for an option of ``group`` given to ``mode``, whose kind does not own it (one line naming the fix)."""
-    name = mode.name
-    if group == "compensation":
-        raise ValueError(f"compensation={options.compensation!r} applies to precision='bf16-pure' only (got {name!r}): "
-                         "drop it, or use precision='bf16-pure'.")
-    if group == "fp8":
-        raise ValueError(f"fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only (got {name!r}): "
-                         "drop them, or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
-    loss_scale, init_scale = options.loss_scale, options.init_scale
-    what = "a scaler" if options.scaler is not None else f"loss scale {loss_scale if loss_scale is not None else init_scale!r}"
-    raise ValueError(
-        f"precision={name!r} does not use loss scaling, found {what}. "
-        + ("bf16 has fp32's exponent range, so gradients do not underflow: drop the loss scale, "
-           if "bf16" in name else "fp32 gradients do not underflow: drop the loss scale, ")
-        + "or pick an fp16 mode (fp16-mixed, fp16-master)."
-    )
 
 
 def _names(option: str, value: Any) -> Tuple[str, ...]:

@@ -37,8 +37,9 @@ from .hooks import KindHooks
 from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
 from .islands import apply_fp32_islands, resolve_module_names
 from .modes import AUTO, MODES
-from .options import OPTION_GROUPS, PrecisionOptions, refuse
-from .scaler import LossScaler, StepResult
+from .options import OPTION_GROUPS, PrecisionOptions
+from .scaling.loss_scaler import LossScaler
+from .scaling.step_result import StepResult
 from .tuned import Tuned
 
 __all__ = ["Precision", "PrecisionOptions", "set_global_policy", "global_policy", "choose_mode", "use_kinds",
@@ -136,9 +137,10 @@ class Precision(KindHooks, metaclass=_ByKind):
         self.fused_optimizer = options.fused_optimizer
         if self.mode.low_dtype is not None:
             checks.check_hardware(self.mode, self.device, device_info(self.device))
-        for group in OPTION_GROUPS:  # the kind owns some option groups; the others are refused
+        for group in OPTION_GROUPS:  # the mode takes some option groups; the others are refused by their owner
             if group not in self.own_options() and options.given(group):
-                refuse(group, self.mode, options)
+                owner = next((k for k in _KINDS.values() if group in k.owns), Precision)
+                raise ValueError(owner.refusal(group, self.mode, options))
         self.compensation = options.compensation
         self.optimizer_state = options.optimizer_state
         self.take_options(options)

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 import torch
+from torch.amp.grad_scaler import OptState
 
-from .scaler import OptState, StepResult, nonfinite_flag, nonfinite_from_norm
+from .scaling.nonfinite import nonfinite_flag, nonfinite_from_norm
+from .scaling.step_result import StepResult
 
 __all__ = ["grads_params", "unscale", "clip_grad_norm", "step"]
 

@@ -10,9 +10,6 @@ Checkpoints have one format whatever the strategy: full (unsharded) model and op
 dicts keyed like a single-process ``optimizer.state_dict()``. Under FSDP they are gathered with
 ``torch.distributed.checkpoint.state_dict`` (every rank takes part, rank 0 writes) and scattered
 back on load, so a checkpoint written by 1 process, DDP or FSDP resumes under any of them.
-
-Why ~360 lines: it splits naturally into the process group and collectives (~230) and FSDP sharding
-with full-state gathering (~170); tests import both halves from here, so the split is left for later.
 """
 from __future__ import annotations
 
@@ -27,8 +24,8 @@ from torch import nn
 from ..precision.device import resolve_device
 
 __all__ = [
-    "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_initialized", "broadcast_object",
-    "run_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
+    "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_main_process", "is_initialized",
+    "broadcast_object", "barrier", "run_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
     "reduce_eval", "reduce_mean_", "full_state", "load_full_state", "any_rank", "rescale_position",
     "keep_implementation",
 ]
@@ -61,15 +58,20 @@ def rank_and_world():
     return 0, 1
 
 
+def is_main_process() -> bool:
+    """The one answer to "am I rank 0": the process that prints, writes the run directory and saves
+    checkpoints (rank 0 of the process group; the only process when none is up)."""
+    return rank_and_world()[0] == 0
+
+
 def _launched() -> bool:
     return all(k in os.environ for k in _ENV)
 
 
 def run_device(device: Optional[str] = None) -> torch.device:
-    """Which device a run trains on, answered here only (the CLI, its process group, the batch planner
-    and the Trainer take this answer): ``device`` as given (--device, the config), else cuda where
-    available, else cpu; under a process group a bare/absent cuda is this process's GPU, cuda:LOCAL_RANK.
-    An unknown name, or CUDA asked for where there is none, is a ValueError naming the fix."""
+    """Which device a run trains on, answered here only (for the CLI, its process group, the batch planner,
+    the Trainer): ``device`` as given, else cuda where available, else cpu; under a process group a bare or
+    absent cuda is this process's GPU (cuda:LOCAL_RANK). A bad name or a missing GPU: ValueError."""
     if is_initialized() and device in (None, "cuda") and torch.cuda.is_available():
         return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', torch.cuda.current_device()))}")
     return resolve_device(device)
@@ -129,6 +131,14 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process)."""
+    if rank_and_world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def any_rank(flag: int, device: torch.device) -> int:

@@ -11,7 +11,7 @@ from torch import nn
 import ampkit
 from ampkit.precision import loss_scale as loss_scale_module
 from ampkit.precision import options as options_module
-from ampkit.precision import scaler as scaler_module
+from ampkit.precision.scaling import loss_scaler as scaler_module
 from ampkit.precision.options import PrecisionOptions
 
 
@@ -80,6 +80,8 @@ def test_each_kind_owns_its_options():
     """Options only one kind takes are refused elsewhere, with the owner's fix; the owner checks them."""
     with pytest.raises(ValueError, match="compensation='kahan' applies to precision='bf16-pure' only \\(got 'fp16-pure'\\)"):
         _quiet("fp16-pure", "cpu", compensation="kahan")
+    with pytest.raises(ValueError, match="compensation='stochastic' applies to precision='bf16-pure' only \\(got 'fp32'\\)"):
+        _quiet("fp32", "cpu", compensation="stochastic")  # refused by fp32, in the owner's (bf16-pure's) words
     with pytest.raises(ValueError, match="fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only \\(got 'bf16-mixed'\\)"):
         _quiet("bf16-mixed", "cpu", fp8_skip=["head"])
     with pytest.raises(ValueError, match="precision='bf16-mixed' does not use loss scaling, found loss scale 0"):

@@ -13,7 +13,8 @@ precision plugins do); ``isinstance(p, ampkit.Precision)`` holds for all.
 * :class:`Fp8Precision` (``fp8.py``): bf16 autocast plus Linears swapped to fp8 GEMMs (``Fp8Plan``).
 
 A new mode: a row in ``modes.py`` whose ``kind`` names a class here; a new kind: a module here with
-a ``Precision`` subclass overriding its hooks (and its options: ``own_options``/``take_options``),
+a ``Precision`` subclass overriding its hooks (and its options: ``own_options``/``take_options``, and
+``owns``/``refusal`` for an option group only it takes: a field in ``options.py``),
 and one line in :data:`KINDS`.
 """
 from __future__ import annotations

@@ -17,6 +17,13 @@ class Fp8Precision(AutocastPrecision):
 
     kind = "fp8"
 
+    owns = frozenset({"fp8"})
+
+    @classmethod
+    def refusal(cls, group: str, mode: Any, options: PrecisionOptions) -> str:
+        return (f"fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only (got {mode.name!r}): "
+                "drop them, or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
+
     def own_options(self) -> FrozenSet[str]:
         return super().own_options() | {"fp8"}
 

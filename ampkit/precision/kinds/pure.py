@@ -2,7 +2,7 @@
 ``compensation`` option (Kahan, stochastic rounding or none); fp16-pure needs a large enough Adam ``eps``."""
 from __future__ import annotations
 
-from typing import FrozenSet, List, Optional
+from typing import Any, FrozenSet, List, Optional
 
 import torch
 
@@ -22,6 +22,13 @@ class PurePrecision(CastParams):
     optimizer for its compensated ``ampkit.optim`` form; fp16-pure raises a too-small Adam ``eps``."""
 
     kind = "pure"
+
+    owns = frozenset({"compensation"})
+
+    @classmethod
+    def refusal(cls, group: str, mode: Any, options: PrecisionOptions) -> str:
+        return (f"compensation={options.compensation!r} applies to precision='bf16-pure' only (got {mode.name!r}): "
+                "drop it, or use precision='bf16-pure'.")
 
     def own_options(self) -> FrozenSet[str]:
         return super().own_options() | ({"compensation"} if self.mode.compensated else frozenset())

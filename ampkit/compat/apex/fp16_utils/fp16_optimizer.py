@@ -32,7 +32,7 @@ import torch
 
 from ....optim.master import MasterWeightOptimizer, foreach_copy, delegated
 from ....precision import precision_class
-from ....precision.scaler import LossScaler
+from ....precision.scaling.loss_scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]
 
