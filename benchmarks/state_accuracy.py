@@ -6,6 +6,7 @@ context 256, Markov tokens); ``Precision(mode, optimizer_state=...)``, AdamW lr 
 and its difference from the fp32-state row. Not a timing benchmark.
 
     python benchmarks/state_accuracy.py --mode fp32 --states fp32 bf16 --steps 200
+    python benchmarks/state_accuracy.py --mode fp32 --states fp32 bf16 8bit --steps 100 --batch 2 --seeds 0 1 2
 """
 import argparse
 import json
@@ -18,8 +19,8 @@ from ampkit import Precision
 from ampkit.bench.workload import build_workload
 
 
-def run(mode: str, state, steps: int, batch: int) -> dict:
-    wl = build_workload("gpt", batch, 16, seed=0, device=torch.device("cpu"))
+def run(mode: str, state, steps: int, batch: int, seed: int = 0) -> dict:
+    wl = build_workload("gpt", batch, 16, seed=seed, device=torch.device("cpu"))
     model = wl.model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -36,7 +37,7 @@ def run(mode: str, state, steps: int, batch: int) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # the sync point: fine here, this is not a timing run
     tail = losses[-20:]
-    return {"mode": mode, "state": state, "steps": steps, "final_loss": sum(tail) / len(tail),
+    return {"mode": mode, "state": state, "seed": seed, "steps": steps, "final_loss": sum(tail) / len(tail),
             "first_loss": losses[0], "seconds": round(time.time() - t0, 1)}
 
 
@@ -46,14 +47,17 @@ def main() -> None:
     ap.add_argument("--states", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="one run per seed and state (the seed sets the init, the batches and the rounding)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = []
-    for state in args.states:
-        rows.append(run(args.mode, state, args.steps, args.batch))
-        ref = rows[0]["final_loss"]
-        r = rows[-1]
-        print(json.dumps({**r, "vs_first_row": f"{100 * (r['final_loss'] / ref - 1):+.2f}%"}), flush=True)
+    for seed in args.seeds:
+        rows = []
+        for state in args.states:
+            rows.append(run(args.mode, state, args.steps, args.batch, seed))
+            ref = rows[0]["final_loss"]
+            r = rows[-1]
+            print(json.dumps({**r, "vs_first_row": f"{100 * (r['final_loss'] / ref - 1):+.2f}%"}), flush=True)
 
 
 if __name__ == "__main__":

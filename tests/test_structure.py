@@ -6,8 +6,8 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "ampkit")
 
-# module-level circles only: train/loop.py's import of train/trainer.py is inside a function (that
-# function-level circle is the acyclic_siblings contract's one ignored import, pyproject.toml)
+# module-level circles only (import-linter's acyclic_siblings contract, pyproject.toml, also forbids
+# function-level and TYPE_CHECKING ones)
 KNOWN_CYCLES = set()
 
 
@@ -143,3 +143,67 @@ def test_the_cycle_finder_sees_a_module_level_circle(tmp_path, monkeypatch):
     (tmp_path / "__init__.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "_modules", lambda: mods)
     assert module_cycles() == [frozenset({"ampkit.p.a", "ampkit.p.b"})]
+
+
+# ---------------------------------------------------------------- mode branches (issue 24)
+# Outside ampkit/precision and ampkit/optim nobody decides for a precision kind: no code builds a
+# MasterWeightOptimizer itself, or branches on a mode row's ``master_weights`` / ``compensated``; they
+# ask the kind (``Precision.master_optimizer``, ``wrap_optimizer``, ``keeps_fp32_masters``...).
+OWNERS = ("precision", "optim")
+_MODE_FLAGS = ("master_weights", "compensated")
+
+
+def _is_mode_row(node):
+    """``mode``, ``<x>.mode``, ``MODES[...]``, ``resolve_mode(...)``: an expression naming a mode row."""
+    text = ast.unparse(node)
+    return text == "mode" or text.endswith(".mode") or text.startswith("MODES[") or text.endswith("_mode()")
+
+
+def mode_branches(modules=None):
+    """``path:line: what`` for each MasterWeightOptimizer construction or mode-flag read outside the owners."""
+    bad = []
+    for name, (path, _) in (modules or _modules()).items():
+        if _package(name) in OWNERS:
+            continue
+        for n in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            func = getattr(n, "func", None) if isinstance(n, ast.Call) else None
+            callee = getattr(func, "id", None) or getattr(func, "attr", None)
+            if callee == "MasterWeightOptimizer":
+                bad.append(f"{os.path.relpath(path, ROOT)}:{n.lineno}: builds {ast.unparse(n)}")
+            elif isinstance(n, ast.Attribute) and n.attr in _MODE_FLAGS and _is_mode_row(n.value):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{n.lineno}: branches on {ast.unparse(n)}")
+            elif (callee == "getattr" and len(n.args) > 1 and isinstance(n.args[1], ast.Constant)
+                  and n.args[1].value in _MODE_FLAGS and _is_mode_row(n.args[0])):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{n.lineno}: branches on {ast.unparse(n)}")
+    return sorted(bad, key=lambda b: (b.split(":")[0], int(b.split(":")[1])))
+
+
+def test_no_mode_branches_outside_precision_and_optim():
+    assert mode_branches() == []
+
+
+def test_the_counter_sees_the_old_mode_branches(tmp_path):
+    """The check can fail: apex's FP16_Optimizer building its masters and the Lightning plugin branching on
+    the mode row, as they were written before they asked the kind, are both counted; the kind's answer is not."""
+    old = tmp_path / "old.py"
+    old.write_text(
+        "class FP16_Optimizer:\n"
+        "    def __init__(self, init_optimizer):\n"
+        "        self._master = MasterWeightOptimizer(init_optimizer)\n"
+        "class Plugin:\n"
+        "    def convert_module(self, module):\n"
+        "        if self.ampkit.mode.master_weights:\n"
+        "            pass\n"
+        "        if MODES[name].compensated or getattr(self.mode, 'compensated'):\n"
+        "            pass\n")
+    new = tmp_path / "new.py"
+    new.write_text(
+        "def f(precision, opt, level):\n"
+        "    made = precision_class('fp16-master').master_optimizer(opt)\n"
+        "    keep = precision.keeps_fp32_masters or isinstance(opt, MasterWeightOptimizer)\n"
+        "    return level.master_weights\n")  # apex's own opt-level property, not a mode row
+    got = mode_branches({"ampkit.compat.old": (str(old), False), "ampkit.compat.new": (str(new), False),
+                         "ampkit.optim.master": (str(old), False)})
+    assert [g.split(": ", 1)[1] for g in got] == [
+        "builds MasterWeightOptimizer(init_optimizer)", "branches on self.ampkit.mode.master_weights",
+        "branches on MODES[name].compensated", "branches on getattr(self.mode, 'compensated')"], got

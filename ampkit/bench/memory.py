@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Dict
+from typing import Any, Dict, Optional
 
+import torch
 from torch import nn
 
-__all__ = ["state_bytes", "peak_rss_mb"]
+__all__ = ["state_bytes", "peak_rss_mb", "planned_peak"]
 
 
 def state_bytes(model: nn.Module, optimizer) -> Dict[str, int]:
@@ -36,3 +37,26 @@ def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+def planned_peak(cfg: Dict[str, Any], precision: Any, device: torch.device) -> Optional[Dict[str, Any]]:
+    """What ``ampkit.plan`` predicts for this configuration's step: ``{"planned_peak_mb", "planned_breakdown_mb"}``.
+
+    Traced on fake tensors (no compute) over a freshly built copy of the workload (the measured model was
+    converted in place by ``Precision.setup``), with the precision the row ran: the ampkit runner's tuned
+    ``Precision`` (its memory format included), or for the plain loop its mode by name (autocast and fused
+    AdamW: the same tensors). Called after the peak was read, so the copy never shows in it. None (with
+    ``planned_error``) where the planner cannot trace the step.
+    """
+    from ..memory import plan
+    from ..precision import Precision
+    from .workload import build_workload
+
+    try:
+        wl = build_workload(cfg["model"], int(cfg["batch_size"]), 1, int(cfg["seed"]), device)
+        prec = precision if precision is not None else Precision(cfg["precision"], device, channels_last=False)
+        p = plan(wl.model, wl.batches[0], precision=prec, loss_fn=wl.loss_fn, device=device)
+    except Exception as e:  # reported beside the row, never fails the measurement
+        return {"planned_peak_mb": None, "planned_error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+    return {"planned_peak_mb": round(p.peak_bytes / 2**20, 1),
+            "planned_breakdown_mb": {k: round(v / 2**20, 2) for k, v in p.breakdown.items()}}

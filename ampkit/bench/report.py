@@ -21,7 +21,7 @@ NOISY_REPS, NOISY_IQR = 1.5, 0.5
 #: a per-process ampkit/loop ratio this far from the paired one is called out under the paired table
 PAIRED_DISAGREE = 0.10
 
-__all__ = ["NOISY_REPS", "NOISY_IQR", "is_noisy", "attach_paired", "finalize", "write_json", "write_markdown", "write_png", "markdown",
+__all__ = ["measured_step_peak_mb", "NOISY_REPS", "NOISY_IQR", "is_noisy", "attach_paired", "finalize", "write_json", "write_markdown", "write_png", "markdown",
            "OUTPUTS"]
 
 OUTPUTS = ("bench.json", "bench.md", "bench.png")
@@ -56,6 +56,16 @@ def attach_paired(results: List[Dict]) -> List[Dict]:
     return rows
 
 
+def measured_step_peak_mb(r: Dict) -> Optional[float]:
+    """The measured peak to set beside the plan's: CUDA's allocator peak as it is; on CPU the peak RSS less
+    the RSS the worker had before building the workload (torch's libraries are not the step's)."""
+    peak = r.get("peak_mem_mb")
+    if peak is None:
+        return None
+    base = r.get("rss_base_mb")
+    return round(peak - base, 1) if base is not None else peak
+
+
 def is_noisy(r: Dict) -> bool:
     reps = r.get("rep_ms") or []
     if len(reps) >= 2 and max(reps) > NOISY_REPS * min(reps):
@@ -71,6 +81,7 @@ def finalize(results: List[Dict], device: Dict) -> List[Dict]:
     peaks = device.get("peak_flops") or {}
     for r in results:
         r["noisy"] = is_noisy(r)
+        r["peak_above_base_mb"] = measured_step_peak_mb(r)
     for r in results:
         for k in ("speedup_vs_fp32", "loss_delta_vs_fp32", "loss_rel_delta_vs_fp32", "samples_per_s",
                   "tokens_per_s", "tflops", "utilisation", "mfu", "vs_torch_loop", "explanation"):
@@ -136,20 +147,21 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
              f"{settings.get('repeats')} interleaved repeats, each in its own process; medians of all timed steps",
              f"- command: `{settings.get('command', '')}`", "",
              "| model | precision | runner | ms/step | IQR | speedup vs fp32 | vs torch-loop | samples/s | peak MB "
-             "| state B/param | final loss | loss Δ vs fp32 | TFLOP/s | util |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| planned MB | state B/param | final loss | loss Δ vs fp32 | TFLOP/s | util |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         name = r["precision"] + (f" ({r['resolved_precision']})" if r.get("resolved_precision") not in
                                  (None, r["precision"]) else "")
         name += f" ({r['emulated']})" if r.get("emulated") else ""
         if not r.get("ms_per_step"):
-            lines.append(f"| {r['model']} | {name} | {r['runner']} | failed: {r.get('error', '?')} |" + " |" * 10)
+            lines.append(f"| {r['model']} | {name} | {r['runner']} | failed: {r.get('error', '?')} |" + " |" * 11)
             continue
         lines.append(
             f"| {r['model']} | {name} | {r['runner']} | {r['ms_per_step']:.1f}{'*' if r.get('noisy') else ''} "
             f"| {r['ms_per_step_spread']:.1f} "
             f"| {_f(r['speedup_vs_fp32'], '.2f')}x | {_f(r['vs_torch_loop'], '.2f', '')} "
-            f"| {_f(r['samples_per_s'], '.1f')} | {r['peak_mem_mb']:.0f} | {r['state_bytes_per_param']:.1f} "
+            f"| {_f(r['samples_per_s'], '.1f')} | {r['peak_mem_mb']:.0f} | {_f(r.get('planned_peak_mb'), '.0f')} "
+            f"| {r['state_bytes_per_param']:.1f} "
             f"| {r['final_loss']:.4f} | {_f(r['loss_delta_vs_fp32'], '+.4f')} | {_f(r['tflops'], '.3g')} "
             f"| {_f(r['utilisation'], '.1%')} |")
     if any(r.get("noisy") for r in results):
@@ -212,13 +224,21 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
     mem = [r for r in results if r.get("state_bytes")]
     if mem:
         lines += ["", "## Training state (bytes per parameter, from the tensors)", "",
-                  "| model | precision | runner | params | grads | optimizer | masters | compensation | total | peak MB | base RSS MB |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| model | precision | runner | params | grads | optimizer | masters | compensation | total | peak MB "
+                  "| base RSS MB | peak above base MB | planned MB | plan error |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in mem:
             sb, n = r["state_bytes"], max(1, r["n_params"])
             cells = " | ".join(f"{sb.get(k, 0) / n:.1f}" for k in ("params", "grads", "optimizer", "masters", "compensation", "total"))
+            above = measured_step_peak_mb(r)
+            err = (r["planned_peak_mb"] - above) / above if above and r.get("planned_peak_mb") is not None else None
             lines.append(f"| {r['model']} | {r['precision']} | {r['runner']} | {cells} | {r['peak_mem_mb']:.0f} "
-                         f"| {_f(r.get('rss_base_mb'), '.0f')} |")
+                         f"| {_f(r.get('rss_base_mb'), '.0f')} | {_f(above, '.0f')} | {_f(r.get('planned_peak_mb'), '.0f')} "
+                         f"| {_f(err, '+.0%')} |")
+        lines += ["", "`planned MB` is `ampkit.plan`'s peak for the row's step (traced on fake tensors once per "
+                  "configuration, no compute). It counts the step's tensors: on CUDA compare it with `peak MB` "
+                  "(`torch.cuda.max_memory_allocated`); on CPU with `peak above base MB` (peak RSS less the RSS "
+                  "after imports), which also holds the bench's other batches and allocator slack."]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

@@ -76,6 +76,7 @@ def aggregate(reps: List[Dict]) -> Dict:
         repeats=len(ok),
         peak_mem_mb=max((r["peak_mem_mb"] for r in ok if r.get("peak_mem_mb") is not None), default=None),
         flops_per_step=next((r["flops_per_step"] for r in ok if r.get("flops_per_step")), None),
+        planned_peak_mb=next((r["planned_peak_mb"] for r in ok if r.get("planned_peak_mb") is not None), None),
         profile=next((r["profile"] for r in reversed(ok) if r.get("profile")), None),
     )
     if "ratios" in ok[0]:  # a paired row: loop/ampkit per step, pooled over the repetitions
@@ -86,6 +87,11 @@ def aggregate(reps: List[Dict]) -> Dict:
                    loop_ms_per_step=round(statistics.median([t for r in ok for t in r["loop_step_ms"]]), 3))
         out.pop("ratios", None)
         out.pop("loop_step_ms", None)
+    for key in ("planned_breakdown_mb", "planned_error"):  # from the repetition that planned
+        found = next((r[key] for r in ok if r.get(key)), None)
+        out.pop(key, None)
+        if found:
+            out[key] = found
     out["final_losses"] = [r["final_loss"] for r in ok]
     failed = [r["error"] for r in reps if "error" in r]
     if failed:
@@ -127,7 +133,8 @@ def run_all(configs: List[Dict], repeats: int, timeout_s: float, threads: int,
     reps: List[List[Dict]] = [[] for _ in configs]
     order = schedule(len(configs), repeats)
     for n, (r, i) in enumerate(order, 1):
-        cfg = {**configs[i], "threads": threads, "count_flops": r == 0, "profile": r == repeats - 1}
+        cfg = {**configs[i], "threads": threads, "count_flops": r == 0, "plan": r == 0,
+               "profile": r == repeats - 1}
         rec = worker(cfg, timeout_s)
         reps[i].append(rec)
         if log:

@@ -60,7 +60,7 @@ def _prepare(cfg: Dict) -> torch.device:
 def measure(cfg: Dict) -> Dict:
     from .flops import count_flops
     from .loops import make_step
-    from .memory import peak_rss_mb, state_bytes
+    from .memory import peak_rss_mb, planned_peak, state_bytes
     from .profile import profile_step
     from .workload import build_workload
 
@@ -109,6 +109,8 @@ def measure(cfg: Dict) -> Dict:
         "flops_per_step": flops, "model_flops_per_step": wl.model_flops_per_step, "loop": step.describe, "wall_s": None, "profile": None,
         "emulated": _fp8_emulated(step),
     }
+    if cfg.get("plan", cfg.get("count_flops", True)):  # once per configuration (its first repetition)
+        record.update(planned_peak(cfg, step.precision, device))
     if cfg.get("profile"):
         x, y = wl.batches[(start + steps) % len(wl.batches)]
         record["profile"] = profile_step(lambda: step(x, y), device)

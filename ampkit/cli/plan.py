@@ -11,7 +11,8 @@ from . import UsageError
 
 _LABELS = {"weights": "weights", "grads": "gradients", "master_weights": "fp32 masters",
            "optimizer_state": "optimizer state", "compensation": "Kahan buffers", "activations": "activations",
-           "temporaries": "temporaries", "fp8_casts": "fp8 casts", "inputs": "batch", "other": "other"}
+           "temporaries": "temporaries",
+           "workspace": "kernel workspace", "fp8_casts": "fp8 casts", "inputs": "batch", "other": "other"}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:

@@ -106,7 +106,10 @@ def _typed_values(args) -> dict:
 
 
 def _config_from_args(args, announce: bool = False):
+    """(the run's TrainConfig, its ResumePlan): the options given over the resumed run's saved ones, and
+    the resume planned once (the checkpoint read at most once, handed on to the Trainer)."""
     from ..train.config import TrainConfig
+    from ..train.resume import ResumePlan, saved_run_options
 
     values = _typed_values(args)
     if values.get("batch_size") == "auto":  # chosen by the planner once the model and data exist (_auto_batch)
@@ -115,13 +118,13 @@ def _config_from_args(args, announce: bool = False):
     for k in ("out", "resume", "data", "model", "precision", "device"):
         if isinstance(values.get(k), str) and not values[k].strip():
             raise ValueError(f"--{k} is empty: give a value, or leave the flag out.")
-    from ..train.resume import saved_run_options
 
     def note(msg: str) -> None:
         if announce and not env_is_secondary():
             print(f"ampkit train: {msg}", file=sys.stderr)
 
-    _, saved = saved_run_options(values, note)
+    plan = ResumePlan(None)
+    _, saved = saved_run_options(values, note, plan)
     if saved:
         changed = {k: (saved[k], v) for k, v in values.items()
                    if k in saved and k not in ("resume", "out") and saved[k] != v}
@@ -131,7 +134,8 @@ def _config_from_args(args, announce: bool = False):
             print(f"ampkit train: resuming {saved.get('out') or values['resume']} with its saved options"
                   + (f"; overridden by what was given here: {', '.join(parts)}" if parts else ""), file=sys.stderr)
         values = {**saved, **values}
-    return TrainConfig(**values).checked()  # every range rule lives in TrainConfig.checked
+    cfg = TrainConfig(**values).checked()  # every range rule lives in TrainConfig.checked
+    return cfg, ResumePlan.locate(cfg.resume, cfg.out, plan)
 
 
 def run(args) -> int:
@@ -160,9 +164,9 @@ def _run_with_group(args) -> int:
 
     try:
         try:
-            device = _config_from_args(args).device
-            with process_group_from_env(device) as env:
-                return _run(args, env)
+            cfg, plan = _config_from_args(args, announce=True)
+            with process_group_from_env(cfg.device) as env:
+                return _run(args, env, cfg, plan)
         except ValueError as e:  # bad flags, or the process group could not be set up
             raise UsageError(str(e)) from e
     except UsageError:
@@ -176,7 +180,7 @@ def env_is_secondary() -> bool:
     return int(os.environ.get("RANK", "0")) != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def _run(args, env) -> int:
+def _run(args, env, cfg, plan) -> int:
     import torch
 
     from ..data import load_data
@@ -186,7 +190,6 @@ def _run(args, env) -> int:
     from ..train.rundir import default_run_dir
 
     try:
-        cfg = _config_from_args(args, announce=True)
         if env is not None and env.device:
             cfg = cfg.updated(device=env.device)
         if cfg.num_threads:
@@ -208,7 +211,8 @@ def _run(args, env) -> int:
         choice = _auto_batch(args, cfg, model, data) if getattr(args, "auto_batch", False) else None
         if choice is not None:
             cfg = cfg.updated(batch_size=choice.batch_size)
-        trainer = Trainer(model, data.train, data.test, config=cfg, task=data.task, class_names=data.class_names)
+        trainer = Trainer(model, data.train, data.test, config=cfg, task=data.task, class_names=data.class_names,
+                          resume_plan=plan)
         if choice is not None:
             trainer.planned_peak_bytes = choice.peak_bytes
         summary = trainer.fit()
@@ -235,10 +239,11 @@ def _auto_batch(args, cfg, model, data):
     """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once."""
     from ..cli.plan import sample_batch
     from ..memory import auto_batch_size
+    from ..train.distributed import run_device
 
     cap = min(4096, len(data.train))
     choice = auto_batch_size(model, sample_batch(data, 2), precision=cfg.precision, optimizer=cfg.optimizer,
-                             device=cfg.device, cap=cap)
+                             device=run_device(cfg.device), cap=cap)
     if not env_is_secondary():
         print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}"
               f"{' (the dataset size)' if choice.batch_size == cap == len(data.train) else ''}", file=sys.stderr)

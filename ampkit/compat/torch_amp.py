@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..precision.scaler import LossScaler
+from ..precision.scaling.loss_scaler import LossScaler
 
 __all__ = ["autocast", "GradScaler", "custom_fwd", "custom_bwd", "default_device"]
 

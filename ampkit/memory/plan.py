@@ -20,7 +20,7 @@ __all__ = ["MemoryPlan", "BatchChoice", "plan", "auto_batch_size", "ORDER"]
 
 #: breakdown keys in the order tables print them
 ORDER = ("weights", "grads", "master_weights", "optimizer_state", "compensation", "activations",
-         "temporaries", "fp8_casts", "inputs", "other")
+         "temporaries", "workspace", "fp8_casts", "inputs", "other")
 
 DEFAULT_MARGIN = 0.1
 DEFAULT_CAP = 4096

@@ -6,7 +6,9 @@
 uncounted by a weakref finalizer when the storage dies, so the running total follows the live tensors
 and its maximum is the peak. Each storage keeps a record (bytes, dtype, the phase that created it, a
 category set later by the tracer: weights, grads, optimizer state...); the records live at the peak are
-kept, so the peak can be broken down once the step is over.
+kept, so the peak can be broken down once the step is over. Buffers a kernel allocates inside itself
+(CPU convolutions' im2col columns and oneDNN reorders: ``workspace.py``) are added to the running total
+for the op that holds them.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .workspace import workspace_bytes
 
 __all__ = ["fake_mode", "LiveBytes", "Record"]
 
@@ -116,6 +120,12 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             self.track(t)
         self._snapshot_if_raised()
+        extra = workspace_bytes(func, args, self.device)
+        if extra and self.current + extra > self.peak:  # the kernel's own buffers, live while it ran
+            self.peak, self.peak_phase = self.current + extra, self.phase
+            ws = Record(None, extra, args[0].dtype, self.phase)
+            ws.category = "workspace"
+            self.at_peak = [*self.live.values(), ws]
         return out
 
     # ------------------------------------------------------------------ reading

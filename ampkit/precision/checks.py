@@ -1,31 +1,27 @@
-"""The checks a `Precision` makes, as plain functions over the mode table: the hardware, the options a
-mode accepts, the optimizer's Adam ``eps`` and implementation, and the memory-format rule.
+"""The checks a `Precision` makes, as plain functions over the mode table: the hardware, the optimizer's
+Adam ``eps`` and implementation, and the memory-format rule (the options are checked by ``options.py``
+and by the kind that owns them).
 
 None of them time, cache or touch files; each raises (or warns) with one line naming the fix.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..optim.state import normalise_state_precision
 from .device import DeviceInfo
 from .modes import Mode
 
-__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_options", "check_optimizer_state", "check_eps", "use_fused_kernel",
-           "channels_last_rule"]
+__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_eps", "use_fused_kernel", "channels_last_rule"]
 
 # Adam's eps where the optimizer state is fp16 (fp16-pure): the second moment v is stored in fp16,
 # whose smallest subnormal is 6e-8, so sqrt(v) is either 0 or >= 2.4e-4. With eps=1e-8 a gradient
 # whose square underflows gives m / 1e-8: a huge step, then inf weights (measured: the digits CNN
 # diverged to NaN within 10 steps at eps=1e-8, and reached 0.86 accuracy in 3 epochs at 1e-4).
 FP16_STATE_MIN_EPS = 1e-4
-
-COMPENSATIONS = ("kahan", "stochastic", "none")
-
 
 def check_hardware(mode: Mode, device: torch.device, info: DeviceInfo) -> None:
     """Raise where the device (``info``: ``device_info(device)``) cannot run the mode's 16-bit dtype;
@@ -50,42 +46,6 @@ def check_hardware(mode: Mode, device: torch.device, info: DeviceInfo) -> None:
             "(measured 0.76x on an MLP, far worse on convs). Use 'bf16-mixed' or 'auto' on CPU.",
             stacklevel=3,
         )
-
-
-def check_options(mode: Mode, *, compensation: Optional[str], fp8_options: bool, loss_scale: Any,
-                  init_scale: Optional[float], scaler: Any) -> Optional[str]:
-    """Reject the options this mode does not use; returns ``compensation`` normalised (lower case)."""
-    name = mode.name
-    if compensation is not None and not mode.compensated:
-        raise ValueError(
-            f"compensation={compensation!r} applies to precision='bf16-pure' only (got {name!r}): "
-            "drop it, or use precision='bf16-pure'."
-        )
-    if compensation is not None and str(compensation).lower() not in COMPENSATIONS:
-        raise ValueError(f"compensation={compensation!r} is not supported: use 'kahan', 'stochastic' or 'none'.")
-    if fp8_options and not mode.fp8:
-        raise ValueError(f"fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only (got {name!r}): "
-                         "drop them, or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
-    if not mode.scaled and (loss_scale is not None or scaler is not None or init_scale is not None):
-        what = "a scaler" if scaler is not None else f"loss scale {loss_scale if loss_scale is not None else init_scale!r}"
-        raise ValueError(
-            f"precision={name!r} does not use loss scaling, found {what}. "
-            + ("bf16 has fp32's exponent range, so gradients do not underflow: drop the loss scale, "
-               if "bf16" in name else "fp32 gradients do not underflow: drop the loss scale, ")
-            + "or pick an fp16 mode (fp16-mixed, fp16-master)."
-        )
-    return None if compensation is None else str(compensation).lower()
-
-
-def check_optimizer_state(mode: Mode, value: Any, compensation: Optional[str]) -> Optional[str]:
-    """``optimizer_state`` normalised (``fp32``/``bf16``/``8bit`` or None); a one-line error for what the mode
-    cannot take: 8-bit states (torchao) round bf16 params stochastically, so not with Kahan compensation."""
-    state = normalise_state_precision(value)
-    if state == "8bit" and mode.compensated and compensation == "kahan":
-        raise ValueError(
-            "optimizer_state='8bit' is torchao's AdamW8bit, which lands bf16 updates by stochastic rounding, "
-            "not Kahan compensation: drop compensation='kahan' (or use optimizer_state='bf16').")
-    return state
 
 
 def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:

@@ -1,7 +1,7 @@
 """A compiled optimizer step: ``precision.step`` under ``torch.compile`` without breaks or recompiles of its own.
 
 ``precision.step(optimizer, max_norm=...)`` (unscale, clip, non-finite check, step or skip, scale update,
-counters) traces whole in every mode: the scaler's step path is traceable (``traceable.py``), the loss
+counters) traces whole in every mode: the scaler's step path is traceable (``scaling/traceable.py``), the loss
 scale and its growth tracker are device tensors updated by ``torch._amp_update_scale_``, and the skip
 decision stays on the device (fused kernels take ``found_inf``). What is left is the optimizer's:
 
@@ -83,7 +83,7 @@ def compile_step(precision: Any, optimizer: Any = None, *, backend: Union[str, C
 
     compiled = torch.compile(_step, backend=backend, mode=mode, fullgraph=fullgraph, **compile_kwargs)
     scaler = precision.scaler
-    scaler._limit_checked = True  # the skip limit's host read happens here, outside the graph
+    scaler.counters.checked_outside_graph = True  # the skip limit's host read happens here, outside the graph
 
     def step(opt, max_norm: Optional[float] = None, norm_type: float = 2.0):
         scaler.check_skip_limit(opt)  # last update's count, copied to the host without waiting

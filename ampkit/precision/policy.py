@@ -17,81 +17,57 @@ clipping norm, or one read-only pass; no scale, no unscale). With an optimizer t
 ``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a
 step makes no host sync: ``result`` (a ``StepResult``) reads the skip flag only if asked.
 
-The kinds (fp32, autocast, cast with masters, pure, fp8) are in ``kinds.py``, each overriding only
-its hooks; the checks are functions in ``checks.py``. Why this file is still ~430 lines: ~90 are the
-constructor's documented arguments (the public API, shared by every kind), the rest the step hooks
-every kind shares (backward, unscale, clip, step, state), which read best in one place.
+Here: construction (the options, ``options.py``; the mode, ``choice.py``), ``setup``'s order, and the
+state. The kind hooks and their defaults are ``hooks.py``; the kinds (``kinds/``, one module each, the
+table in ``kinds/__init__.py``) override only their hooks; the step is ``step.py``; checks ``checks.py``.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
+import dataclasses
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 from torch import nn
 
-from ..optim.master import MasterWeightOptimizer
-from ..optim.state import with_state_precision
 from . import checks
-from .auto import decide
-from .device import device_info, resolve_device
+from . import step as stepping
+from .choice import Choice, choose_mode, global_policy, set_global_policy
+from .device import device_info
+from .hooks import KindHooks
 from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
 from .islands import apply_fp32_islands, resolve_module_names
-from .modes import AUTO, MODES, Mode, resolve
-from .scaler import LossScaler, OptState, StepResult, nonfinite_flag, nonfinite_from_norm, parse_loss_scale
+from .modes import AUTO, MODES
+from .options import OPTION_GROUPS, PrecisionOptions
+from .scaling.loss_scaler import LossScaler
+from .scaling.step_result import StepResult
 from .tuned import Tuned
 
-__all__ = ["Precision", "set_global_policy", "global_policy", "choose_mode", "FP16_STATE_MIN_EPS"]
+__all__ = ["Precision", "PrecisionOptions", "set_global_policy", "global_policy", "choose_mode", "use_kinds",
+           "FP16_STATE_MIN_EPS"]
 
 FP16_STATE_MIN_EPS = checks.FP16_STATE_MIN_EPS
-_GLOBAL_POLICY = AUTO
 
 
-def set_global_policy(name: Union[str, "Precision", None]) -> None:
-    """Keras' convention: the default precision for every later ``Precision()`` built without a name."""
-    global _GLOBAL_POLICY
-    if name is None:
-        _GLOBAL_POLICY = AUTO
-    elif isinstance(name, Precision):
-        _GLOBAL_POLICY = name.name
-    else:
-        _GLOBAL_POLICY = resolve(name)
+class _ByKind(type):
+    """``Precision(name, device, *, tuned=None, options=None, **options)``: the mode is chosen once
+    (``choice.py``), the options built once (``options.py``), then the class of the mode's kind (the table
+    ``kinds/__init__.py`` hands to :func:`use_kinds`) is built with both. A kind's class called directly
+    builds itself (and refuses a mode of another kind); copies and unpickling do not come through here."""
+
+    def __call__(cls, name: Optional[str] = None, device: Any = None, *, tuned: Optional[Tuned] = None,
+                 options: Optional[PrecisionOptions] = None, **kwargs: Any):
+        choice = choose_mode(name, device if device is not None or options is None else options.device, tuned)
+        if options is None:
+            options = PrecisionOptions.from_kwargs(device=device, **kwargs)
+        elif kwargs or (device is not None and device != options.device):
+            options = dataclasses.replace(options, **kwargs, **({} if device is None else {"device": device}))
+        kind = _KINDS[choice.mode.kind] if cls is Precision else cls
+        self = kind.__new__(kind)
+        self.__init__(choice, options, tuned)
+        return self
 
 
-def global_policy() -> str:
-    """The current default precision name (``'auto'`` unless set)."""
-    return _GLOBAL_POLICY
-
-
-class Choice(NamedTuple):
-    requested: str  # canonical name asked for ("auto" included)
-    mode: Mode  # the row that runs
-    reason: str  # why that row
-    device: torch.device
-
-
-def choose_mode(name: Optional[str], device: Union[str, torch.device, None], tuned: Optional[Tuned]) -> Choice:
-    """The mode a ``Precision(name, device, tuned=...)`` runs: the name (or the global policy) resolved
-    through the alias table; ``auto`` is what ``ampkit.tune`` measured, else the device rule."""
-    device = resolve_device(device)
-    requested = resolve(global_policy() if name is None else name)
-    chosen, reason = decide(device, tuned) if requested == AUTO else (requested, "asked for explicitly")
-    return Choice(requested, MODES[chosen], reason, device)
-
-
-def _grads_params(optimizer) -> list:
-    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-
-def _has_grads(optimizer) -> bool:
-    """Did a backward reach the optimizer's parameters (the model's, under fp32 masters)? On the Python
-    side only, no host sync; it stops at the first parameter with a grad."""
-    if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-        return True
-    return isinstance(optimizer, MasterWeightOptimizer) and any(p.grad is not None for p in optimizer.model_params)
-
-
-class Precision:
+class Precision(KindHooks, metaclass=_ByKind):
     """A precision policy built from the mode table (``ampkit.precision.modes``): ``Precision(name)``
     returns the class of the mode's kind (``ampkit.precision.kinds``: fp32, autocast, cast with fp32
     masters, pure with compensation, fp8), each overriding only the hooks its kind needs.
@@ -137,222 +113,76 @@ class Precision:
             kept in bf16, and names converted although first/last (see docs/FP8.md).
         tuned: what ``ampkit.tune`` measured on the model (:class:`~ampkit.precision.tuned.Tuned`):
             auto's mode, the memory format, attention kernels. Explicit arguments win over it.
+        options: a :class:`PrecisionOptions` instead of the keywords (keywords given too replace its fields).
     """
 
-    def __init__(
-        self,
-        name: Optional[str] = None,
-        device: Union[str, torch.device, None] = None,
-        *,
-        loss_scale: Union[str, float, None] = None,
-        init_scale: Optional[float] = None,
-        growth_interval: int = 2000,
-        min_scale: Optional[float] = None,
-        max_scale: Optional[float] = None,
-        hysteresis: int = 1,
-        max_consecutive_skips: Optional[int] = None,
-        fp32_modules: Sequence[str] = (),
-        keep_norm_fp32: bool = True,
-        cast_outputs: bool = True,
-        skip_nonfinite: bool = True,
-        channels_last: Optional[bool] = None,
-        op_policy: Optional[bool] = None,
-        scaler: Optional[LossScaler] = None,
-        compensation: Optional[str] = None,
-        optimizer_state: Optional[str] = None,
-        fused_optimizer: bool = True,
-        fp8_recipe: Any = None,
-        fp8_skip: Sequence[str] = (),
-        fp8_force: Sequence[str] = (),
-        tuned: Optional[Tuned] = None,
-    ) -> None:
-        kwargs = {k: v for k, v in locals().items() if k not in ("self", "name", "__class__", "tuned")}
-        choice = self.__dict__.pop("_choice", None) or choose_mode(name, device, tuned)
+    def __init__(self, choice: Choice, options: PrecisionOptions, tuned: Optional[Tuned]) -> None:
+        """Called by ``Precision(name, device, **options)`` (:class:`_ByKind`) with the mode it chose and
+        the options it built, once each."""
         if choice.mode.kind != self.kind:
             raise TypeError(f"{type(self).__name__} runs the {self.kind!r} modes, not {choice.mode.name!r}: "
                             f"build it with ampkit.Precision({choice.mode.name!r}).")
-        self._init_kwargs = kwargs
+        self.settings = options
         self.tuned = tuned if tuned is not None else Tuned()
         self.device = choice.device
         self.requested, self.mode, self.reason = choice.requested, choice.mode, choice.reason
         self.name = self.mode.name
-        self.fp32_modules = tuple(fp32_modules or ())
-        self.keep_norm_fp32 = keep_norm_fp32
-        self.cast_outputs = cast_outputs
-        self.channels_last = channels_last if channels_last is not None else self.tuned.channels_last
+        self.fp32_modules = options.fp32_modules
+        self.keep_norm_fp32 = options.keep_norm_fp32
+        self.cast_outputs = options.cast_outputs
+        self.channels_last = options.channels_last if options.channels_last is not None else self.tuned.channels_last
         # why the memory format is what it is, when it was measured (ampkit.tune)
-        self.layout_reason: Optional[str] = self.tuned.layout_reason if channels_last is None else None
-        self.op_policy = op_policy
-        self.fused_optimizer = fused_optimizer
+        self.layout_reason: Optional[str] = self.tuned.layout_reason if options.channels_last is None else None
+        self.op_policy = options.op_policy
+        self.fused_optimizer = options.fused_optimizer
         if self.mode.low_dtype is not None:
             checks.check_hardware(self.mode, self.device, device_info(self.device))
-        self.compensation = checks.check_options(
-            self.mode, compensation=compensation, fp8_options=fp8_recipe is not None or bool(fp8_skip or fp8_force),
-            loss_scale=loss_scale, init_scale=init_scale, scaler=scaler)
-        self.optimizer_state = checks.check_optimizer_state(self.mode, optimizer_state, self.compensation)
-        self._configure(fp8_recipe=fp8_recipe, fp8_skip=fp8_skip, fp8_force=fp8_force)
-        static = parse_loss_scale(loss_scale)
-        if scaler is not None:
-            self.scaler = scaler
-        elif self.mode.scaled:
-            self.scaler = LossScaler(
-                self.device.type,
-                init_scale=2.0**16 if init_scale is None else init_scale,
-                growth_interval=growth_interval,
-                loss_scale=static,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                hysteresis=hysteresis,
-                max_consecutive_skips=max_consecutive_skips,
-                allow_fp16_grads=not self.mode.master_weights,
-            )
-        else:
-            # check-only guard: scale 1, never grows; skips non-finite steps and counts them
-            self.scaler = LossScaler(
-                self.device.type, init_scale=1.0, loss_scale=1.0, enabled=skip_nonfinite,
-                max_consecutive_skips=max_consecutive_skips, allow_fp16_grads=True,
-            )
-        self._scales_loss = self.mode.scaled
+        for group in OPTION_GROUPS:  # the mode takes some option groups; the others are refused by their owner
+            if group not in self.own_options() and options.given(group):
+                owner = next((k for k in _KINDS.values() if group in k.owns), Precision)
+                raise ValueError(owner.refusal(group, self.mode, options))
+        self.compensation = options.compensation
+        self.optimizer_state = options.optimizer_state
+        self.take_options(options)
+        self.scaler = options.scaler if options.scaler is not None else self._make_scaler(options)
+        self.scales_loss = self.mode.scaled
         self._setup_done = False
 
-    def __new__(cls, name: Optional[str] = None, device: Union[str, torch.device, None] = None, **kwargs: Any):
-        """``Precision(...)`` builds the class of the mode's kind (the factory over the mode table);
-        a kind's class built directly (or copied, unpickled) is itself."""
-        if cls is not Precision:
-            return super().__new__(cls)
-        choice = choose_mode(name, device, kwargs.get("tuned"))
-        self = super().__new__(_KINDS[choice.mode.kind])
-        self._choice = choice  # __init__ picks it up: the mode is resolved (and auto measured) once
-        return self
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "kind" in cls.__dict__:
-            _KINDS[cls.kind] = cls
-
-    # ------------------------------------------------------------------ kind hooks (overridden per kind)
-    #: the ``Mode.kind`` this class runs
-    kind = ""
-    #: the fp8 plan (fp8 modes only)
-    fp8 = None
-
-    def _configure(self, **kind_options: Any) -> None:
-        """Take the options only this kind uses (the fp8 recipe...): nothing here."""
-
-    def _convert(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
-        """Make the model and optimizer this kind's (``setup``, after ``model.to(device)``): here only
-        torch's Adam/AdamW/SGD switched to their fused kernel (no host sync per step)."""
-        if self.fused_optimizer and optimizer is not None:
-            checks.use_fused_kernel(optimizer, self.device)
-        return model, optimizer
-
-    def _with_state(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
-        """The optimizer with its moments in ``optimizer_state`` (``setup``, before ``_convert``: a master
-        kind then wraps the converted optimizer over its fp32 masters)."""
-        if optimizer is None or self.optimizer_state is None or (self.optimizer_state == "fp32" and self.kind != "pure"):
-            return optimizer  # (fp32 is torch's own state over fp32 params and masters: kept, fused)
-        return with_state_precision(optimizer, self.optimizer_state, compensation=None)
-
-    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer ``setup`` returns (after the eps check): as given here."""
-        return optimizer
-
-    def _details(self) -> List[str]:
-        """``describe``'s clauses after the mode summary."""
-        extra = []
-        if self._scales_loss:
-            extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler.static_scale:g}")
-        if self.optimizer_state is not None:
-            extra.append({"fp32": "fp32 optimizer state", "8bit": "8-bit optimizer state (torchao)",
-                          "bf16": "bf16 optimizer state (stochastic rounding)"}[self.optimizer_state])
-        if self.fp32_modules:
-            extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
-        if self.layout_reason:
-            extra.append(f"memory format {self.layout_reason}")
-        return extra
-
-    def autocast(self):
-        """Context for forward + loss: torch.autocast in the mode's compute dtype (or nothing)."""
-        return contextlib.nullcontext()
-
-    def attention_policy(self):
-        """The scoped attention policy ``autocast()`` enters, or None (always, without autocast)."""
-        return None
-
-    @property
-    def op_policy_applies(self) -> bool:
-        """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
-        return False
-
-    def convert_input(self, batch: Any) -> Any:
-        """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
-        return batch
-
-    @property
-    def min_adam_eps(self) -> Optional[float]:
-        """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
-        return None
-
-    # ---------------------------------------- kind hooks asked by callers that set up in two halves
-    #: whether fp32 master copies own the update (``MasterPrecision``)
-    keeps_fp32_masters = False
-
-    def fp32_copies(self, model: nn.Module) -> Dict[int, torch.Tensor]:
-        """The fp32 weights to start masters from, taken before ``convert_module`` rounds them (by
-        ``id`` of the parameter): none here, only a master kind keeps them."""
-        return {}
-
-    def convert_module(self, model: nn.Module) -> nn.Module:
-        """The model as this kind runs it (``setup(model, None)``: device, cast, fp8 swap, islands, layout)."""
-        return self.setup(model, None)[0]
-
-    def master_optimizer(self, optimizer: torch.optim.Optimizer, master_class: Optional[type] = None):
-        """The fp32-master optimizer stepped for ``optimizer`` (``master_class``, a ``MasterWeightOptimizer``
-        subclass, else that class), or None where this kind keeps no masters."""
-        return None
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer,
-                       fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.optim.Optimizer:
-        """The optimizer this kind steps for one built over the converted model (``convert_module``): the
-        Adam ``eps`` check, then the kind's own treatment (masters, started from ``fp32_params`` =
-        ``fp32_copies``, which they consume; bf16-pure's compensated optimizer; as given elsewhere)."""
-        self.check_optimizer_eps(optimizer)
-        return self._wrap_optimizer(optimizer)
-
-    def fsdp_policy(self):
-        """FSDP2's ``MixedPrecisionPolicy`` for this kind: shards stay fp32 (they are the master weights),
-        parameters all-gathered in the compute dtype, gradients reduced in fp32. A kind FSDP cannot run
-        (16-bit parameters, fp8) raises a ValueError naming what to use instead."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        low = self.mode.autocast_dtype
-        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
-
-    def prepare_fsdp(self):
-        """Make this (not yet set up) precision one FSDP can shard: its ``fsdp_policy`` (the check), and
-        contiguous parameters only (``channels_last`` off; asked for explicitly, an error). Returns the policy."""
-        policy = self.fsdp_policy()
-        if self.channels_last:
-            raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
-                             "parameters only): leave channels_last unset, or use strategy 'ddp'.")
-        self.channels_last = False
-        return policy
-
-    def _register_names(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Tell the scaler the model's parameter names (its errors name tensors by them)."""
-        self.scaler.register_names(model)
+    def _make_scaler(self, o: PrecisionOptions) -> LossScaler:
+        """The mode's loss scaler; unscaled modes get a check-only guard (scale 1, never grows, skips
+        non-finite steps and counts them)."""
+        if not self.mode.scaled:
+            return LossScaler(self.device.type, init_scale=1.0, dynamic=False, enabled=o.skip_nonfinite,
+                              max_consecutive_skips=o.max_consecutive_skips, allow_fp16_grads=True)
+        static = o.static_scale  # parsed once, by the options
+        return LossScaler(
+            self.device.type,
+            init_scale=static if static is not None else 2.0**16 if o.init_scale is None else o.init_scale,
+            dynamic=static is None,
+            growth_interval=o.growth_interval,
+            min_scale=o.min_scale,
+            max_scale=o.max_scale,
+            hysteresis=o.hysteresis,
+            max_consecutive_skips=o.max_consecutive_skips,
+            allow_fp16_grads=not self.keeps_fp32_masters,
+        )
 
     # ------------------------------------------------------------------ construction
     def options(self) -> Dict[str, Any]:
         """The keyword arguments this precision was built with (``name`` and ``tuned`` aside)."""
-        return dict(self._init_kwargs)
+        return self.settings.kwargs()
+
+    def with_options(self, **changes: Any) -> "Precision":
+        """A new precision with the same request and measured decisions, these options changed
+        (``dataclasses.replace`` on :attr:`settings`, checked again); this one is left as it is."""
+        return Precision(self.requested, options=dataclasses.replace(self.settings, **changes), tuned=self.tuned)
 
     def retuned(self, tuned: Tuned) -> "Precision":
         """A new precision with the same request and options and these measured decisions
         (what ``ampkit.tune`` returns; auto may land on another kind); this one is left as it is."""
         if self._setup_done:
             raise RuntimeError("retuned() after setup(): tune before setting the model up.")
-        return Precision(self.requested, **self._init_kwargs, tuned=tuned)
+        return Precision(self.requested, options=self.settings, tuned=tuned)
 
     @property
     def kept_fp32(self) -> Dict[str, str]:
@@ -377,7 +207,7 @@ class Precision:
     @property
     def loss_scale(self) -> float:
         """Current loss scale (1.0 when the mode does not scale). Syncs with the device."""
-        return self.scaler.get_scale() if self._scales_loss else 1.0
+        return self.scaler.get_scale() if self.scales_loss else 1.0
 
     @property
     def skipped_steps(self) -> int:
@@ -410,10 +240,6 @@ class Precision:
         self._setup_done = True
         return model, optimizer
 
-    def check_optimizer_eps(self, optimizer: Any) -> None:
-        """Raise a too-small Adam ``eps`` to ``min_adam_eps`` (fp16 optimizer state), with one warning."""
-        checks.check_eps(optimizer, self.name, self.min_adam_eps)
-
     def uses_channels_last(self, model: nn.Module) -> bool:
         """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
         (CPU, bf16 compute, 2-D convolutions)."""
@@ -423,7 +249,7 @@ class Precision:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """loss.backward(), with the loss scaled first in the scaled modes."""
-        if self._scales_loss:
+        if self.scales_loss:
             self.scaler.scale(loss).backward(**kwargs)
         else:
             self.scaler.ensure_initialized(loss.device)
@@ -437,26 +263,11 @@ class Precision:
         any change made there (see :class:`~ampkit.optim.MasterWeightOptimizer`). Unscaled modes have
         nothing to unscale: the check is ``_norm`` (a gradient norm computed anyway) or one read-only pass,
         never a scale-1 unscale."""
-        self._unscale(optimizer, _norm, to_model=True)
-
-    def _unscale(self, optimizer, _norm: Optional[torch.Tensor] = None, to_model: bool = False) -> None:
-        """``unscale_``; ``to_model=False`` (the step's own path) leaves the model's 16-bit grads as they are."""
-        scaler = self.scaler
-        if isinstance(optimizer, MasterWeightOptimizer):
-            optimizer.sync_grads()  # also takes the model grads changed since an earlier unscale_
-        if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
-            return
-        scaler.ensure_initialized(self.device)  # backward() may not have come through us
-        if self._scales_loss:
-            scaler.unscale_(optimizer, to_model=to_model)
-        else:
-            found = (nonfinite_from_norm(_norm, self.device) if _norm is not None
-                     else nonfinite_flag([p.grad for p in _grads_params(optimizer)], self.device))
-            scaler.record_found_inf(optimizer, found)
+        stepping.unscale(self, optimizer, _norm, to_model=True)
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
              norm_type: float = 2.0) -> StepResult:
-        """Unscale -> clip -> non-finite check -> step or skip -> update the scale.
+        """Unscale -> clip -> non-finite check -> step or skip -> update the scale (``ampkit.precision.step``).
 
         Returns a :class:`StepResult` (what the optimizer's ``step`` returned, if not None): truthy when
         the optimizer stepped, falsy when the step was skipped, read from the device only when asked.
@@ -464,35 +275,12 @@ class Precision:
         under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
         Clipping done by the caller after ``unscale_`` is applied as it is; ``max_norm`` clips on top.
         """
-        if not _has_grads(optimizer):
-            raise RuntimeError(
-                "Precision.step() found no gradients on the optimizer's parameters: call precision.backward(loss) "
-                "(or loss.backward()) before each step(); nothing was stepped or counted.")
-        self.last_grad_norm = None
-        if max_norm is not None and max_norm > 0:
-            self.last_grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
-        else:
-            self._unscale(optimizer)
-        result = self.scaler.step(optimizer)
-        if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
-            found = self.scaler.found_inf(optimizer)
-            result = StepResult(found) if found is not None else StepResult()
-        self.scaler.update()
-        return result
+        return stepping.step(self, optimizer, max_norm, norm_type)
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale (once) and clip the optimizer's grads (the fp32 master grads where the mode has them);
         returns the total norm (no sync). In the unscaled modes the norm is also the step's non-finite check."""
-        scaler = self.scaler
-        if self._scales_loss or not scaler.is_enabled() or scaler.stage(optimizer) is not OptState.READY:
-            self._unscale(optimizer)
-            return torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type,
-                                                  foreach=True)
-        if isinstance(optimizer, MasterWeightOptimizer):
-            optimizer.sync_grads()
-        norm = torch.nn.utils.clip_grad_norm_(_grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
-        self._unscale(optimizer, _norm=norm)
-        return norm
+        return stepping.clip_grad_norm(self, optimizer, max_norm, norm_type)
 
     # ------------------------------------------------------------------ state
     def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
@@ -535,5 +323,16 @@ class Precision:
         return f"Precision({self.name!r}, device={str(self.device)!r})"
 
 
-#: Mode.kind -> the class that runs it; filled by each kind's class (``ampkit.precision.kinds``)
+#: Mode.kind -> the class that runs it: the table in ``ampkit/precision/kinds/__init__.py`` (``use_kinds``)
 _KINDS: Dict[str, type] = {}
+
+
+def use_kinds(table: Mapping[str, type]) -> None:
+    """Dispatch ``Precision(name)`` through ``table`` (Mode.kind -> its class): every kind of the mode table
+    needs a class, each a subclass of :class:`Precision` that runs that kind."""
+    missing = sorted({m.kind for m in MODES.values()} - set(table))
+    wrong = [k for k, c in table.items() if not (isinstance(c, type) and issubclass(c, Precision) and c.kind == k)]
+    if missing or wrong:
+        raise TypeError(f"precision kinds table: no class for {missing}, wrong class for {wrong}.")
+    _KINDS.clear()
+    _KINDS.update(table)

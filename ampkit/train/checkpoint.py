@@ -179,9 +179,7 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
 def _crc_mismatch(path: str) -> Optional[str]:
     """The first archive member whose bytes fail their CRC-32, or None (torch.load never checks)."""
     try:
-        if not zipfile.is_zipfile(path):
-            return None  # not a zip archive: torch.load reports what it is
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(path) as z:  # not a zip archive (BadZipFile): torch.load reports what it is
             if not any(info.CRC for info in z.infolist()):
                 return None  # written with torch's checksums turned off
             return z.testzip()

@@ -10,9 +10,6 @@ Checkpoints have one format whatever the strategy: full (unsharded) model and op
 dicts keyed like a single-process ``optimizer.state_dict()``. Under FSDP they are gathered with
 ``torch.distributed.checkpoint.state_dict`` (every rank takes part, rank 0 writes) and scattered
 back on load, so a checkpoint written by 1 process, DDP or FSDP resumes under any of them.
-
-Why ~360 lines: it splits naturally into the process group and collectives (~230) and FSDP sharding
-with full-state gathering (~170); tests import both halves from here, so the split is left for later.
 """
 from __future__ import annotations
 
@@ -24,9 +21,11 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
+from ..precision.device import resolve_device
+
 __all__ = [
-    "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_initialized", "broadcast_object",
-    "default_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
+    "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_main_process", "is_initialized",
+    "broadcast_object", "barrier", "run_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
     "reduce_eval", "reduce_mean_", "full_state", "load_full_state", "any_rank", "rescale_position",
     "keep_implementation",
 ]
@@ -59,17 +58,24 @@ def rank_and_world():
     return 0, 1
 
 
+def is_main_process() -> bool:
+    """The one answer to "am I rank 0": the process that prints, writes the run directory and saves
+    checkpoints (rank 0 of the process group; the only process when none is up)."""
+    return rank_and_world()[0] == 0
+
+
 def _launched() -> bool:
     return all(k in os.environ for k in _ENV)
 
 
-def default_device(device: Optional[str]) -> Optional[str]:
-    """Under a process group, a bare/absent CUDA device means this process's GPU: cuda:LOCAL_RANK."""
-    if not is_initialized():
-        return device
-    if device in (None, "cuda") and torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', torch.cuda.current_device()))}"
-    return device
+def run_device(device: Optional[str] = None) -> torch.device:
+    """Which device a run trains on, answered here only (the CLI, its process group, the batch planner
+    and the Trainer take this answer): ``device`` as given (--device, the config), else cuda where
+    available, else cpu; under a process group a bare/absent cuda is this process's GPU, cuda:LOCAL_RANK.
+    An unknown name, or CUDA asked for where there is none, is a ValueError naming the fix."""
+    if is_initialized() and device in (None, "cuda") and torch.cuda.is_available():
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', torch.cuda.current_device()))}")
+    return resolve_device(device)
 
 
 @contextlib.contextmanager
@@ -83,7 +89,8 @@ def process_group_from_env(device: Optional[str]) -> Iterator[Optional[DistEnv]]
 
     if is_initialized():  # someone else owns the group: use it, leave it alone
         rank, world = rank_and_world()
-        yield DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend(), default_device(device) or "", False)
+        chosen = str(run_device(device)) if device or torch.cuda.is_available() else ""  # "": the config's default
+        yield DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend(), chosen, False)
         return
     if not _launched():
         yield None
@@ -91,7 +98,7 @@ def process_group_from_env(device: Optional[str]) -> Iterator[Optional[DistEnv]]
     if not dist.is_available():
         raise ValueError("this torch build has no torch.distributed: install a build with it to use torchrun.")
     rank, world, local = (int(os.environ[k]) for k in _ENV)
-    want = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    want = device or run_device().type
     dev = torch.device(want)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -125,6 +132,14 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process)."""
+    if rank_and_world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def any_rank(flag: int, device: torch.device) -> int:

@@ -12,8 +12,9 @@ import torch
 from .._optional import MissingDependency, require
 from ..diagnose.runner import default_loss  # the one default loss (re-exported: the Trainer's default)
 from ..utils.batch import batch_size_of, call_model, output_logits, own_loss
+from . import distributed as _dist
 
-__all__ = ["default_loss", "evaluate", "classification_text", "label_error"]
+__all__ = ["default_loss", "evaluate", "evaluate_shards", "classification_text", "label_error"]
 
 
 def label_error(err: IndexError, out: Any, y: Any, where: str) -> Optional[ValueError]:
@@ -88,6 +89,22 @@ def evaluate(
         result["preds"] = torch.cat(preds).numpy()
         result["targets"] = torch.cat(targets).numpy()
     return result
+
+
+def evaluate_shards(model: torch.nn.Module, batches, loss_fn: Callable, autocast: Callable[[], Any], task: str,
+                    batch_size: int, collect: bool, reshard: bool) -> Dict[str, Any]:
+    """`evaluate` over a `Batches`' evaluation set: each rank evaluates its shard, the sums (loss, correct,
+    count) are all-reduced. ``reshard``: an FSDP root, unsharded after a forward, back to its shards."""
+    data = batches.eval_data
+    rank, world = _dist.rank_and_world()
+    if world == 1:
+        parts = batches.eval_batches(data, batch_size)
+    else:
+        parts = (batches.fetch(data, idx) for idx in _dist.shard_indices(len(data), rank, world, batch_size))
+    result = evaluate(model, parts, loss_fn, autocast, task, collect)
+    if reshard:  # FSDP's root stays unsharded (compute dtype) after a forward: back to the fp32 shards
+        model.reshard()
+    return _dist.reduce_eval(result, len(data), task, collect, batches.device)
 
 
 def classification_text(preds: np.ndarray, targets: np.ndarray, class_names: Optional[list] = None) -> Dict[str, Any]:

@@ -14,7 +14,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["MetricsLogger", "Progress", "require_tensorboard"]
+from . import distributed as _dist
+
+__all__ = ["MetricsLogger", "Progress", "require_tensorboard", "mean_loss_over_ranks"]
 
 
 def require_tensorboard():
@@ -25,6 +27,14 @@ def require_tensorboard():
         raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard "
                          "(or pip install 'ampkit[tensorboard]')") from e
     return SummaryWriter
+
+
+def mean_loss_over_ranks(values: torch.Tensor, keys: List[str]) -> torch.Tensor:
+    """MetricsLogger reduce hook: the logged train loss is the mean over ranks (one collective per flush)."""
+    if "loss" in keys:
+        col = keys.index("loss")
+        values[:, col] = _dist.reduce_mean_(values[:, col].contiguous())
+    return values
 
 
 class MetricsLogger:

@@ -1,20 +1,55 @@
-"""The end of a run: summary.json, report.txt (and the printed report), nonfinite_report.txt."""
+"""What a run writes and prints beside its checkpoints (rank 0): metrics.jsonl, its start (config.toml,
+the precision line), its end (summary.json, report.txt and the printed report), or why it stopped
+(nonfinite_report.txt)."""
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+import sys
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..precision import Precision
+from .config import TrainConfig, write_config
+from .distributed import is_main_process
 from .evaluate import classification_text
-from .rundir import write_atomic
+from .metrics import MetricsLogger, mean_loss_over_ranks
+from .rundir import truncate_metrics, write_atomic
 
-__all__ = ["build_summary", "report_text", "write_reports", "nonfinite_report"]
+__all__ = ["open_metrics", "announce", "build_summary", "report_text", "write_reports", "publish",
+           "nonfinite_report", "write_nonfinite_report"]
+
+
+def open_metrics(run_dir: Optional[str], tensorboard: bool, resumed_at: Optional[Tuple[int, int]],
+                 world_size: int) -> Tuple[MetricsLogger, Optional[List[Dict[str, Any]]]]:
+    """(metrics logger, records kept). metrics.jsonl (and TensorBoard) on rank 0; a resumed run's (at
+    ``resumed_at``: its step and epoch) cut back to that point first, the records kept returned (the run's
+    history so far), else None. Other ranks log nothing (their train losses join rank 0's mean)."""
+    path = os.path.join(run_dir, "metrics.jsonl") if run_dir and is_main_process() else None
+    # before the logger opens the file: truncation replaces it with a new one
+    kept = truncate_metrics(path, *resumed_at) if path and resumed_at else None
+    logger = MetricsLogger(path, os.path.join(run_dir, "tensorboard") if path and tensorboard else None,
+                           append=resumed_at is not None, reduce=mean_loss_over_ranks if world_size > 1 else None)
+    return logger, kept
+
+
+def announce(precision: Precision, config: TrainConfig, run_dir: Optional[str], task_note: Optional[str],
+             resumed_from: Optional[str]) -> None:
+    """The start of a run: config.toml in the run directory (the precision resolved), the precision line,
+    the task note, where a resume continues from."""
+    if run_dir:
+        write_config(config.updated(resume=None), os.path.join(run_dir, "config.toml"),
+                     {"precision (resolved)": precision.describe()})
+    print(f"ampkit: {precision.describe()}", file=sys.stderr)
+    if task_note:
+        print(task_note)
+    if resumed_from:
+        print(f"ampkit: resumed from {resumed_from}", file=sys.stderr)
 
 
 def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Optional[Dict[str, Any]],
                   *, device, task: str, epochs: int, optimizer_steps: int, train_time: float, world_size: int,
-                  strategy: Optional[str], class_names=None):
+                  strategy: Optional[str], class_names=None, peak_memory_bytes: Optional[int] = None,
+                  planned_peak_bytes: Optional[int] = None):
     """(summary dict, classification report or None) from the run's history and its final evaluation."""
     rates = [r["samples_per_s"] for r in history if r.get("kind") == "train" and "samples_per_s" in r]
     train_losses = [r["loss"] for r in history if r.get("kind") == "train" and not r.get("skipped")]
@@ -46,6 +81,7 @@ def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Op
         report = classification_text(final["preds"], final["targets"], class_names)
         summary["classification_report"] = report["dict"]
         summary["confusion_matrix"] = report["confusion_matrix"]
+    summary["peak_memory_bytes"], summary["planned_peak_bytes"] = peak_memory_bytes, planned_peak_bytes
     return summary, report
 
 
@@ -76,6 +112,26 @@ def write_reports(run_dir: Optional[str], text: str, summary: Dict[str, Any]) ->
     with open(os.path.join(run_dir, "report.txt"), "w") as f:
         f.write(text + "\n")
     write_atomic(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
+
+
+def publish(logger: MetricsLogger, run_dir: Optional[str], precision: Precision, summary: Dict[str, Any],
+            report: Optional[Dict[str, Any]], step: int) -> None:
+    """The summary as metrics.jsonl's last record, the report printed, report.txt and summary.json written."""
+    logger.event({"kind": "summary", "step": step,
+                  **{k: v for k, v in summary.items() if k not in ("classification_report", "confusion_matrix")}})
+    text = report_text(precision, summary, report)
+    print(text)
+    write_reports(run_dir, text, summary)
+
+
+def write_nonfinite_report(run_dir: str, message: str, counters, skipped: int, grad_accum: int,
+                           last_checkpoint: Optional[str]) -> None:
+    """nonfinite_report.txt in the run directory: `nonfinite_report` where ``counters`` (a `Counters`) stopped."""
+    text = nonfinite_report(message, attempted=counters.attempted_steps, applied=counters.global_step,
+                            skipped=skipped, epoch=counters.epoch, batch_in_epoch=counters.batch_in_epoch,
+                            grad_accum=grad_accum, last_checkpoint=last_checkpoint)
+    with open(os.path.join(run_dir, "nonfinite_report.txt"), "w") as f:
+        f.write(text)
 
 
 def nonfinite_report(message: str, *, attempted: int, applied: int, skipped: int, epoch: int,

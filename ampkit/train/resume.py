@@ -1,19 +1,23 @@
 """Resuming a run: which checkpoint, whether its options fit this run, what a change would do.
 
-Every refusal is a `CheckpointError` naming the checkpoint, the option and the fix; options that
+A resume is planned once (`ResumePlan`: the checkpoint located, read from disk once, its saved
+options) and the plan is handed down: the CLI's saved options, auto's saved mode, the options check
+and the Trainer's load all use that one read. Every refusal is a `CheckpointError` naming the checkpoint, the option and the fix; options that
 only change the learning-rate curve give one warning sentence instead.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, load_config_file
+from .distributed import rescale_position
 from .rundir import RunDirError, checkpoint_dir
 
-__all__ = ["checkpoint_to_resume", "peek_checkpoint", "check_saved_options", "check_model_signature",
-           "schedule_change", "saved_run_options", "MUST_MATCH"]
+__all__ = ["ResumePlan", "checkpoint_to_resume", "check_saved_options", "check_model_signature", "check_checkpoint",
+           "saved_position", "schedule_change", "saved_run_options", "MUST_MATCH"]
 
 # options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
 MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
@@ -33,14 +37,56 @@ def checkpoint_to_resume(resume: Optional[str], out: Optional[str], strict: bool
     return ckpt.latest_checkpoint(checkpoint_dir(out))
 
 
-def peek_checkpoint(cfg: TrainConfig) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
-    """(path, checkpoint) of the run ``cfg`` resumes, read on the CPU before anything is built; (path,
-    None) when there is none or it cannot be read (loading it for real reports why, in full)."""
-    path = checkpoint_to_resume(cfg.resume, cfg.out)
-    try:
-        return path, (ckpt.load_checkpoint(path, map_location="cpu") if path else None)
-    except Exception:
-        return path, None
+class ResumePlan:
+    """One resume, planned once: the checkpoint located (``path``; None: nothing to resume yet), read
+    from disk once (on the CPU; its CRC-32 checked once), and what was saved with it. Whoever needs the
+    checkpoint asks the plan: a failed read is kept and raised again, the same error, where the load
+    would have raised it."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path
+        self._read: Optional[Tuple[str, Any]] = None  # (path, checkpoint or the error reading it)
+        self.options_checked = False  # check_saved_options passed on this plan's checkpoint
+
+    @classmethod
+    def locate(cls, resume: Optional[str], out: Optional[str], plan: Optional["ResumePlan"] = None) -> "ResumePlan":
+        """The plan for ``--resume`` in ``out``; ``plan`` (one made earlier) pointed at it when given: a
+        checkpoint it already read is not read again."""
+        path = checkpoint_to_resume(resume, out)
+        if plan is None:
+            return cls(path)
+        if plan.path != path:
+            plan.path, plan.options_checked = path, False
+        return plan
+
+    def load(self, path: Optional[str] = None) -> Dict[str, Any]:
+        """The checkpoint at ``path`` (default: the located one), read from disk on the first call only."""
+        path = path or self.path
+        if self._read is None or self._read[0] != path:
+            try:
+                self._read = (path, ckpt.load_checkpoint(path, map_location="cpu"))
+            except Exception as e:  # kept: raised where the checkpoint is needed, as a fresh read would
+                self._read = (path, e)
+        got = self._read[1]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def peek(self) -> Optional[Dict[str, Any]]:
+        """The located checkpoint, or None when there is none or it cannot be read (``load`` says why)."""
+        try:
+            return self.load() if self.path else None
+        except Exception:
+            return None
+
+    @property
+    def saved_mode(self) -> Optional[str]:
+        """The precision mode the checkpoint was trained in (what a resumed ``auto`` keeps), or None."""
+        return ((self.peek() or {}).get("precision") or {}).get("name")
+
+    def release(self) -> None:
+        """Forget the checkpoint once applied (its tensors need not outlive the load)."""
+        self._read = None
 
 
 def check_saved_options(cfg: TrainConfig, world_size: int, ck: Dict[str, Any], path: str) -> None:
@@ -86,6 +132,38 @@ def check_model_signature(ck: Dict[str, Any], mine: list, path: str) -> None:
         raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
 
 
+def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size: int, signature: list,
+                     steps_per_epoch: Optional[int], options_checked: bool = False) -> TrainConfig:
+    """Refuse a checkpoint that cannot continue this run (incomplete, other options or model); say what
+    other schedule options change (``steps_per_epoch`` None: the schedule is the user's own). Returns
+    ``cfg`` with the checkpoint's lr, which continues in its optimizer and scheduler state."""
+    missing = [k for k in ("model", "optimizer", "precision", "progress", "rng") if k not in ck]
+    if missing:
+        raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
+                                   "incomplete or was not written by the ampkit Trainer.")
+    saved = ck.get("config") or {}
+    if not options_checked:
+        check_saved_options(cfg, world_size, ck, path)
+    check_model_signature(ck, signature, path)
+    note = schedule_change(cfg, saved, steps_per_epoch) if steps_per_epoch is not None and saved else None
+    if note:
+        warnings.warn(note, stacklevel=3)
+    if steps_per_epoch is not None and "lr" in saved and saved["lr"] != cfg.lr:
+        cfg = cfg.updated(lr=saved["lr"])  # what config.toml then records
+    return cfg
+
+
+def saved_position(ck: Dict[str, Any], cfg: TrainConfig, world_size: int, path: str) -> Tuple[int, int, int, int]:
+    """(epoch, micro-batch in the epoch, optimizer steps, attempted steps) the checkpoint continues from;
+    the micro-batch rescaled when the run's global batch differs from the saved one."""
+    p = ck["progress"]
+    epoch, batch = p["epoch"], p["batch"]
+    saved_batch = p.get("world_size", 1) * int(ck.get("config", {}).get("batch_size", cfg.batch_size))
+    if saved_batch != world_size * cfg.batch_size and batch:
+        batch = rescale_position(batch, saved_batch, world_size * cfg.batch_size, path)
+    return epoch, batch, p["global_step"], p.get("attempted_steps", p["global_step"])
+
+
 def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: int) -> Optional[str]:
     """What a resume with other schedule options changes, in one sentence, or None.
 
@@ -112,16 +190,18 @@ def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: in
             "options) to keep it.")
 
 
-def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], None]] = None):
+def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], None]] = None,
+                      plan: Optional[ResumePlan] = None):
     """(run directory, its saved options) when ``values`` (options given, not defaults) resume a run,
     else (None, None).
 
     ``resume="auto"`` continues ``out``; a checkpoint path the run whose ``checkpoints/`` holds it. The
     saved options are the run's config.toml, or where that is gone or unreadable (``note`` is told
-    why) the checkpoint's own copy."""
+    why) the checkpoint's own copy, read through ``plan`` (the run's one read of it) when given."""
     resume = values.get("resume")
     if not resume:
         return None, None
+    plan = plan or ResumePlan(None)
     out = values.get("out")
     path = None
     if resume != "auto":
@@ -132,7 +212,7 @@ def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], Non
     if not out:  # a checkpoint outside a run directory: its own copy of the options, into a new --out
         if not path or not os.path.isfile(path):
             return None, None
-        saved = dict(ckpt.load_checkpoint(path, map_location="cpu").get("config") or {})
+        saved = dict(plan.load(path).get("config") or {})
         saved.pop("resume", None)
         saved.pop("out", None)
         return None, saved
@@ -148,7 +228,7 @@ def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], Non
         path = path or checkpoint_to_resume("auto", out)
         if not path or not os.path.isfile(path):
             return out, None
-        saved = dict(ckpt.load_checkpoint(path, map_location="cpu").get("config") or {})
+        saved = dict(plan.load(path).get("config") or {})
     saved.pop("resume", None)
     saved["out"] = out
     return out, saved

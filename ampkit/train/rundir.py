@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -61,8 +62,8 @@ def _entries(path: str) -> List[str]:
 class RunDir:
     """One invocation's use of ``--out``: `prepare` checks it, locks it against a second writer and
     creates it; `release` unlocks it; `remove_stub` empties it again when this invocation created it
-    (or found it empty) and fails before training started; `keep_failed` says where a run that started
-    and failed before its first checkpoint left its explanation."""
+    (or found it empty) and fails before training started; `failed` does that, or says where a run that
+    started and failed before its first checkpoint left its explanation (`kept_note`)."""
 
     def __init__(self, out: Optional[str]) -> None:
         self.out = out
@@ -154,6 +155,14 @@ class RunDir:
         shutil.rmtree(out, ignore_errors=True)
         if self._existed:  # the user's empty directory stays, empty
             os.makedirs(out, exist_ok=True)
+
+    def failed(self, training_started: bool) -> None:
+        """After a failure before the first checkpoint: a run that started training keeps what explains the
+        failure (and says where), one that did not leaves no stub behind (`remove_stub`)."""
+        if training_started:
+            print(f"ampkit: {self.kept_note()}", file=sys.stderr)
+        else:
+            self.remove_stub()
 
     def kept_note(self) -> str:
         """One line: a run that started training and failed before its first checkpoint keeps its directory."""

@@ -117,7 +117,7 @@ def make_precision(precision: Any, cfg: TrainConfig) -> Precision:
     if isinstance(precision, Precision):
         return precision
     return Precision(
-        precision or cfg.precision, _dist.default_device(cfg.device),
+        precision or cfg.precision, _dist.run_device(cfg.device),
         loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
         max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
         compensation=cfg.compensation, optimizer_state=cfg.optimizer_state, channels_last=MEMORY_FORMATS[cfg.memory_format],

@@ -4,16 +4,14 @@ The coordinator: it owns the run's state (model, optimizer, scheduler, precision
 counters) and hands each job to its module: `setup` (config checks, the precision and its tuning,
 DDP/FSDP wiring), `batches` (data order and fetching), `rundir` (the run directory), `resume`
 (which checkpoint, whether it fits), `signals` (Ctrl-C/SIGTERM), `loop` (the steps), `report`
-(summary.json, report.txt). The loop never asks which precision it runs in: it calls the
-`Precision` hooks (autocast, backward, step) and nothing else.
+(summary.json, report.txt). The loop (`TrainLoop`) gets the run's parts and its `save`/`evaluate`
+callables; it never asks which precision it runs in: it calls the `Precision` hooks (autocast,
+backward, step) and nothing else.
 
 Exact resume: the data order of each epoch comes from a generator seeded with (seed, epoch),
 so a resumed run regenerates the epoch's order and skips the micro-batches already consumed;
 model, optimizer (fp32 masters included), scaler, scheduler and RNG states come from the
 checkpoint. On CPU a stopped-and-resumed run ends bitwise equal to an uninterrupted one.
-
-Longer than ~300 lines because the checkpoint methods (`state_dict`, `save_checkpoint`,
-`load_checkpoint`) are public Trainer API and read/write every part of the run's state held here.
 """
 from __future__ import annotations
 
@@ -23,29 +21,33 @@ import math
 import os
 import sys
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..memory import measure as memory_measure
 from ..precision import NonFiniteGradientsError
+from ..utils.tree import to_device
 from . import checkpoint as ckpt
 from . import distributed as _dist
 from . import resume, setup
 from .batches import Batches, unwrap_loaders
-from .config import TrainConfig, write_config
-from .evaluate import default_loss, evaluate
-from .loop import mean_loss_over_ranks, resolve_step, train_epochs
+from .config import TrainConfig
+from .evaluate import default_loss, evaluate_shards
+from .loop import Counters, TrainLoop
 from .metrics import MetricsLogger
-from .report import build_summary, nonfinite_report, report_text, write_reports
-from .rundir import RunDir, RunDirError, truncate_metrics
+from .report import announce, build_summary, open_metrics, publish, write_nonfinite_report
+from .rundir import RunDir, RunDirError, checkpoint_dir
 from .setup import build_optimizer, build_scheduler
 from .signals import StopSignal, TrainingInterrupted
 
 __all__ = ["Trainer", "TrainingInterrupted", "RunDirError", "build_optimizer", "build_scheduler"]
+
+
+def _counter(name: str) -> property:
+    """A field of the Trainer's `Counters` as its attribute (``trainer.global_step``...)."""
+    return property(lambda self: getattr(self.counters, name), lambda self, v: setattr(self.counters, name, v))
 
 
 class Trainer:
@@ -65,7 +67,14 @@ class Trainer:
         precision: a name/alias or a ready `Precision` (overrides ``config.precision``).
         config: a `TrainConfig`; keyword overrides (``epochs=3``...) are applied on top.
         task: "classification" | "lm" | "regression" (inferred from the targets when None).
+        resume_plan: the `ResumePlan` of ``config.resume`` when the caller made it (``ampkit train``
+            does): its one read of the checkpoint serves the Trainer too.
     """
+
+    epoch = _counter("epoch")
+    batch_in_epoch = _counter("batch_in_epoch")  # micro-batches of the current epoch already consumed
+    global_step = _counter("global_step")  # real optimizer steps
+    attempted_steps = _counter("attempted_steps")  # optimizer steps attempted (real + skipped)
 
     def __init__(
         self,
@@ -80,6 +89,7 @@ class Trainer:
         config: Optional[TrainConfig] = None,
         task: Optional[str] = None,
         class_names: Optional[Sequence[str]] = None,
+        resume_plan: Optional[resume.ResumePlan] = None,
         **overrides: Any,
     ) -> None:
         if isinstance(optimizer, str):  # an optimizer *name* (config key), not an instance
@@ -99,12 +109,14 @@ class Trainer:
         self.loss_fn = loss_fn or default_loss
         # resuming: refuse options that contradict the checkpoint before the data is even tried on the
         # model (another --data can make the model fail on it first, with a less useful message)
-        peek_path, peeked = resume.peek_checkpoint(cfg) if cfg.resume else (None, None)
+        self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
+        peeked = self._resume.peek() if self._resume else None
         if peeked is not None:
-            resume.check_saved_options(cfg, self.world_size, peeked, peek_path)
+            resume.check_saved_options(cfg, self.world_size, peeked, self._resume.path)
+            self._resume.options_checked = True
         setup.check_model_accepts_data(model, self.batches, self.loss_fn, self.task)  # before timing or writing
         if precision is not self.precision:  # not a ready Precision: measure what it left open
-            saved_mode = (peeked or {}).get("precision", {}).get("name")
+            saved_mode = self._resume.saved_mode if self._resume else None
             self.precision = setup.tune_for_run(self.precision, model, cfg, self.batches, self.loss_fn, saved_mode,
                                                 single_process=self.world_size == 1 and not self._fsdp)
         self.model, self.raw_model, self.optimizer = setup.wire(model, optimizer, self.precision, cfg, self.world_size)
@@ -115,34 +127,25 @@ class Trainer:
         self._own_schedule = scheduler is None  # built from the config (then a resume can say what changed)
         self.scheduler = scheduler if scheduler is not None else build_scheduler(
             self.optimizer, cfg.lr_schedule, total, cfg.warmup_steps)
-        # progress counters
-        self.epoch = 0
-        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
-        self.global_step = 0  # real optimizer steps
-        self.attempted_steps = 0  # optimizer steps attempted (real + skipped)
+        self.counters = Counters()  # epoch, batch_in_epoch, global_step, attempted_steps (the loop moves them)
         self.history: List[Dict[str, Any]] = []
         self.run_dir: Optional[str] = None
         #: ampkit.plan's peak for this run's step, when it was planned (``--batch-size auto``)
         self.planned_peak_bytes: Optional[int] = None
         self.stop = StopSignal(self.world_size, self.device)
         self.last_checkpoint: Optional[str] = None
-        self._saved_state: Optional[tuple] = None
         self._time_before = 0.0  # training seconds of the segments before a resume
         self._run_dir = RunDir(cfg.out)
         self._t_segment: Optional[float] = None
-        self._pending_step: Optional[tuple] = None  # the last step, its skip flag not yet read (loop.resolve_step)
         self._fit_called = False
         self._training_started = False  # config.toml and metrics written: a failure keeps the run directory
-
-    def _epoch_order(self, epoch: int) -> List[torch.Tensor]:
-        return self.batches.epoch_order(epoch)
 
     # ------------------------------------------------------------------ run directory
     def _prepare_run(self) -> Optional[str]:
         """Rank 0 checks the run directory and picks the checkpoint to resume; every rank gets its
         answer (or its error), so no rank waits in a collective for one that gave up."""
         cfg = self.config
-        if self.world_size > 1 and self.rank != 0:
+        if not _dist.is_main_process():
             path, err = _dist.broadcast_object(None)
             if err is not None:
                 raise (RunDirError if err[0] == "RunDirError" else RuntimeError)(err[1])
@@ -160,9 +163,6 @@ class Trainer:
         if self.world_size > 1:
             _dist.broadcast_object((path, None))
         return path
-
-    def _checkpoint_dir(self) -> Optional[str]:
-        return os.path.join(self.run_dir, "checkpoints") if self.run_dir else None
 
     # ------------------------------------------------------------------ checkpoints
     def _model_optim_state(self):
@@ -189,43 +189,30 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Optional[str]:
-        resolve_step(self)
-        directory = self._checkpoint_dir()
-        if directory is not None:  # every rank: all must agree on whether the final save is due
-            self._saved_state = (self.epoch, self.batch_in_epoch, self.attempted_steps)
-        if directory is None or self.rank != 0:
+        """Write a checkpoint of the run's state (every rank calls it); its path on the rank that wrote it."""
+        directory = checkpoint_dir(self.run_dir)
+        if directory is None or not _dist.is_main_process():
             if directory is not None and self._fsdp:
                 self._model_optim_state()  # rank 0 gathers the shards: take part
-            self._barrier()
+            _dist.barrier()
             return None
         path = ckpt.checkpoint_path(directory, self.attempted_steps)
         ckpt.save_checkpoint(self.state_dict(), path)
         ckpt.prune_checkpoints(directory, self.config.keep_last)
         self.last_checkpoint = path
-        self._barrier()
+        _dist.barrier()
         return path
 
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
     def load_checkpoint(self, path: str) -> None:
-        ck = ckpt.load_checkpoint(path, map_location=self.device)
-        missing = [k for k in ("model", "optimizer", "precision", "progress", "rng") if k not in ck]
-        if missing:
-            raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
-                                       "incomplete or was not written by the ampkit Trainer.")
-        saved = ck.get("config") or {}
-        resume.check_saved_options(self.config, self.world_size, ck, path)
-        resume.check_model_signature(ck, ckpt.model_signature(self.raw_model), path)
-        note = resume.schedule_change(self.config, saved, self.steps_per_epoch) if self._own_schedule and saved else None
-        if note:
-            warnings.warn(note, stacklevel=2)
-        if self._own_schedule and "lr" in saved and saved["lr"] != self.config.lr:
-            # the checkpoint's lr continues (optimizer and scheduler state): config.toml records that one
-            self.config = self.config.updated(lr=saved["lr"])
+        """Continue from the checkpoint at ``path``: its options and model checked, every state loaded."""
+        self._apply_checkpoint(ckpt.load_checkpoint(path, map_location=self.device), path)
+
+    def _apply_checkpoint(self, ck: Dict[str, Any], path: str, options_checked: bool = False) -> None:
+        self.config = resume.check_checkpoint(ck, path, self.config, self.world_size,
+                                              ckpt.model_signature(self.raw_model),
+                                              self.steps_per_epoch if self._own_schedule else None, options_checked)
+        if self.device.type != "cpu":
+            ck = to_device(ck, self.device)  # a plan reads on the CPU: where map_location would have put it
         try:
             self.precision.load_state_dict(ck["precision"])
             if self._fsdp:
@@ -237,27 +224,26 @@ class Trainer:
                 self.scheduler.load_state_dict(ck["scheduler"])
         except (KeyError, RuntimeError, ValueError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
-        p = ck["progress"]
-        self.epoch, self.batch_in_epoch = p["epoch"], p["batch"]
-        saved_batch = p.get("world_size", 1) * int(ck.get("config", {}).get("batch_size", self.config.batch_size))
-        if saved_batch != self.world_size * self.config.batch_size and self.batch_in_epoch:
-            self.batch_in_epoch = _dist.rescale_position(
-                self.batch_in_epoch, saved_batch, self.world_size * self.config.batch_size, path)
-        self.global_step, self.attempted_steps = p["global_step"], p.get("attempted_steps", p["global_step"])
+        self.epoch, self.batch_in_epoch, self.global_step, self.attempted_steps = resume.saved_position(
+            ck, self.config, self.world_size, path)
         self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
 
     def _load_resumed(self, path: str) -> None:
-        """Load the checkpoint to resume; a damaged latest one names the earlier one to continue from."""
+        """Load the checkpoint to resume (the plan's one read of it); a damaged latest one names the
+        earlier one to continue from."""
+        plan = self._resume if self._resume is not None else resume.ResumePlan(path)
         try:
-            self.load_checkpoint(path)
+            self._apply_checkpoint(plan.load(path), path, options_checked=plan.options_checked and plan.path == path)
         except ckpt.CheckpointError as e:
             older = ckpt.list_checkpoints(os.path.dirname(path))[:-1] if self.config.resume == "auto" else []
             if older and e.damaged:
                 raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: continue from it "
                                            f"with --resume {older[-1]}") from e
             raise
+        finally:
+            plan.release()
 
     def _already_finished(self) -> Optional[Dict[str, Any]]:
         """Resuming a run that already reached its epochs/max-steps: say so, change no file, return its summary."""
@@ -267,7 +253,7 @@ class Trainer:
         path = os.path.join(self.run_dir, "summary.json") if self.run_dir else None
         if not path or not os.path.isfile(path):
             return None  # it stopped before writing its summary: the normal path finishes it
-        if self.rank == 0:
+        if _dist.is_main_process():
             print(f"ampkit: the run in {self.run_dir} already finished ({self.epoch} epoch(s), {self.global_step} "
                   f"optimizer steps; epochs={cfg.epochs}, max_steps={cfg.max_steps}): nothing to "
                   "train and no file changed. Pass a larger --epochs or --max-steps to train it further.",
@@ -289,11 +275,8 @@ class Trainer:
         try:
             return self._fit(resume_path)
         except BaseException:
-            if self.rank == 0 and not self.last_checkpoint and self.run_dir:
-                if self._training_started:  # what explains the failure stays, and where it is is said
-                    print(f"ampkit: {self._run_dir.kept_note()}", file=sys.stderr)
-                else:
-                    self._run_dir.remove_stub()
+            if _dist.is_main_process() and not self.last_checkpoint and self.run_dir:
+                self._run_dir.failed(self._training_started)
             raise
         finally:
             self._run_dir.release()
@@ -307,107 +290,59 @@ class Trainer:
                 return done
         else:
             torch.manual_seed(cfg.seed)
-            if cfg.resume == "auto" and self.rank == 0:
-                print(f"ampkit: --resume auto: no checkpoint in {self._checkpoint_dir()}: starting a new run there",
+            if cfg.resume == "auto" and _dist.is_main_process():
+                print(f"ampkit: --resume auto: no checkpoint in {checkpoint_dir(self.run_dir)}: starting a new run there",
                       file=sys.stderr)
         self.batches.check_finite(self.epoch)
-        is_main = self.rank == 0
-        metrics_path = os.path.join(self.run_dir, "metrics.jsonl") if (self.run_dir and is_main) else None
-        if cfg.resume and metrics_path:  # the checkpoint (if any) loaded: clear what a crash left
-            ckpt.remove_partial_writes(self._checkpoint_dir())
-        if resume_path and metrics_path:
-            # before the logger opens the file: truncation replaces it with a new one
-            self.history = truncate_metrics(metrics_path, self.attempted_steps, self.epoch)
-        logger = MetricsLogger(
-            metrics_path,
-            os.path.join(self.run_dir, "tensorboard") if (self.run_dir and is_main and cfg.tensorboard) else None,
-            append=bool(resume_path),
-            reduce=mean_loss_over_ranks if self.world_size > 1 else None,
-        )
-        if self.run_dir and is_main:
-            write_config(self.config.updated(resume=None), os.path.join(self.run_dir, "config.toml"),
-                         {"precision (resolved)": self.precision.describe()})
-        if is_main:
-            print(f"ampkit: {self.precision.describe()}", file=sys.stderr)
-            note = setup.task_note(self.task, self.train_data)
-            if note:
-                print(note)
-            if resume_path:
-                print(f"ampkit: resumed from {resume_path} (epoch {self.epoch}, step {self.global_step})", file=sys.stderr)
+        if cfg.resume and self.run_dir and _dist.is_main_process():  # a checkpoint (if any) loaded: clear
+            ckpt.remove_partial_writes(checkpoint_dir(self.run_dir))  # what a crash left
+        logger, kept = open_metrics(self.run_dir, cfg.tensorboard,
+                                    (self.attempted_steps, self.epoch) if resume_path else None, self.world_size)
+        if kept is not None:
+            self.history = kept
+        if _dist.is_main_process():
+            announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
+                     resume_path and f"{resume_path} (epoch {self.epoch}, step {self.global_step})")
         t_start = self._t_segment = time.perf_counter()
         self._training_started = True
-        meter = memory_measure.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
-        resident = memory_measure.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
+        loop = TrainLoop(
+            cfg, model=self.model, raw_model=self.raw_model, fsdp=self._fsdp, precision=self.precision,
+            optimizer=self.optimizer, scheduler=self.scheduler, step=self.compiled_step or self.precision.step,
+            batches=self.batches, loss_fn=self.loss_fn, stop=self.stop, counters=self.counters, history=self.history,
+            save=self.save_checkpoint, checkpoints=bool(self.run_dir),
+            evaluate=(lambda: self._evaluate(collect=False)) if self.eval_data is not None else None,
+            world_size=self.world_size, device=self.device)
         try:
             with self.stop.guard():
-                train_epochs(self, logger, is_main)
-                self.peak_memory_bytes = meter.peak() + resident
+                peak_memory_bytes = loop.run(logger)
         except NonFiniteGradientsError as e:
             logger.close()
-            self._write_nonfinite_report(str(e))
+            if self.run_dir and _dist.is_main_process():
+                write_nonfinite_report(self.run_dir, str(e), self.counters, self.precision.skipped_steps,
+                                       cfg.grad_accum, self.last_checkpoint)
             raise
         except TrainingInterrupted:
             logger.close()
             raise
         train_time = self._time_before + time.perf_counter() - t_start  # all segments of a resumed run
-        summary = self._finish(logger, train_time, is_main)
+        summary = self._finish(logger, train_time, peak_memory_bytes)
         logger.close()
         return summary
 
-    # ------------------------------------------------------------------ evaluation and reports
+    # ------------------------------------------------------------------ evaluation and the summary
     def _evaluate(self, collect: bool) -> Dict[str, Any]:
         autocast = self.precision.autocast if self.config.eval_precision == "train" else contextlib.nullcontext
-        size = self.config.batch_size * 4
-        if self.world_size == 1:
-            batches = self.batches.eval_batches(self.eval_data, size)
-        else:  # each rank evaluates its shard; sums (loss, correct, count) are all-reduced
-            shards = _dist.shard_indices(len(self.eval_data), self.rank, self.world_size, size)
-            batches = (self.batches.fetch(self.eval_data, idx) for idx in shards)
-        result = evaluate(self.raw_model, batches, self.loss_fn, autocast, self.task, collect)
-        if self._fsdp:  # FSDP's root stays unsharded (compute dtype) after a forward: back to the fp32 shards
-            self.raw_model.reshard()
-        return _dist.reduce_eval(result, len(self.eval_data), self.task, collect, self.device)
+        return evaluate_shards(self.raw_model, self.batches, self.loss_fn, autocast, self.task,
+                               self.config.batch_size * 4, collect, reshard=self._fsdp)
 
-    def log_evaluation(self, logger: MetricsLogger, is_main: bool) -> None:
-        """The evaluation at the end of an epoch (or a max-steps stop): logged and printed on rank 0."""
-        ev = self._evaluate(collect=False)
-        if not is_main:
-            return
-        rec = {"kind": "eval", "step": self.attempted_steps, "epoch": self.epoch,
-               "loss": ev["loss"], "accuracy": ev["accuracy"]}
-        logger.event(rec)
-        self.history.append(rec)
-        acc = f", accuracy {ev['accuracy']:.4f}" if ev["accuracy"] is not None else ""
-        where = f"epoch {self.epoch}/{self.config.epochs}"
-        if self.batch_in_epoch:  # --max-steps stopped inside an epoch: name that epoch and how far it got
-            where = (f"epoch {self.epoch + 1}/{self.config.epochs} (stopped by --max-steps after micro-batch "
-                     f"{self.batch_in_epoch} of {self.batches.per_epoch()})")
-        print(f"{where}: eval loss {ev['loss']:.4f}{acc}, "
-              f"steps {self.global_step}, skipped {self.precision.skipped_steps}", file=sys.stderr)
-
-    def _finish(self, logger: MetricsLogger, train_time: float, is_main: bool) -> Dict[str, Any]:
+    def _finish(self, logger: MetricsLogger, train_time: float, peak_memory_bytes: int) -> Dict[str, Any]:
         final = self._evaluate(collect=True) if self.eval_data is not None else None
         summary, report = build_summary(
             self.precision, self.history, final, device=self.device, task=self.task, epochs=self.epoch,
             optimizer_steps=self.global_step, train_time=train_time, world_size=self.world_size,
             strategy=self.config.strategy if (self.world_size > 1 or self._fsdp) else None,
-            class_names=self.class_names)
-        summary["peak_memory_bytes"] = getattr(self, "peak_memory_bytes", None)
-        summary["planned_peak_bytes"] = self.planned_peak_bytes
-        if is_main:
-            logger.event({"kind": "summary", "step": self.attempted_steps,
-                          **{k: v for k, v in summary.items() if k not in ("classification_report", "confusion_matrix")}})
-            text = report_text(self.precision, summary, report)
-            print(text)
-            write_reports(self.run_dir, text, summary)
+            class_names=self.class_names, peak_memory_bytes=peak_memory_bytes,
+            planned_peak_bytes=self.planned_peak_bytes)
+        if _dist.is_main_process():
+            publish(logger, self.run_dir, self.precision, summary, report, self.attempted_steps)
         return summary
-
-    def _write_nonfinite_report(self, message: str) -> None:
-        if not self.run_dir or self.rank != 0:
-            return
-        text = nonfinite_report(message, attempted=self.attempted_steps, applied=self.global_step,
-                                skipped=self.precision.skipped_steps, epoch=self.epoch,
-                                batch_in_epoch=self.batch_in_epoch, grad_accum=self.config.grad_accum,
-                                last_checkpoint=self.last_checkpoint)
-        with open(os.path.join(self.run_dir, "nonfinite_report.txt"), "w") as f:
-            f.write(text)

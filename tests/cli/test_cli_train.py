@@ -173,3 +173,49 @@ def test_compile_trains_and_resumes(capsys, tmp_path, monkeypatch):
     a, b = (torch.load(f"{d}/checkpoints/step-00000006.pt", weights_only=True) for d in ("whole", "split"))
     assert "conv1.weight" in a["model"] and not any(k.startswith("_orig_mod") for k in a["model"])
     assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+
+
+def _count_checkpoint_reads(monkeypatch):
+    """Counts, per checkpoint file, the torch.load calls and the CRC-32 passes (zipfile's testzip) on it."""
+    import collections
+    import zipfile
+
+    import torch
+
+    loads, crcs = collections.Counter(), collections.Counter()
+    real_load, real_testzip = torch.load, zipfile.ZipFile.testzip
+
+    def load(f, *a, **kw):
+        if isinstance(f, (str, os.PathLike)) and str(f).endswith(".pt"):
+            loads[os.path.basename(str(f))] += 1
+        return real_load(f, *a, **kw)
+
+    def testzip(self):
+        crcs[os.path.basename(str(self.filename))] += 1
+        return real_testzip(self)
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(zipfile.ZipFile, "testzip", testzip)
+    return loads, crcs
+
+
+def test_resume_reads_its_checkpoint_once(capsys, tmp_path, monkeypatch):
+    """One `ampkit train --resume` reads its checkpoint from disk once (one torch.load, one CRC pass):
+    --resume auto, --resume PATH, a run directory whose config.toml is gone (the options come from the
+    checkpoint), and a run that already finished."""
+    monkeypatch.chdir(tmp_path)
+    common = ["train", "--model", "mlp", "--precision", "fp32", "--no-autotune", "--save-every", "2", "--out", "r"] + FAST
+    assert main(common + ["--max-steps", "2"]) == 0
+    loads, crcs = _count_checkpoint_reads(monkeypatch)
+    assert main(common + ["--max-steps", "4", "--resume", "auto"]) == 0
+    assert (dict(loads), dict(crcs)) == ({"step-00000002.pt": 1}, {"step-00000002.pt": 1})
+    for argv in (["--max-steps", "6", "--resume", "r/checkpoints/step-00000004.pt"],  # a path
+                 ["--max-steps", "6", "--resume", "auto"]):  # already finished: nothing trains, still one read
+        loads.clear(), crcs.clear()
+        assert main(common + argv) == 0
+        assert list(loads.values()) == [1] and list(crcs.values()) == [1], (argv, loads, crcs)
+    os.unlink("r/config.toml")  # the saved options come from the checkpoint itself
+    loads.clear(), crcs.clear()
+    assert main(common + ["--max-steps", "8", "--resume", "auto"]) == 0
+    assert (dict(loads), dict(crcs)) == ({"step-00000006.pt": 1}, {"step-00000006.pt": 1})
+    assert "resumed from" in capsys.readouterr().err

@@ -34,7 +34,7 @@ def _model(out=3):
 
 
 def _batch_of(trainer, sample):
-    return next(b for b, idx in enumerate(trainer._epoch_order(0)) if (idx == sample).any())
+    return next(b for b, idx in enumerate(trainer.batches.epoch_order(0)) if (idx == sample).any())
 
 
 @pytest.mark.parametrize("where,value", [("inputs", float("inf")), ("inputs", float("nan")), ("targets", float("nan"))])

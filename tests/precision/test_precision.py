@@ -165,14 +165,14 @@ def test_fp16_on_cpu_warns():
 
 def test_bf16_without_hardware_support(monkeypatch):
     """A GPU without bf16 is an error that names the fix; a CPU without bf16 units, a warning."""
-    from ampkit.precision import policy
+    from ampkit.precision import choice, policy
     from ampkit.precision.device import DeviceInfo
 
     monkeypatch.setattr(policy, "device_info", lambda d: DeviceInfo(d.type, "Old GPU", False, False, True, "none"))
-    monkeypatch.setattr(policy, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(choice, "resolve_device", lambda d: torch.device("cuda"))
     with pytest.raises(RuntimeError, match="needs bf16, which Old GPU does not support: use 'fp16-mixed'"):
         Precision("bf16-mixed", "cuda")
-    monkeypatch.setattr(policy, "resolve_device", lambda d: torch.device("cpu"))
+    monkeypatch.setattr(choice, "resolve_device", lambda d: torch.device("cpu"))
     with pytest.warns(UserWarning, match="no bf16 units"):
         Precision("bf16-pure", "cpu")
 

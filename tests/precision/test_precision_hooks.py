@@ -1,6 +1,6 @@
 """The kinds answer for themselves when a caller sets up in two halves (Lightning's plugin: the module
 first, the optimizer later; apex's initialize; the FSDP path): ``fp32_copies``, ``convert_module``,
-``master_optimizer``, ``wrap_optimizer``, ``fsdp_policy``/``prepare_fsdp`` (ampkit/precision/kinds.py)."""
+``master_optimizer``, ``wrap_optimizer``, ``fsdp_policy``/``prepare_fsdp`` (ampkit/precision/hooks.py, kinds/)."""
 import warnings
 
 import pytest

@@ -1,4 +1,4 @@
-"""One class per kind of mode behind ``Precision(name)`` (ampkit/precision/kinds.py)."""
+"""One class per kind of mode behind ``Precision(name)`` (ampkit/precision/kinds/, the table ``KINDS``)."""
 import copy
 import pickle
 
@@ -44,8 +44,10 @@ def test_a_kind_built_directly_runs_its_modes_only():
     with pytest.raises(TypeError, match=r"runs the 'autocast' modes, not 'bf16-pure'.*Precision\('bf16-pure'\)"):
         AutocastPrecision("bf16-pure", "cpu")
     p = Precision("bf16-mixed", "cpu")
-    with pytest.raises(TypeError, match="not 'fp32'"):
-        p.__init__("fp32", "cpu")  # no re-initialising a live object into another kind
+    from ampkit.precision.choice import choose_mode
+
+    with pytest.raises(TypeError, match="not 'fp32'"):  # no re-initialising a live object into another kind
+        p.__init__(choose_mode("fp32", "cpu", None), p.settings, None)
 
 
 def test_copies_keep_the_kind_and_state():
@@ -61,3 +63,46 @@ def test_only_the_hooks_a_kind_needs_change_the_model():
         m = copy.deepcopy(model)
         m, opt = Precision(name, "cpu").setup(m, torch.optim.AdamW(m.parameters()))
         assert m[0].weight.dtype == dtype and m[1].weight.dtype == torch.float32
+
+
+def test_one_explicit_table_covers_every_kind_of_the_mode_table():
+    """``Precision(name)`` dispatches through ``kinds.KINDS`` (written once); a table that misses a kind, or
+    names a class that runs another kind, is refused. No class registers itself by being defined."""
+    import ast
+    import inspect
+
+    from ampkit.precision import kinds, policy
+
+    assert set(kinds.KINDS) == {m.kind for m in MODES.values()}
+    assert all(kinds.KINDS[c.kind] is c for c in set(EXPECTED.values()))
+    with pytest.raises(TypeError, match=r"no class for \['fp8'\]"):
+        policy.use_kinds({k: c for k, c in kinds.KINDS.items() if k != "fp8"})
+    with pytest.raises(TypeError, match=r"wrong class for \['pure'\]"):
+        policy.use_kinds({**kinds.KINDS, "pure": MasterPrecision})
+    assert policy._KINDS == kinds.KINDS  # the refused tables changed nothing
+    tree = ast.parse(inspect.getsource(policy))
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init_subclass__"]
+
+
+def test_the_base_class_asks_the_kind_instead_of_testing_for_masters():
+    """The shared code (Precision, its hook defaults, the step) never tests for a MasterWeightOptimizer: the
+    master kind's ``sync_grads``/``has_grads`` do, so unscale_ then clip works on the fp32 master grads."""
+    import ast
+
+    from ampkit.precision import hooks, policy, step
+
+    for module in (policy, hooks, step):  # code, not docstrings
+        names = {n.id for n in ast.walk(ast.parse(open(module.__file__).read())) if isinstance(n, ast.Name)}
+        assert "MasterWeightOptimizer" not in names, module.__name__
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Precision("bf16-master", "cpu")
+    model, opt = p.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    p.backward(model(torch.randn(3, 4, dtype=torch.bfloat16)).float().square().mean())
+    assert all(m.grad is None for m in opt.master_params) and p.has_grads(opt)  # the model's grads count
+    p.unscale_(opt)  # torch's documented pattern: unscale_, then clip what the step applies
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in opt.master_params)
+    assert p.step(opt)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ampkit import LossScaler, NonFiniteGradientsError
-from ampkit.precision.scaler import parse_loss_scale
+from ampkit.precision.loss_scale import parse_loss_scale
 
 
 def _iterate(scaler, poisons, n):
@@ -100,7 +100,7 @@ def test_cuda_default_disables_without_cuda():
 @pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
 def test_foreach_fallback_matches_torchs_kernel(poison):
     """The bf16 path (torch's CUDA kernel has no bf16) gives torch's CPU kernel's found_inf and grads."""
-    from ampkit.precision.scaler import _foreach_check_and_unscale_
+    from ampkit.precision.scaling.unscale import foreach_check_and_unscale_
 
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=g).to(torch.bfloat16) * 1e3 for n in (7, 64, 1)]
@@ -109,7 +109,7 @@ def test_foreach_fallback_matches_torchs_kernel(poison):
     theirs = [t.clone() for t in grads]
     inv = torch.tensor(1 / 1024.0)
     found_ours, found_theirs = torch.zeros(()), torch.zeros(())
-    _foreach_check_and_unscale_(grads, found_ours, inv)
+    foreach_check_and_unscale_(grads, found_ours, inv)
     torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_theirs, inv)
     assert found_ours.item() == found_theirs.item() == (0.0 if poison is None else 1.0)
     for a, b in zip(grads, theirs):

@@ -25,7 +25,7 @@ from typing import Optional, Union
 
 import torch
 
-from ...precision.scaler import parse_loss_scale
+from ...precision.loss_scale import parse_loss_scale
 
 __all__ = ["AmpProperties", "OPT_LEVELS", "resolve_properties"]
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from ....optim.master import MasterWeightOptimizer
 from ....precision.policy import Precision
-from ....precision.scaler import LossScaler
+from ....precision.scaling.loss_scaler import LossScaler
 from ..fp16_utils import FP16_Optimizer
 from ..opt_levels import describe, resolve_properties
 from .hooks import _AutocastForward, _CastOutput

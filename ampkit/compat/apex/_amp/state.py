@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ....precision.policy import Precision
-from ....precision.scaler import LossScaler
+from ....precision.scaling.loss_scaler import LossScaler
 from ..opt_levels import AmpProperties
 
 __all__ = ["_AmpState", "_LossScalerView"]

@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ....optim.master import MasterWeightOptimizer, foreach_copy, delegated
-from ....precision.scaler import LossScaler
+from ....precision import precision_class
+from ....precision.scaling.loss_scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]
 
@@ -93,7 +94,9 @@ class FP16_Optimizer:
 
         # which params were 16-bit, per group, before the masters replace them
         low = [[p.dtype != torch.float32 for p in g["params"]] for g in init_optimizer.param_groups]
-        self._master = MasterWeightOptimizer(init_optimizer)
+        # the master kind builds the fp32-master optimizer (bf16-master's for a bf16 model, else fp16-master's)
+        master_mode = "bf16-master" if any(p.dtype == torch.bfloat16 for p in params) else "fp16-master"
+        self._master = precision_class(master_mode).master_optimizer(init_optimizer)
         self.optimizer = init_optimizer  # its param groups now hold the fp32 masters
         self.fp16_groups: List[List[torch.Tensor]] = []
         self.fp32_from_fp16_groups: List[List[torch.Tensor]] = []

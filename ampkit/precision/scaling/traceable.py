@@ -1,37 +1,24 @@
 """torch.amp.GradScaler's small step-path methods, written again where ``torch.compile`` can trace them.
 
 Dynamo marks every function of ``torch/amp/grad_scaler.py`` as skipped: a call into one (even
-``is_enabled``) is a graph break. :class:`TraceableScalerMixin` sits between
-:class:`~ampkit.precision.scaler.LossScaler` and ``torch.amp.GradScaler`` and overrides each method the
-step path calls (``is_enabled``, ``_check_scale_growth_tracker``, ``_lazy_init_scale_growth_tracker``,
-``scale`` on a tensor, ``unscale_``, ``_check_inf_per_device``, ``_found_inf_per_device``) with the same
-semantics and the same arithmetic (the fp64 reciprocal of the scale included), so the scaler stays
-bitwise-equal to torch's and a compiled ``precision.step`` adds no break of its own. Its per-device
-copies (:class:`PerDevice`) and its per-optimizer state factory (:func:`fresh_state`) are ampkit's for
-the same reason.
+``is_enabled``) is a graph break. :class:`TraceableGradScaler`, the base of
+:class:`~ampkit.precision.scaling.loss_scaler.LossScaler`, overrides each method the step path calls
+(``is_enabled``, ``_check_scale_growth_tracker``, ``_lazy_init_scale_growth_tracker``, ``scale`` on a
+tensor, ``unscale_``, ``_check_inf_per_device``, ``_found_inf_per_device``) with the same semantics and
+the same arithmetic (the fp64 reciprocal of the scale included), so the scaler stays bitwise-equal to
+torch's and a compiled ``precision.step`` adds no break of its own. Its per-optimizer state factory
+(:func:`fresh_state`, installed here) and the per-device copies of ``unscale.py`` are ampkit's for the
+same reason.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from collections import defaultdict
+from typing import Any, Dict
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-__all__ = ["PerDevice", "fresh_state", "TraceableScalerMixin"]
-
-
-class PerDevice:
-    """A tensor's copies on the devices asked for, made once each (torch's ``_MultiDeviceReplicator``)."""
-
-    def __init__(self, master: torch.Tensor) -> None:
-        self.master = master
-        self.tensors: Dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        t = self.tensors.get(device)
-        if t is None:
-            t = self.tensors[device] = self.master.to(device=device, non_blocking=True, copy=True)
-        return t
+__all__ = ["fresh_state", "TraceableGradScaler"]
 
 
 def fresh_state() -> Dict[str, Any]:
@@ -39,12 +26,17 @@ def fresh_state() -> Dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-class TraceableScalerMixin:
-    """The step-path methods of ``torch.amp.GradScaler``, traceable by dynamo (see the module docstring)."""
+class TraceableGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose step-path methods dynamo traces (see the module docstring)."""
 
-    _enabled: bool
-    _scale: Optional[torch.Tensor]
-    _growth_tracker: Optional[torch.Tensor]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._enabled:  # torch's factory lives in a file dynamo skips (a graph break per update)
+            self._per_optimizer_states = defaultdict(fresh_state)
+
+    def _reset_per_optimizer_states(self) -> None:
+        """Forget this iteration's per-optimizer states (what ``update()`` ends with)."""
+        self._per_optimizer_states = defaultdict(fresh_state)
 
     def is_enabled(self) -> bool:
         return self._enabled

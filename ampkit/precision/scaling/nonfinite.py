@@ -1,16 +1,16 @@
-"""Finding inf/NaN in gradients without a host sync: torch's fused check-and-unscale where it has a
-kernel, foreach max-abs norms elsewhere, DTensor grads through their local shards, and the one
-all-reduce that makes every rank see the same flag."""
+"""Finding inf/NaN in gradients without a host sync (read-only: unscaling in place is ``unscale.py``):
+foreach max-abs norms, DTensor grads through their local shards, the found-inf total of several flags,
+the one all-reduce that makes every rank see the same flag, and the names of the offending parameters."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["NonFiniteGradientsError", "local_shard", "foreach_check_and_unscale_", "nonfinite_flag",
-           "nonfinite_from_norm", "distributed_active", "all_reduce_max", "nonfinite_param_names"]
+__all__ = ["NonFiniteGradientsError", "local_shard", "nonfinite_flag", "nonfinite_from_norm", "found_inf_total",
+           "distributed_active", "all_reduce_max", "nonfinite_param_names"]
 
 
 class NonFiniteGradientsError(FloatingPointError):
@@ -26,20 +26,6 @@ def local_shard(grad: torch.Tensor) -> torch.Tensor:
     """
     to_local = getattr(grad, "to_local", None)
     return to_local() if to_local is not None else grad
-
-
-def foreach_check_and_unscale_(grads: List[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """``torch._amp_foreach_non_finite_check_and_unscale_`` from foreach ops, for grads its kernel lacks.
-
-    torch's CUDA kernel has no bf16 (its CPU kernel does); bf16 grads come from bf16-pure and bf16
-    model params. Same contract, still without a host sync: ``found_inf`` becomes 1.0 when any grad
-    holds inf/NaN (the max-abs norm of such a tensor is inf or NaN), and every grad is multiplied by
-    ``inv_scale``.
-    """
-    max_abs = torch.stack(torch._foreach_norm(grads, float("inf")))
-    bad = torch.logical_not(torch.isfinite(max_abs).all()).to(found_inf.dtype)
-    torch.maximum(found_inf, bad, out=found_inf)
-    torch._foreach_mul_(grads, inv_scale)
 
 
 def nonfinite_flag(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -62,6 +48,20 @@ def nonfinite_from_norm(norm: torch.Tensor, device: torch.device) -> torch.Tenso
     full = getattr(norm, "full_tensor", None)
     norm = full() if full is not None else norm
     return torch.logical_not(torch.isfinite(norm)).to(device=device, dtype=torch.float32).reshape(())
+
+
+def found_inf_total(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of found-inf flags (per device, per optimizer; > 0: skip) on ``device``, without a sync:
+    a single flag already there is returned itself, no copy; no flag (an optimizer that checked its
+    grads itself) is 0. The one place flags are added up."""
+    if not flags:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if len(flags) == 1 and flags[0].device == device:
+        return flags[0]
+    total = flags[0].to(device, non_blocking=True)
+    for flag in flags[1:]:
+        total = total + flag.to(device, non_blocking=True)
+    return total
 
 
 def distributed_active(setting: Optional[bool]) -> bool:

@@ -1,0 +1,53 @@
+"""fp8-tensorwise / -rowwise / -delayed: bf16 autocast plus Linears swapped to fp8 GEMMs (``Fp8Plan``);
+the kind owns the ``fp8_recipe`` / ``fp8_skip`` / ``fp8_force`` options."""
+from __future__ import annotations
+
+from typing import Any, Dict, FrozenSet, List
+
+from ..fp8 import Fp8Plan
+from ..options import PrecisionOptions
+from .autocast import AutocastPrecision
+
+__all__ = ["Fp8Precision"]
+
+
+class Fp8Precision(AutocastPrecision):
+    """fp8-tensorwise / -rowwise / -delayed: bf16 autocast, with the Linears ``Fp8Plan`` picks swapped for
+    fp8 modules (an explicit module swap; parameters are kept, so the optimizer still holds them)."""
+
+    kind = "fp8"
+
+    owns = frozenset({"fp8"})
+
+    @classmethod
+    def refusal(cls, group: str, mode: Any, options: PrecisionOptions) -> str:
+        return (f"fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only (got {mode.name!r}): "
+                "drop them, or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
+
+    def own_options(self) -> FrozenSet[str]:
+        return super().own_options() | {"fp8"}
+
+    def take_options(self, options: PrecisionOptions) -> None:
+        """The fp8 plan: the recipe (checked against the mode), the Linears kept in bf16 or forced."""
+        self.fp8 = Fp8Plan(self.name, options.fp8_recipe, options.fp8_skip, options.fp8_force)
+
+    def _convert(self, model, optimizer):
+        model, optimizer = super()._convert(model, optimizer)
+        return self.fp8.apply(model, self.device), optimizer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "fp8": self.fp8.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        saved = state.get("name")
+        if saved is None or saved == self.name:  # a mode mismatch is the base class's error
+            self.fp8.check_state(state.get("fp8"))
+        super().load_state_dict(state)
+
+    def _details(self) -> List[str]:
+        return super()._details() + [self.fp8.describe()]
+
+    def fsdp_policy(self):
+        raise ValueError(
+            f"precision={self.name!r} under --strategy fsdp is not supported yet (fp8 Linears with sharded "
+            "weights and their amax state are untested under FSDP2): use --strategy ddp, or bf16-mixed with fsdp.")

@@ -1,0 +1,80 @@
+"""bf16-pure / fp16-pure: 16-bit params and optimizer state, no master copy. bf16-pure owns the
+``compensation`` option (Kahan, stochastic rounding or none); fp16-pure needs a large enough Adam ``eps``."""
+from __future__ import annotations
+
+from typing import Any, FrozenSet, List, Optional
+
+import torch
+
+from ...optim import compensated_from
+from ...optim.state import with_state_precision
+from ..checks import FP16_STATE_MIN_EPS
+from ..options import PrecisionOptions
+from .cast import CastParams
+
+__all__ = ["PurePrecision"]
+
+_PLAIN = "no compensation (plain bf16 rounding)"
+
+
+class PurePrecision(CastParams):
+    """bf16-pure / fp16-pure: 16-bit params and optimizer state, no master copy. bf16-pure swaps the
+    optimizer for its compensated ``ampkit.optim`` form; fp16-pure raises a too-small Adam ``eps``."""
+
+    kind = "pure"
+
+    owns = frozenset({"compensation"})
+
+    @classmethod
+    def refusal(cls, group: str, mode: Any, options: PrecisionOptions) -> str:
+        return (f"compensation={options.compensation!r} applies to precision='bf16-pure' only (got {mode.name!r}): "
+                "drop it, or use precision='bf16-pure'.")
+
+    def own_options(self) -> FrozenSet[str]:
+        return super().own_options() | ({"compensation"} if self.mode.compensated else frozenset())
+
+    def take_options(self, options: PrecisionOptions) -> None:
+        """bf16-pure: 8-bit states (torchao) round bf16 params stochastically, so not with Kahan compensation."""
+        if options.optimizer_state == "8bit" and self.mode.compensated and options.compensation == "kahan":
+            raise ValueError(
+                "optimizer_state='8bit' is torchao's AdamW8bit, which lands bf16 updates by stochastic rounding, "
+                "not Kahan compensation: drop compensation='kahan' (or use optimizer_state='bf16').")
+
+    def _convert(self, model, optimizer):
+        if not self.mode.compensated:  # the compensated optimizers replace torch's (fused or not)
+            model, optimizer = super()._convert(model, optimizer)
+        self._cast(model)
+        return model, optimizer
+
+    def _with_state(self, optimizer):
+        # bf16-pure converts its optimizer once, in _wrap_optimizer (state precision included); fp16-pure's
+        # own state is fp16, so optimizer_state="fp32" converts it too
+        if self.mode.compensated or optimizer is None or self.optimizer_state is None:
+            return optimizer
+        return with_state_precision(optimizer, self.optimizer_state, compensation=None)
+
+    def _wrap_optimizer(self, optimizer):
+        if not self.mode.compensated:
+            return optimizer
+        if self.optimizer_state == "8bit":  # torchao's: stochastic rounding (or none), no Kahan buffer
+            return with_state_precision(optimizer, "8bit", bf16_stochastic_round=not self.settings.plain_rounding)
+        if self.compensation is None:  # an ampkit.optim optimizer keeps its own setting
+            optimizer = compensated_from(optimizer)
+        else:
+            optimizer = compensated_from(optimizer, self.settings.optim_compensation)
+        return with_state_precision(optimizer, self.optimizer_state)
+
+    @property
+    def min_adam_eps(self) -> Optional[float]:
+        # fp16 moments only: optimizer_state fp32/bf16/8bit keeps none in fp16
+        return FP16_STATE_MIN_EPS if self.param_dtype == torch.float16 and self.optimizer_state is None else None
+
+    def _details(self) -> List[str]:
+        extra = super()._details()
+        if self.mode.compensated and self.optimizer_state == "8bit":
+            extra.insert(0, _PLAIN if self.settings.plain_rounding else "stochastic rounding (torchao)")
+        elif self.mode.compensated:
+            extra.insert(0, _PLAIN if self.settings.plain_rounding else
+                         {None: "Kahan compensation", "kahan": "Kahan compensation",
+                          "stochastic": "stochastic rounding"}[self.compensation])
+        return extra

@@ -1,0 +1,104 @@
+"""``PrecisionOptions`` (ampkit/precision/options.py): built once from ``Precision``'s keywords, the loss
+scale parsed once, ``compensation`` normalised once, each option's range checked with a one-line error;
+the kinds own (and refuse) their options; ``retuned``/``with_options`` rebuild from the object."""
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit.precision import loss_scale as loss_scale_module
+from ampkit.precision import options as options_module
+from ampkit.precision.scaling import loss_scaler as scaler_module
+from ampkit.precision.options import PrecisionOptions
+
+
+def _quiet(*args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16/bf16 on a CPU without the units: a warning, not the point here
+        return ampkit.Precision(*args, **kwargs)
+
+
+def test_the_loss_scale_is_parsed_once_per_precision(monkeypatch):
+    """Precision(loss_scale=...) parsed the value, then LossScaler parsed the result again: once now."""
+    seen = []
+
+    def counting(value):
+        if value is not None:
+            seen.append(value)
+        return loss_scale_module.parse_loss_scale(value)
+
+    monkeypatch.setattr(options_module, "parse_loss_scale", counting)
+    monkeypatch.setattr(scaler_module, "parse_loss_scale", counting)
+    p = _quiet("fp16-mixed", "cpu", loss_scale="128")
+    assert seen == ["128"]
+    assert p.scaler.static_scale == 128.0 and not p.scaler.is_dynamic and p.settings.static_scale == 128.0
+    assert p.options()["loss_scale"] == "128"  # handed back as given: a rebuild parses it the same way
+    seen.clear()
+    assert _quiet("fp16-mixed", "cpu", loss_scale="dynamic").scaler.is_dynamic and seen == ["dynamic"]
+
+
+def test_compensation_is_normalised_once_none_is_plain_rounding():
+    o = PrecisionOptions(compensation="NONE")
+    assert o.compensation == "none" and o.plain_rounding and o.optim_compensation is None
+    assert PrecisionOptions(compensation="Kahan").optim_compensation == "kahan"
+    assert PrecisionOptions().compensation is None and not PrecisionOptions().plain_rounding  # not given
+    p = _quiet("bf16-pure", "cpu", compensation="None")
+    assert p.compensation == "none" and "no compensation (plain bf16 rounding)" in p.describe()
+    model = nn.Linear(4, 4)
+    _, opt = p.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert opt.defaults["compensation"] is None  # ampkit.optim spells plain rounding None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"growth_interval": 0}, "growth_interval must be a positive integer"),
+    ({"growth_interval": 2.5}, "growth_interval must be a positive integer"),
+    ({"hysteresis": 0}, "hysteresis must be >= 1"),
+    ({"max_consecutive_skips": 0}, "max_consecutive_skips must be a positive integer or None"),
+    ({"init_scale": float("inf")}, "init_scale must be a positive finite number"),
+    ({"min_scale": 8.0, "max_scale": 2.0}, r"min_scale \(8.0\) must not exceed max_scale \(2.0\)"),
+    ({"max_scale": -1.0}, "max_scale must be a positive finite number"),
+    ({"loss_scale": "lots"}, "loss scale 'lots' is not valid: use 'dynamic' or 0"),
+    ({"compensation": "fancy"}, "compensation='fancy' is not supported: use 'kahan', 'stochastic' or 'none'"),
+    ({"fp32_modules": "head"}, r"fp32_modules='head' must be a list of module names: use fp32_modules=\['head'\]"),
+    ({"optimizer_state": "fp64"}, "optimizer_state"),
+])
+def test_each_option_is_range_checked_with_one_line_naming_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        _quiet("fp16-mixed", "cpu", **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_an_unknown_keyword_names_the_options():
+    with pytest.raises(TypeError, match="Precision\\(\\) got an unexpected keyword argument 'loss_scaling'.*loss_scale"):
+        ampkit.Precision("fp32", "cpu", loss_scaling=128)
+
+
+def test_each_kind_owns_its_options():
+    """Options only one kind takes are refused elsewhere, with the owner's fix; the owner checks them."""
+    with pytest.raises(ValueError, match="compensation='kahan' applies to precision='bf16-pure' only \\(got 'fp16-pure'\\)"):
+        _quiet("fp16-pure", "cpu", compensation="kahan")
+    with pytest.raises(ValueError, match="compensation='stochastic' applies to precision='bf16-pure' only \\(got 'fp32'\\)"):
+        _quiet("fp32", "cpu", compensation="stochastic")  # refused by fp32, in the owner's (bf16-pure's) words
+    with pytest.raises(ValueError, match="fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only \\(got 'bf16-mixed'\\)"):
+        _quiet("bf16-mixed", "cpu", fp8_skip=["head"])
+    with pytest.raises(ValueError, match="precision='bf16-mixed' does not use loss scaling, found loss scale 0"):
+        _quiet("bf16-mixed", "cpu", loss_scale=0)  # "dynamic" given is still given
+    with pytest.raises(ValueError, match="optimizer_state='8bit' is torchao's AdamW8bit"):
+        _quiet("bf16-pure", "cpu", compensation="kahan", optimizer_state="8bit")
+    assert _quiet("fp8-rowwise", "cpu", fp8_skip=["head"]).fp8.filter.skip == ("head",)
+
+
+def test_retuned_and_with_options_rebuild_from_the_options_object():
+    p = _quiet("fp16-mixed", "cpu", loss_scale=64, growth_interval=50, fp32_modules=["0"])
+    again = p.retuned(ampkit.precision.Tuned(channels_last=False))
+    assert again.settings is p.settings and again.channels_last is False and p.channels_last is None
+    assert again.scaler is not p.scaler and again.scaler.static_scale == 64.0
+    other = p.with_options(loss_scale=None, hysteresis=2)
+    assert other.settings == dataclasses.replace(p.settings, loss_scale=None, hysteresis=2)
+    assert other.scaler.is_dynamic and other.fp32_modules == ("0",) and p.scaler.static_scale == 64.0
+    with pytest.raises(ValueError, match="hysteresis must be >= 1"):
+        p.with_options(hysteresis=0)  # checked again
+    assert ampkit.Precision(p.requested, **p.options()).settings == p.settings  # options() rebuilds the same
