@@ -69,10 +69,9 @@ def _launched() -> bool:
 
 
 def run_device(device: Optional[str] = None) -> torch.device:
-    """Which device a run trains on, answered here only (the CLI, its process group, the batch planner
-    and the Trainer take this answer): ``device`` as given (--device, the config), else cuda where
-    available, else cpu; under a process group a bare/absent cuda is this process's GPU, cuda:LOCAL_RANK.
-    An unknown name, or CUDA asked for where there is none, is a ValueError naming the fix."""
+    """Which device a run trains on, answered here only (for the CLI, its process group, the batch planner,
+    the Trainer): ``device`` as given, else cuda where available, else cpu; under a process group a bare or
+    absent cuda is this process's GPU (cuda:LOCAL_RANK). A bad name or a missing GPU: ValueError."""
     if is_initialized() and device in (None, "cuda") and torch.cuda.is_available():
         return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', torch.cuda.current_device()))}")
     return resolve_device(device)

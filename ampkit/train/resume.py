@@ -7,7 +7,9 @@ only change the learning-rate curve give one warning sentence instead.
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -17,7 +19,7 @@ from .distributed import rescale_position
 from .rundir import RunDirError, checkpoint_dir
 
 __all__ = ["ResumePlan", "checkpoint_to_resume", "check_saved_options", "check_model_signature", "check_checkpoint",
-           "saved_position", "schedule_change", "saved_run_options", "MUST_MATCH"]
+           "saved_position", "finished_summary", "schedule_change", "saved_run_options", "MUST_MATCH"]
 
 # options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
 MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
@@ -162,6 +164,24 @@ def saved_position(ck: Dict[str, Any], cfg: TrainConfig, world_size: int, path: 
     if saved_batch != world_size * cfg.batch_size and batch:
         batch = rescale_position(batch, saved_batch, world_size * cfg.batch_size, path)
     return epoch, batch, p["global_step"], p.get("attempted_steps", p["global_step"])
+
+
+def finished_summary(cfg: TrainConfig, run_dir: Optional[str], epoch: int, global_step: int,
+                     announce: bool) -> Optional[Dict[str, Any]]:
+    """A resumed run that already reached its epochs/max-steps: say so (``announce``), change no file,
+    return its summary.json; None when it has more to train, or stopped before writing its summary
+    (the normal path finishes it)."""
+    if not (epoch >= cfg.epochs or (cfg.max_steps and global_step >= cfg.max_steps)):
+        return None
+    path = os.path.join(run_dir, "summary.json") if run_dir else None
+    if not path or not os.path.isfile(path):
+        return None
+    if announce:
+        print(f"ampkit: the run in {run_dir} already finished ({epoch} epoch(s), {global_step} optimizer steps; "
+              f"epochs={cfg.epochs}, max_steps={cfg.max_steps}): nothing to train and no file changed. Pass a "
+              "larger --epochs or --max-steps to train it further.", file=sys.stderr)
+    with open(path) as f:
+        return json.load(f)
 
 
 def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: int) -> Optional[str]:

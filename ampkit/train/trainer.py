@@ -16,7 +16,6 @@ checkpoint. On CPU a stopped-and-resumed run ends bitwise equal to an uninterrup
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -246,20 +245,9 @@ class Trainer:
             plan.release()
 
     def _already_finished(self) -> Optional[Dict[str, Any]]:
-        """Resuming a run that already reached its epochs/max-steps: say so, change no file, return its summary."""
-        cfg = self.config
-        if not (self.epoch >= cfg.epochs or (cfg.max_steps and self.global_step >= cfg.max_steps)):
-            return None
-        path = os.path.join(self.run_dir, "summary.json") if self.run_dir else None
-        if not path or not os.path.isfile(path):
-            return None  # it stopped before writing its summary: the normal path finishes it
-        if _dist.is_main_process():
-            print(f"ampkit: the run in {self.run_dir} already finished ({self.epoch} epoch(s), {self.global_step} "
-                  f"optimizer steps; epochs={cfg.epochs}, max_steps={cfg.max_steps}): nothing to "
-                  "train and no file changed. Pass a larger --epochs or --max-steps to train it further.",
-                  file=sys.stderr)
-        with open(path) as f:
-            return json.load(f)
+        """Resuming a run that already reached its epochs/max-steps: its summary (no file changed), else None."""
+        return resume.finished_summary(self.config, self.run_dir, self.epoch, self.global_step,
+                                       announce=_dist.is_main_process())
 
     # ------------------------------------------------------------------ training
     def fit(self) -> Dict[str, Any]:
