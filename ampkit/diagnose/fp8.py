@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from ..precision import MODES
-from ..precision.fp8 import (MIN_FLOP_SHARE, RECIPES, Fp8Filter, coverage, coverage_warning, fp8_max, gemm_kind,
-                             has_fp8_gemm, plan)
-from ..precision.fp8.quant import EPS
+from ..precision.fp8 import (MIN_FLOP_SHARE, RECIPES, Fp8Filter, amax, coverage, coverage_warning, fake_quantise,
+                             gemm_kind, has_fp8_gemm, plan, quantise, saturates, scale_from_amax)
 from .runner import prepare, run_once
 
 __all__ = ["fp8_check", "sqnr", "FP8_BARS", "FP8_ORDER"]
@@ -46,24 +45,17 @@ def sqnr(ref: torch.Tensor, got: torch.Tensor, dim: Optional[int] = None) -> tor
     return 10 * torch.log10(s.clamp(min=1e-30) / n.clamp(min=1e-30))
 
 
-def _scale(x: torch.Tensor, dtype: torch.dtype, axis: Optional[int], margin: int) -> torch.Tensor:
-    a = x.abs().amax() if axis is None else x.abs().amax(dim=axis, keepdim=True)
-    return fp8_max(dtype) / a.clamp(min=EPS) / 2.0 ** margin
-
-
 def _fq(x: torch.Tensor, dtype: torch.dtype, axis: Optional[int], margin: int = 0) -> torch.Tensor:
-    s = _scale(x, dtype, axis, margin)
-    m = fp8_max(dtype)
-    return (x * s).clamp(-m, m).to(dtype).float() / s
+    return fake_quantise(x, dtype, margin=margin, dim=axis)
 
 
 def _damage(x: torch.Tensor, dtype: torch.dtype, axis: Optional[int], margin: int) -> Dict[str, float]:
-    s = _scale(x, dtype, axis, margin)
-    y = x * s
+    """The fractions of ``x``'s non-zero values that underflow to 0 and that saturate in fp8."""
+    scale = scale_from_amax(amax(x, dim=axis), dtype, margin)
     nz = x != 0
     n = max(int(nz.sum()), 1)
-    under = (nz & (y.clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype).float() == 0)).sum()
-    sat = (y.abs() > fp8_max(dtype)).sum()
+    under = (nz & (quantise(x, scale, dtype).float() == 0)).sum()
+    sat = saturates(x, scale, dtype).sum()
     return {"underflow": float(under) / n, "saturated": float(sat) / n}
 
 

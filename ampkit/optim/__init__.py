@@ -9,7 +9,8 @@
   ``Precision("bf16-pure").setup`` uses.
 * :func:`with_state_precision`: moments in bf16 or 8-bit (torchao): ``Precision(optimizer_state=...)``.
 * :func:`state_bytes`: measured bytes of training state per parameter (``ampkit bench``).
-* :func:`stochastic_round`, :func:`kahan_add_`: the rounding primitives.
+* :func:`stochastic_round`, :func:`kahan_add_`: the rounding primitives; :class:`RoundingNoise`: their
+  random bits as a counter-based hash (traceable by torch.compile).
 
 See docs/BF16_PURE.md for the why and the numbers.
 """
@@ -18,6 +19,7 @@ from .base import COMPENSATIONS, CompensatedOptimizer
 from .convert import SUPPORTED, compensated_from
 from .master import MasterWeightOptimizer
 from .memory import state_bytes
+from .noise import RoundingNoise
 from .rounding import kahan_add_, stochastic_round, stochastic_round_
 from .sgd import SGD
 from .state import STATE_PRECISIONS, with_state_precision
@@ -25,5 +27,5 @@ from .state import STATE_PRECISIONS, with_state_precision
 __all__ = [
     "AdamW", "Adam", "SGD", "CompensatedOptimizer", "COMPENSATIONS", "SUPPORTED",
     "MasterWeightOptimizer", "compensated_from", "state_bytes", "stochastic_round", "stochastic_round_", "kahan_add_",
-    "STATE_PRECISIONS", "with_state_precision",
+    "RoundingNoise", "STATE_PRECISIONS", "with_state_precision",
 ]

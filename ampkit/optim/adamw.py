@@ -80,7 +80,7 @@ class Adam(CompensatedOptimizer):
                 grads = torch._foreach_add(grads, params, alpha=wd)
 
         if group["moment_rounding"] == "stochastic" and exp_avgs[0].dtype == torch.bfloat16:
-            self._bf16_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2, target.generator)
+            self._bf16_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2, target.noise)
         else:
             if exp_avgs[0].dtype != grads[0].dtype:  # state_dtype differs from the params'
                 grads = foreach_cast(grads, exp_avgs[0].dtype)[1]
@@ -114,7 +114,7 @@ class Adam(CompensatedOptimizer):
         target.finish()
 
     @staticmethod
-    def _bf16_moments(exp_avgs, exp_avg_sqs, grads, beta1: float, beta2: float, generator) -> None:
+    def _bf16_moments(exp_avgs, exp_avg_sqs, grads, beta1: float, beta2: float, noise) -> None:
         """Moment updates computed in fp32 and rounded stochastically into the bf16 buffers.
 
         Rounded to nearest, a bf16 moment cannot follow slow changes: ``v * 0.999`` rounds back
@@ -133,7 +133,7 @@ class Adam(CompensatedOptimizer):
                 torch._foreach_addcmul_(copy, grads32, grads32, 1 - beta)
             else:
                 torch._foreach_add_(copy, grads32, alpha=1 - beta)
-            stochastic_round_(flat, generator)
+            stochastic_round_(flat, noise)
             torch._foreach_copy_(buffers, copy)  # exact
 
 

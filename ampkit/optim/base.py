@@ -13,25 +13,34 @@ A step whose ``found_inf`` is set computes its update and then selects, bit for 
 started from (:class:`~ampkit.optim.batches._Undo`): params, moments, Kahan buffers and step counts
 come back identical. Stochastic rounding draws its random bits before the outcome is known, so a
 skipped step does consume draws (deterministically: the same run with the same seed skips and draws
-the same way, and the generator state is saved in ``state_dict``).
+the same way).
+
+Stochastic rounding's bits come from a :class:`~ampkit.optim.noise.RoundingNoise` per device: a hash of
+the seed and a counter on the device, so the step traces under torch.compile and compiled equals eager.
+``state_dict()`` saves the seed and the counters (first param group, :data:`NOISE_KEY`); a checkpoint
+of an older ampkit holds ``torch.Generator`` states instead (:data:`RNG_KEY`), which no counter can
+continue: it loads, and the stream starts at position 0 of the optimizer's seed (the run stays
+deterministic from there, its rounding noise differs from what the older version would have drawn).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .batches import _Undo, pieces
+from .noise import RoundingNoise
 from .target import _Target
 
-__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "RNG_KEY"]
+__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "NOISE_KEY", "RNG_KEY"]
 
 COMPENSATIONS = ("kahan", "stochastic", None)
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-#: the ``state_dict()`` param-group key holding the stochastic-rounding generators' states
+#: the ``state_dict()`` param-group key holding the stochastic-rounding noise: seed and counters
+NOISE_KEY = "rounding_noise"
+#: where older versions saved their ``torch.Generator`` states (read, and dropped, on load)
 RNG_KEY = "rng_states"
 
 
@@ -85,9 +94,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             are rounded: ``"stochastic"`` (default: computed in fp32, rounded stochastically, so
             slow averages such as beta2=0.999 keep tracking) or ``"nearest"`` (cheaper, fine
             when 1 - beta is well above bf16's 2**-8 resolution). A param-group key.
-        seed: seed of the stochastic-rounding generator; None derives it from
-            ``torch.initial_seed()`` (so ``torch.manual_seed`` makes runs reproducible). The
-            generator state is saved in ``state_dict()``.
+        seed: seed of the stochastic-rounding noise; None derives it from ``torch.initial_seed()``
+            when the optimizer is built (so ``torch.manual_seed`` makes runs reproducible). The seed and
+            the noise counters are saved in ``state_dict()``.
     """
 
     #: elements per foreach batch (None: see ``_cap``: a 32nd of the params, at most 2**20 on CPU, 2**24
@@ -107,12 +116,15 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {state_dtype}.")
         self.state_dtype = state_dtype
         self.seed = seed
-        self._generators: Dict[str, torch.Generator] = {}
+        self._noise_seed = (seed if seed is not None else torch.initial_seed() ^ 0x5EED5EED) % (1 << 64)
+        self._noise: Dict[str, RoundingNoise] = {}
         super().__init__(params, {**defaults, "compensation": compensation})
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         check_compensation(param_group.get("compensation", self.defaults.get("compensation")))
         super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:  # counters made here, not inside a compiled step
+            self.noise(p.device)
 
     # ------------------------------------------------------------------ helpers for subclasses
     def state_dtype_for(self, p: torch.Tensor) -> torch.dtype:
@@ -132,15 +144,12 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 states: List[Dict[str, Any]], target: _Target) -> None:
         raise NotImplementedError
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def noise(self, device: torch.device) -> RoundingNoise:
+        """The stochastic-rounding noise of ``device`` (one counter per device, one seed)."""
         key = str(device)
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            seed = self.seed if self.seed is not None else torch.initial_seed() ^ 0x5EED5EED
-            gen.manual_seed(seed % (1 << 63))
-            self._generators[key] = gen
-        return gen
+        if key not in self._noise:
+            self._noise[key] = RoundingNoise(self._noise_seed, device)
+        return self._noise[key]
 
     def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple[torch.device, torch.dtype], tuple]:
         """Params with grads, grouped by (device, dtype), their state created on first sight."""
@@ -187,7 +196,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                         f"compensation='stochastic' rounds to bfloat16; found {dtype} params. "
                         "Use compensation='kahan' for float16 params."
                     )
-                gen = functools.partial(self._generator, device)
+                noise = self.noise(device)
                 skip = keep = None
                 if found_inf is not None:
                     skip = found_inf.to(device, non_blocking=True).reshape(()) > 0
@@ -204,7 +213,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     if scale is not None:  # grads still scaled: unscale copies (the model's grads stay)
                         gs = torch._foreach_div(gs, scale)
                     undo = None if skip is None else _Undo.of_batch(ps, ss, skip)
-                    self._update(group, ps, gs, ss, _Target(mode, ps, ss, gen, skip))
+                    self._update(group, ps, gs, ss, _Target(mode, ps, ss, noise, skip))
                     if undo is not None:
                         undo()
                     del gs, undo
@@ -217,28 +226,36 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         sd = super().state_dict()
-        if self._generators and sd["param_groups"]:
+        if sd["param_groups"]:
             # in the first param group, not beside the groups: torch's load_state_dict keeps group keys, so
-            # the generators survive a load into the plain torch optimizer before precision.setup() converts
-            # it (nanoGPT's resume order; compensated_from restores them)
+            # the noise survives a load into the plain torch optimizer before precision.setup() converts
+            # it (nanoGPT's resume order; compensated_from restores it)
+            positions = {k: n.position.detach().clone() for k, n in self._noise.items()}
             sd["param_groups"][0] = {**sd["param_groups"][0],
-                                     RNG_KEY: {k: g.get_state() for k, g in self._generators.items()}}
+                                     NOISE_KEY: {"seed": self._noise_seed, "positions": positions}}
         return sd
 
-    def load_rng_states(self, rng_states: Optional[Dict[str, torch.Tensor]]) -> None:
-        """Restore the stochastic-rounding generators from ``state_dict()``'s (per device name)."""
-        for key, rng in (rng_states or {}).items():
-            self._generator(torch.device(key)).set_state(rng.cpu())  # map_location may have moved it
+    def load_noise_state(self, saved: Optional[Dict[str, Any]]) -> None:
+        """Restore the seed and counters from ``state_dict()``'s :data:`NOISE_KEY` entry (None: keep
+        this optimizer's own; an older checkpoint's generator states cannot be continued, see module doc)."""
+        if not saved:
+            return
+        self._noise_seed = int(saved["seed"]) % (1 << 64)
+        positions = saved.get("positions", {})
+        for key in set(self._noise) | set(positions):
+            self.noise(torch.device(key)).load(self._noise_seed, positions.get(key, 0))
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         for saved, group in zip(state_dict.get("param_groups", []), self.param_groups):
             if "compensation" in saved:
                 check_same_compensation(saved["compensation"], group["compensation"])
-        rng_states = state_dict.pop("rng_states", None)  # where they were saved before they moved into a group
+        state_dict.pop(RNG_KEY, None)  # generator states, where the oldest versions saved them: not continued
+        noise = None
         groups = [dict(g) for g in state_dict.get("param_groups", [])]
         for g in groups:
-            rng_states = g.pop(RNG_KEY, None) or rng_states
+            g.pop(RNG_KEY, None)
+            noise = g.pop(NOISE_KEY, None) or noise
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         # torch casts every floating state tensor to its param's dtype; fp32 moments of bf16
@@ -257,4 +274,4 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     self.state[p][key] = torch.as_tensor(value, dtype=torch.float32).to(p.device).clone()
                 elif isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != p.dtype:
                     self.state[p][key] = value.to(device=p.device)
-        self.load_rng_states(rng_states)
+        self.load_noise_state(noise)

@@ -6,7 +6,7 @@ optimizer takes over the *same* param-group dicts (hyperparameters, ``initial_lr
 keys), so an LR scheduler built on the original keeps driving the learning rate; existing state
 (moments, step counts) is carried over, cast to the state dtype. A compensated optimizer's state loaded
 into the torch optimizer before setup (nanoGPT's resume order) carries over whole: Kahan buffers, and the
-stochastic-rounding generators (saved in the first param group, whose keys torch's load keeps).
+stochastic-rounding noise's seed and counters (saved in the first param group, whose keys torch's load keeps).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from .master import MasterWeightOptimizer
 from .adamw import Adam, AdamW
-from .base import RNG_KEY, CompensatedOptimizer, check_compensation, check_same_compensation
+from .base import NOISE_KEY, RNG_KEY, CompensatedOptimizer, check_compensation, check_same_compensation
 from .sgd import SGD
 
 __all__ = ["compensated_from", "SUPPORTED"]
@@ -91,12 +91,14 @@ def compensated_from(optimizer: torch.optim.Optimizer, compensation: Optional[st
 
     compensation = "kahan" if compensation is _UNSET else compensation
     # a state loaded before setup (nanoGPT's resume order) carries the saved groups' keys: the compensation
-    # must match (as CompensatedOptimizer.load_state_dict checks) and the generators are restored below
-    rng_states = None
+    # must match (as CompensatedOptimizer.load_state_dict checks) and the noise is restored below (an older
+    # version's generator states are dropped: see CompensatedOptimizer)
+    noise = None
     for group in optimizer.param_groups:
         if optimizer.state and "compensation" in group:
             check_same_compensation(group["compensation"], compensation)
-        rng_states = group.pop(RNG_KEY, None) or rng_states
+        group.pop(RNG_KEY, None)
+        noise = group.pop(NOISE_KEY, None) or noise
     defaults = {k: optimizer.defaults[k] for k in _HYPER[cls] if k in optimizer.defaults}
     new = cls(optimizer.param_groups, **defaults, compensation=compensation, state_dtype=state_dtype)
     # step hooks registered on the original keep firing
@@ -120,5 +122,5 @@ def compensated_from(optimizer: torch.optim.Optimizer, compensation: Optional[st
                     state[key] = value.detach().to(p.device, new.state_dtype_for(p), copy=True)
             if state:
                 new.state[p] = state
-    new.load_rng_states(rng_states)
+    new.load_noise_state(noise)
     return new

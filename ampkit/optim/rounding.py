@@ -8,18 +8,28 @@ the weight) rounds back to the same weight, so small learning rates stall. Two f
   own 8 bits extend the effective precision to about 16 bits.
 * Stochastic rounding (:func:`stochastic_round_`): round the exact fp32 result up with
   probability equal to the dropped fraction, so the weight is exact *in expectation*. No state;
-  costs random bits and an fp32 copy of the weights during the step.
+  costs random bits and an fp32 copy of the weights during the step. The bits come from a
+  :class:`~ampkit.optim.noise.RoundingNoise` (a counter-based hash: traceable by torch.compile, the
+  same bits compiled and eager; what the optimizers use) or from a ``torch.Generator`` (eager only).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Union
 
 import torch
+
+from .noise import RoundingNoise
 
 __all__ = ["kahan_add_", "stochastic_round_", "stochastic_round"]
 
 # random bits are drawn in chunks so the transient noise buffer stays <= 8 MiB
 _CHUNK = 1 << 22
+# a RoundingNoise draw in chunks of 2**19 values: its int64 hash state, one temporary and the int32
+# lanes are ~12 B per value at most, 6 MiB (under torch.compile inductor fuses them away)
+_HASH_CHUNK = 1 << 19
+# the largest int32 view to which a 16-bit addend cannot overflow: 0x7FFF0000 is a (positive) NaN, and
+# so is everything above it, so clamping there keeps those NaNs NaN
+_NO_OVERFLOW = 0x7FFF0000
 # int32 view of 0xFFFF0000: keeps sign, exponent and the 7 mantissa bits bf16 stores
 _BF16_MASK = -65536
 
@@ -36,20 +46,34 @@ def kahan_add_(params: List[torch.Tensor], comps: List[torch.Tensor]) -> None:
     torch._foreach_sub_(comps, applied)  # what was not applied waits for the next step
 
 
-def stochastic_round_(x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+Noise = Union[RoundingNoise, torch.Generator, None]
+
+
+def stochastic_round_(x: torch.Tensor, generator: Noise = None) -> torch.Tensor:
     """In place: round every value of the contiguous fp32 tensor ``x`` to a bf16-representable one.
 
     A value ``a`` between the bf16 neighbours ``lo < a < hi`` becomes ``hi`` with probability
     ``(a - lo) / (hi - lo)`` and ``lo`` otherwise, so ``E[result] == a``: 16 uniform random bits
     are added below bf16's last mantissa bit and the low 16 bits are then cut off. The float's
     sign-magnitude layout makes this symmetric for negative values; inf stays inf and NaN stays
-    NaN (except NaNs whose 7 high payload bits are all set, which arithmetic does not produce).
-    Afterwards ``x.to(torch.bfloat16)`` is exact.
+    NaN (except negative NaNs whose 7 high payload bits are all set, which arithmetic does not
+    produce; with a ``torch.Generator``, positive ones too; and NaNs whose payload lies in the 16 low bits
+    only, which become inf like any value there is cut). Afterwards ``x.to(torch.bfloat16)`` is exact.
+
+    ``generator``: a :class:`~ampkit.optim.noise.RoundingNoise` (traceable, advanced in place), a
+    ``torch.Generator``, or None (torch's default generator).
     """
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"stochastic_round_ needs a contiguous float32 tensor, got {x.dtype}"
                          f"{'' if x.is_contiguous() else ' (non-contiguous)'}.")
     bits = x.view(-1).view(torch.int32)
+    if isinstance(generator, RoundingNoise):
+        for start in range(0, bits.numel(), _HASH_CHUNK):
+            seg = bits[start:start + _HASH_CHUNK]
+            # uniform addend in [0, 65535], then the low 16 bits cut: rounds the magnitude up with
+            # probability (dropped bits) / 2**16; no int32 sum can overflow after the clamp
+            seg.clamp_(max=_NO_OVERFLOW).add_(generator.bits16(seg.numel())).bitwise_and_(_BF16_MASK)
+        return x
     for start in range(0, bits.numel(), _CHUNK):
         seg = bits[start:start + _CHUNK]
         n = seg.numel()
@@ -63,7 +87,7 @@ def stochastic_round_(x: torch.Tensor, generator: Optional[torch.Generator] = No
     return x
 
 
-def stochastic_round(x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def stochastic_round(x: torch.Tensor, generator: Noise = None) -> torch.Tensor:
     """A bf16 copy of ``x`` rounded stochastically (unbiased); ``x`` is left unchanged."""
     y = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     return stochastic_round_(y, generator).to(torch.bfloat16)

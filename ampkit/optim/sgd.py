@@ -92,7 +92,7 @@ class SGD(CompensatedOptimizer):
                     g32 = (old_grads if old_grads[0].dtype == torch.float32
                            else foreach_cast(old_grads, torch.float32)[1])
                     torch._foreach_add_(copy, g32, alpha=1 - dampening)
-                    stochastic_round_(flat, target.generator)
+                    stochastic_round_(flat, target.noise)
                     torch._foreach_copy_(bufs, copy)  # exact
                     del flat, copy, g32
                 else:
@@ -116,5 +116,5 @@ class SGD(CompensatedOptimizer):
             torch._foreach_add_(target.tensors, torch._foreach_mul(grads, -lr))
         else:
             torch._foreach_add_(target.tensors, grads, alpha=-lr)
-        del grads
+        grads = None  # frees our copy; (`del grads` here made dynamo break the graph: "step_unsupported")
         target.finish()

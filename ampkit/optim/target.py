@@ -12,11 +12,12 @@ So one update rule serves every dtype and compensation, and fp32 params keep pla
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import torch
 
 from .batches import foreach_cast
+from .noise import RoundingNoise
 from .rounding import kahan_add_, stochastic_round_
 
 __all__: List[str] = []
@@ -26,13 +27,14 @@ class _Target:
     """Where one batch's update accumulates, and how it lands in the params (see module doc)."""
 
     def __init__(self, mode: Optional[str], params: List[torch.Tensor], states: List[dict],
-                 generator_fn: Callable[[], torch.Generator], skip: Optional[torch.Tensor] = None) -> None:
+                 noise: RoundingNoise, skip: Optional[torch.Tensor] = None) -> None:
         self.mode = mode
         self.params = params
         #: the step's skip flag on the device (bool, 0-dim) or None: the batch is restored after the
         #: update when it is set; state created during the update must honour it itself
         self.skip = skip
-        self._generator_fn = generator_fn
+        #: the stochastic-rounding noise of this batch's device
+        self.noise = noise
         self._flat: Optional[torch.Tensor] = None
         if mode == "kahan":
             self.tensors = [s["compensation"] for s in states]
@@ -40,11 +42,6 @@ class _Target:
             self._flat, self.tensors = foreach_cast(params, torch.float32)  # exact upcast
         else:
             self.tensors = params
-
-    @property
-    def generator(self) -> torch.Generator:
-        """The stochastic-rounding generator of this batch's device (created on first use)."""
-        return self._generator_fn()
 
     def decay_(self, amount: Any) -> None:
         """Decoupled weight decay ``w -= amount * w``: multiplied into a weight, added to a Kahan buffer.
@@ -64,6 +61,6 @@ class _Target:
         if self.mode == "kahan":
             kahan_add_(self.params, self.tensors)
         elif self.mode == "stochastic":
-            stochastic_round_(self._flat, self.generator)
+            stochastic_round_(self._flat, self.noise)
             torch._foreach_copy_(self.params, self.tensors)  # exact: low bits are zero
             self._flat = None

@@ -7,7 +7,8 @@ decision stays on the device (fused kernels take ``found_inf``). What is left is
 
 * torch's ``Optimizer.step`` wrapper breaks the graph around the update on purpose, and its fused
   kernels are ``torch.compiler.disable``-d (they run as the fused kernel, eagerly);
-* ``ampkit.optim``'s stochastic rounding draws from a ``torch.Generator`` (not traceable).
+* none in ``ampkit.optim``'s compensated step (bf16-pure): its stochastic rounding draws from a
+  counter-based hash (``ampkit.optim.RoundingNoise``), so it compiles with ``fullgraph=True``.
 
 A Python-float learning rate is a constant in the graph: every new value an LR scheduler sets compiles
 a new graph (pytorch#130467). :func:`tensor_lr_` turns each group's lr into a 0-d tensor (torch's

@@ -4,7 +4,7 @@ import functools
 import pytest
 import torch
 
-from ampkit.optim import Adam, AdamW
+from ampkit.optim import Adam, AdamW, RoundingNoise
 from optim_helpers import grads as _grads
 from optim_helpers import (assert_same_params_and_state, land_, reference_target, regression, run,
                            step_with_reference, stochastic_round_bucket_, through_checkpoint, twin_params)
@@ -123,7 +123,7 @@ def test_foreach_path_equals_per_tensor_reference(compensation):
                        compensation=torch.zeros_like(t)) for t in init]
     hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     opt = AdamW(ps, compensation=compensation, seed=123, **hyper)
-    gen = torch.Generator().manual_seed(123)
+    gen = RoundingNoise(123)  # the optimizer's stream: same seed, counter from 0
     reference = functools.partial(_reference_step, compensation=compensation, gen=gen, **hyper)
     # param 1 sits step 2 out: mixed step counts
     step_with_reference(opt, ps, refs, ref_states, _grads(shapes, 5, torch.bfloat16), reference, skip=(2, 1))

@@ -1,8 +1,14 @@
-"""Rounding primitives: stochastic rounding is unbiased; Kahan keeps increments plain bf16 drops."""
+"""Rounding primitives: stochastic rounding is unbiased; Kahan keeps increments plain bf16 drops.
+
+The stochastic-rounding tests run with both sources of random bits: a ``torch.Generator`` and the
+counter-based :class:`~ampkit.optim.RoundingNoise` the optimizers use."""
 import pytest
 import torch
 
-from ampkit.optim import kahan_add_, stochastic_round, stochastic_round_
+from ampkit.optim import RoundingNoise, kahan_add_, stochastic_round, stochastic_round_
+
+SOURCES = {"generator": lambda seed: torch.Generator().manual_seed(seed), "hash": RoundingNoise}
+source = pytest.mark.parametrize("noise", list(SOURCES))
 
 
 def _neighbours(x: torch.Tensor):
@@ -13,9 +19,10 @@ def _neighbours(x: torch.Tensor):
     return lo, hi
 
 
-def test_stochastic_rounding_is_unbiased():
+@source
+def test_stochastic_rounding_is_unbiased(noise):
     # values at known fractions between bf16 neighbours, across exponents and signs
-    g = torch.Generator().manual_seed(0)
+    g = SOURCES[noise](0)
     base = torch.tensor([1.0, 3.0, -1.5, 0.0123, -250.0, 7e-30], dtype=torch.float32)
     fracs = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.97])
     lo = (base.view(torch.int32) & -65536).view(torch.float32)
@@ -36,9 +43,10 @@ def test_stochastic_rounding_is_unbiased():
     assert torch.all(err <= 5 * se * (hi_x - lo_x).abs().double() + 1e-30)
 
 
-def test_stochastic_rounding_differs_from_nearest_and_accumulates():
+@source
+def test_stochastic_rounding_differs_from_nearest_and_accumulates(noise):
     # 1.0 + 1e-4, many times: round-to-nearest never moves, stochastic rounding gets there on average
-    g = torch.Generator().manual_seed(1)
+    g = SOURCES[noise](1)
     w_near = torch.ones(4096, dtype=torch.bfloat16)
     w_sr = torch.ones(4096, dtype=torch.bfloat16)
     for _ in range(1000):
@@ -48,11 +56,12 @@ def test_stochastic_rounding_differs_from_nearest_and_accumulates():
     assert w_sr.float().mean().item() == pytest.approx(1.1, abs=0.01)
 
 
-def test_stochastic_rounding_keeps_exact_and_special_values():
+@source
+def test_stochastic_rounding_keeps_exact_and_special_values(noise):
     x = torch.tensor([0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), float("nan"), 3.3895e38])
     x[:4] = x[:4].bfloat16().float()
     for seed in range(5):
-        y = stochastic_round(x, generator=torch.Generator().manual_seed(seed))
+        y = stochastic_round(x, generator=SOURCES[noise](seed))
         assert y.dtype == torch.bfloat16
         assert torch.equal(y[:6].float(), x[:6])
         assert torch.isnan(y[6])
@@ -86,3 +95,12 @@ def test_kahan_add_keeps_small_increments():
     # too, so each add rounds at ~2**-16) keeps the sum of increments to within 5% (measured 2.7%)
     assert torch.all(params[0] == torch.tensor(exact).to(torch.bfloat16))
     assert torch.all((params[0].float() + comps[0].float() - exact).abs() < 0.05 * n_steps * inc)
+
+
+def test_hash_noise_keeps_positive_nans_with_a_full_payload():
+    """The int32 view of such a NaN plus a 16-bit addend would overflow (what random_'s path wraps into
+    -0.0); the hash path clamps first, so every positive NaN stays NaN, and the sign of -NaN is kept."""
+    bits = torch.tensor([0x7FFFFFFF, 0x7FFF8000, 0x7FC00000, -0x400000], dtype=torch.int32)
+    x = bits.view(torch.float32).repeat(1000)
+    y = stochastic_round(x, generator=RoundingNoise(0))
+    assert torch.isnan(y).all()

@@ -4,7 +4,7 @@ import functools
 import pytest
 import torch
 
-from ampkit.optim import SGD
+from ampkit.optim import SGD, RoundingNoise
 from optim_helpers import grads as _grads
 from optim_helpers import (assert_same_params_and_state, land_, reference_target, run, step_with_reference,
                            stochastic_round_bucket_, through_checkpoint, twin_params)
@@ -87,7 +87,7 @@ def test_foreach_path_equals_per_tensor_reference(compensation, nesterov):
     ref_states = [dict(compensation=torch.zeros_like(t)) for t in init]
     hyper = dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=1e-3, nesterov=nesterov)
     opt = SGD(ps, compensation=compensation, seed=7, **hyper)
-    gen = torch.Generator().manual_seed(7)
+    gen = RoundingNoise(7)  # the optimizer's stream: same seed, counter from 0
     reference = functools.partial(_reference_step, compensation=compensation, gen=gen, **hyper)
     # param 2 joins a step late
     step_with_reference(opt, ps, refs, ref_states, _grads(shapes, 5, torch.bfloat16), reference, skip=(0, 2))

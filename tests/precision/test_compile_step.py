@@ -3,9 +3,9 @@ scheduler, and compiled == eager bitwise over a run whose loss scale grows and b
 steps are skipped on overflow (issue 26).
 
 Breaks are counted with ``torch._dynamo.explain`` and located from dynamo's graph-break log: every
-break must sit in the optimizer's code (torch's ``Optimizer.step`` wrapper, which breaks on purpose,
-and its ``compiler.disable``-d fused kernel; ``ampkit.optim``'s stochastic rounding), none in
-``ampkit/precision`` or in ``MasterWeightOptimizer``. The compiled runs use ``backend="eager"`` (dynamo
+break must sit in torch's optimizer code (torch's ``Optimizer.step`` wrapper, which breaks on purpose,
+and its ``compiler.disable``-d fused kernel), none in ``ampkit/precision`` or ``ampkit/optim``:
+bf16-pure's compensated step (Kahan or stochastic rounding, stochastic bf16 moments) traces whole. The compiled runs use ``backend="eager"`` (dynamo
 only: fast, and any difference from eager is a semantic one, not rounding); one inductor run is slow.
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 ALL_MODES = list(MODES)
 # the breaks explain() counts for one step, all inside the optimizer: torch's step wrapper breaks before
 # and after the update (``_use_grad``) around its compiler.disable-d fused kernel; the master wrapper
-# calls that step from its own frame; ampkit.optim's bf16 moments draw stochastic-rounding noise from a
-# torch.Generator (not traceable: ampkit/optim, see README "Compiled steps")
-BOUND = {"master": 3, "pure-compensated": 7}
-ALLOWED = re.compile(r"(torch/optim/|ampkit/optim/(base|batches|target|adamw|sgd|rounding)\.py)")
+# calls that step from its own frame; ampkit.optim's compensated step (bf16-pure) has none: its stochastic
+# rounding draws from a counter-based hash (ampkit/optim/noise.py), not a torch.Generator
+BOUND = {"master": 3, "pure-compensated": 0}
+ALLOWED = re.compile(r"torch/optim/")
 
 
 def _bound(mode: str) -> int:
@@ -67,6 +67,7 @@ def break_sites():
 
 
 def _build(mode: str, *, optimizer: str = "adamw", **kw):
+    """A tiny MLP in ``mode``; ``optimizer``: torch's "adamw", torch's "sgd" (momentum), or "ampkit" AdamW."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     if optimizer == "sgd":
@@ -133,6 +134,8 @@ def _run(mode, compiled, steps=6, poison_at=(2,), backend="eager", **kw):
         opt.zero_grad(set_to_none=True)
         sched.step()
     params = [t.detach().clone() for t in model.parameters()]
+    if isinstance(opt, ampkit.optim.CompensatedOptimizer):  # and where its rounding noise stream stands
+        params += [opt.noise(t.device).position.clone() for t in params[:1]]
     return params, p, graphs_warm, counters["stats"]["unique_graphs"]
 
 
@@ -209,4 +212,37 @@ def test_inductor_step_matches_eager(mode):
     for a, b in zip(eager, comp):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
     assert pc.skipped_steps == pe.skipped_steps == 1 and pc.loss_scale == pe.loss_scale
+    assert end == warm
+
+
+# bf16-pure's two compensations, each with stochastically rounded bf16 moments (the default), and
+# ampkit's SGD (its bf16 momentum is rounded stochastically too)
+PURE = [("kahan", "adamw"), ("stochastic", "adamw"), ("stochastic", "sgd")]
+
+
+@pytest.mark.parametrize("compensation,optimizer", PURE[::2])
+def test_bf16_pure_step_traces_whole(compensation, optimizer):
+    """No graph break at all, even with ``fullgraph=True``: stochastic rounding's noise is a hash of
+    (seed, device counter) in integer ops, which dynamo traces."""
+    dynamo.reset()
+    p, model, opt = _build("bf16-pure", optimizer=optimizer, compensation=compensation)
+    _backward(p, model, torch.randn(4, 8))
+    explained = dynamo.explain(lambda: p.step(opt, max_norm=1.0))()
+    assert explained.graph_break_count == 0, explained.break_reasons
+    step = compile_step(p, opt, backend="eager", fullgraph=True)
+    for _ in range(2):
+        _backward(p, model, torch.randn(4, 8))
+        step(opt, max_norm=1.0)
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("compensation,optimizer", PURE[1:])  # (kahan + AdamW: the all-modes test above)
+def test_bf16_pure_stochastic_compiled_equals_eager(compensation, optimizer):
+    """Bitwise, over a run with an overflow skip and an LR schedule: compiled and eager draw the same
+    noise (same seed, same counter) and the counter ends where eager's does (``_run`` returns it)."""
+    eager, pe, _, _ = _run("bf16-pure", compiled=False, optimizer=optimizer, compensation=compensation)
+    comp, pc, warm, end = _run("bf16-pure", compiled=True, optimizer=optimizer, compensation=compensation)
+    for a, b in zip(eager, comp):
+        assert torch.equal(a, b), f"differs by {(a.float() - b.float()).abs().max()}"
+    assert pc.skipped_steps == pe.skipped_steps == 1
     assert end == warm

@@ -14,7 +14,7 @@ from ampkit.diagnose.fp8 import fp8_check, sqnr
 from ampkit.diagnose.runner import as_loss_fn, default_forward
 from ampkit.models import GPT
 from ampkit.precision.fp8 import (E4M3, E5M2, DelayedScaling, DelayedScalingLinear, Fp8Filter, RowwiseScaling,
-                                  fake_quantise, fp8_layers, plan)
+                                  amax, fake_quantise, fp8_layers, fp8_max, plan, saturates, scale_from_amax)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -191,6 +191,32 @@ def test_fake_quantise_rowwise_keeps_small_rows():
     small = slice(1, None)
     assert sqnr(x[small], fake_quantise(x, E4M3)[small]) < 3
     assert sqnr(x[small], fake_quantise(x, E4M3, rowwise=True)[small]) > 25
+
+
+def test_fake_quantise_columnwise_is_rowwise_of_the_transpose_and_saturation_is_before_the_clamp():
+    # the weight-gradient GEMM scales its operands per column (dim=0): ``ampkit check`` asks for that
+    x = torch.randn(16, 8)
+    x[:, 2] = 3e5 * torch.sign(x[:, 2])
+    assert torch.equal(fake_quantise(x, E4M3, dim=0), fake_quantise(x.t(), E4M3, rowwise=True).t())
+    assert amax(x, dim=0).shape == (1, 8) and amax(x, rowwise=True).shape == (16, 1)
+    scale = scale_from_amax(amax(x), E4M3)  # the tensor's own scale: nothing beyond the max
+    assert not saturates(x, scale, E4M3).any()
+    over = saturates(x, scale * 4, E4M3)  # a stale (delayed) scale 4x too large: the big column saturates
+    assert over[:, 2].all() and int(over.sum()) == 16 == int((x.abs() * scale * 4 > fp8_max(E4M3)).sum())
+
+
+def test_check_layer_numbers_are_precision_fp8s():
+    """``ampkit check``'s per-layer SQNR is what precision/fp8's fake quantisation gives (one definition)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    batch = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
+    seen = {}
+    model[2].register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach().float()))
+    r = fp8_check(model, batch, as_loss_fn(None), default_forward, CPU, requested=[])
+    w = model[2].weight.detach().to(torch.bfloat16).float()
+    x = seen["x"]
+    expect = sqnr(x @ w.t(), fake_quantise(x, E4M3) @ fake_quantise(w, E4M3).t())
+    assert r["layers"]["2"]["fp8-tensorwise"]["output_sqnr"] == pytest.approx(float(expect), rel=1e-6)
 
 
 def _train(mode, steps=200, **kw):

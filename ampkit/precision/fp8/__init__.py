@@ -14,7 +14,7 @@ from torch import nn
 
 from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
 from .detect import gemm_kind, is_conv1d
-from .quant import amax, fake_quantise, quantise, scale_from_amax
+from .quant import amax, fake_quantise, quantise, saturates, scale_from_amax
 from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
                       recipe_for)
 from .swap import MIN_FLOP_SHARE, Fp8Filter, convert_to_fp8, coverage, coverage_warning, fp8_layers, plan, skip_label
@@ -23,7 +23,8 @@ __all__ = [
     "Fp8Plan", "DelayedScaling", "TensorwiseScaling", "RowwiseScaling", "RECIPES", "recipe_for", "Recipe",
     "DelayedScalingLinear", "DelayedScalingConv1D", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers",
     "coverage", "coverage_warning", "MIN_FLOP_SHARE", "gemm_kind", "is_conv1d", "has_fp8_gemm",
-    "E4M3", "E5M2", "fp8_max", "amax", "scale_from_amax", "quantise", "fake_quantise", "EMULATED_NOTE",
+    "E4M3", "E5M2", "fp8_max", "amax", "scale_from_amax", "quantise", "saturates", "fake_quantise",
+    "EMULATED_NOTE",
 ]
 
 EMULATED_NOTE = "emulated: numerics only, not a speed claim"

@@ -12,16 +12,18 @@ import torch
 
 from .recipes import fp8_max
 
-__all__ = ["amax", "scale_from_amax", "quantise", "dequantise", "fake_quantise"]
+__all__ = ["amax", "scale_from_amax", "quantise", "dequantise", "saturates", "fake_quantise"]
 
 # smallest amax a scale is taken from (an all-zero tensor gets scale fp8_max / EPS, harmlessly)
 EPS = 1e-12
 
 
-def amax(x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
-    """Absolute max in fp32: of the whole tensor, or per row along the last dim (keepdim)."""
+def amax(x: torch.Tensor, rowwise: bool = False, dim: Optional[int] = None) -> torch.Tensor:
+    """Absolute max in fp32: of the whole tensor, or along ``dim`` (keepdim; ``rowwise``: the last dim,
+    one scale per row; ``dim=0`` one per column, as the weight-gradient GEMM scales its operands)."""
     a = x.detach().abs()
-    return (a.amax(dim=-1, keepdim=True) if rowwise else a.amax()).float()
+    dim = -1 if rowwise else dim
+    return (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
 
 
 def scale_from_amax(amax_: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
@@ -39,9 +41,15 @@ def dequantise(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = to
     return (q.float() / scale).to(out_dtype)
 
 
+def saturates(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where ``x * scale`` lands beyond ``dtype``'s max (before ``quantise`` clamps it): a bool mask."""
+    return (x.float() * scale).abs() > fp8_max(dtype)
+
+
 def fake_quantise(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = False, scale: Optional[torch.Tensor] = None,
-                  margin: int = 0) -> torch.Tensor:
-    """quantise -> dequantise in fp32: what an fp8 GEMM sees of ``x`` (current scaling unless ``scale``)."""
+                  margin: int = 0, dim: Optional[int] = None) -> torch.Tensor:
+    """quantise -> dequantise in fp32: what an fp8 GEMM sees of ``x`` (current scaling, over the whole tensor
+    or along ``dim``/``rowwise`` as :func:`amax`, unless ``scale`` is given)."""
     if scale is None:
-        scale = scale_from_amax(amax(x, rowwise), dtype, margin)
+        scale = scale_from_amax(amax(x, rowwise, dim), dtype, margin)
     return dequantise(quantise(x, scale, dtype), scale)

@@ -1,0 +1,115 @@
+"""RoundingNoise, the counter-based random bits of stochastic rounding: uniform over 16 bits, determined
+by (seed, position) alone, the same compiled and eager, saved and restored with the optimizer, and an
+older checkpoint holding ``torch.Generator`` states still loads."""
+import io
+
+import pytest
+import torch
+
+from ampkit.optim import AdamW, RoundingNoise, compensated_from, stochastic_round_
+from ampkit.optim.base import NOISE_KEY, RNG_KEY
+
+
+def _chi2(values: torch.Tensor, bins: int) -> float:
+    counts = torch.bincount(values.long(), minlength=bins).double()
+    expected = values.numel() / bins
+    return ((counts - expected) ** 2 / expected).sum().item()
+
+
+def test_bits_are_uniform_over_16_bits():
+    """Chi-square over all 65536 values (df 65535, sd 362), for the whole draw and for each lane of a
+    hash (even and odd elements), and for single bits; a fixed seed, so deterministic."""
+    bits = RoundingNoise(0).bits16(1 << 21)  # 32 draws per value expected
+    assert bits.dtype == torch.int32 and 0 <= bits.min() and bits.max() <= 65535
+    df, sd = 65535, (2 * 65535) ** 0.5
+    for sample in (bits, bits[0::2], bits[1::2]):
+        assert abs(_chi2(sample, 65536) - df) < 5 * sd
+    ones = torch.stack([(bits >> b) & 1 for b in range(16)]).double().mean(1)
+    assert ((ones - 0.5).abs() < 5 * 0.5 / bits.numel() ** 0.5).all(), ones
+    # consecutive values are not correlated (within a hash and across hashes)
+    a, b = bits[:-1].double(), bits[1:].double()
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 5 / bits.numel() ** 0.5
+
+
+def test_stream_is_seed_and_position():
+    a, b = RoundingNoise(7), RoundingNoise(7)
+    first = a.bits16(1000)
+    assert a.position.item() == 500  # one position per two values
+    assert torch.equal(first, b.bits16(1000))
+    # drawn in pieces (even sizes) == drawn at once; a restored position continues exactly
+    c = RoundingNoise(7)
+    assert torch.equal(torch.cat([c.bits16(400), c.bits16(600)]), first)
+    d = RoundingNoise(7, position=200)
+    assert torch.equal(d.bits16(600), first[400:])
+    # other seeds, even neighbouring ones, give unrelated streams
+    for seed in (6, 8, 7 + (1 << 32)):
+        other = RoundingNoise(seed).bits16(1000)
+        assert (other == first).double().mean() < 0.01
+
+
+@pytest.mark.slow
+def test_inductor_rounds_bitwise_like_eager():
+    """Integer ops only: inductor's C++ kernel gives the very bits eager gives, and advances the counter."""
+    x = torch.randn(3 * (1 << 19) + 5)  # several chunks and an odd tail
+    eager_noise, compiled_noise = RoundingNoise(3), RoundingNoise(3)
+    eager = stochastic_round_(x.clone(), eager_noise)
+    compiled = torch.compile(stochastic_round_, backend="inductor", fullgraph=True)(x.clone(), compiled_noise)
+    assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32))
+    assert compiled_noise.position.item() == eager_noise.position.item()
+
+
+def _train(opt, w, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        w.grad = torch.randn(w.shape, generator=g).bfloat16()
+        opt.step()
+
+
+def _saved(opt):
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_state_dict_saves_seed_and_counter():
+    w = torch.randn(64, 8).bfloat16().requires_grad_()
+    opt = AdamW([w], lr=1e-2, compensation="stochastic", seed=11)
+    _train(opt, w, 2)
+    sd = _saved(opt)
+    noise = sd["param_groups"][0][NOISE_KEY]
+    assert noise["seed"] == 11
+    assert noise["positions"]["cpu"].item() == opt.noise(w.device).position.item() > 0
+    # a new optimizer built with another seed continues the saved stream
+    w2 = w.detach().clone().requires_grad_()
+    opt2 = AdamW([w2], lr=1e-2, compensation="stochastic", seed=99)
+    opt2.load_state_dict(sd)
+    _train(opt, w, 3, seed=1)
+    _train(opt2, w2, 3, seed=1)
+    assert torch.equal(w, w2)
+
+
+@pytest.mark.parametrize("order", ["setup-then-load", "load-then-setup"])
+def test_older_checkpoint_with_generator_states_loads(order):
+    """An older ampkit saved ``torch.Generator`` states under ``rng_states``: no counter can continue
+    them, so the load drops them and the stream starts at position 0 of the optimizer's seed
+    (documented); the run continues deterministically from there."""
+    w0 = torch.randn(32, 4).bfloat16()
+    sd = _saved(AdamW([w0.clone().requires_grad_()], lr=1e-2, compensation="stochastic", seed=5))
+    del sd["param_groups"][0][NOISE_KEY]
+    sd["param_groups"][0][RNG_KEY] = {"cpu": torch.Generator().manual_seed(5).get_state()}  # the old format
+    runs = []
+    for _ in range(2):
+        w = w0.clone().requires_grad_()
+        if order == "setup-then-load":
+            opt = AdamW([w], lr=1e-2, compensation="stochastic", seed=5)
+            opt.load_state_dict(sd)
+        else:  # nanoGPT's order: torch's AdamW loads it, then precision.setup converts
+            plain = torch.optim.AdamW([w], lr=1e-2)
+            plain.load_state_dict(sd)
+            opt = compensated_from(plain, compensation="stochastic")
+        assert RNG_KEY not in opt.param_groups[0]
+        assert opt.noise(w.device).position.item() == 0
+        _train(opt, w, 3)
+        runs.append(w.detach().clone())
+    assert torch.equal(runs[0], runs[1])
