@@ -40,7 +40,8 @@ def peak_rss_mb() -> float:
 
 
 def planned_peak(cfg: Dict[str, Any], precision: Any, device: torch.device) -> Optional[Dict[str, Any]]:
-    """What ``ampkit.plan`` predicts for this configuration's step: ``{"planned_peak_mb", "planned_breakdown_mb"}``.
+    """What ``ampkit.plan`` predicts for this configuration's step: ``{"planned_peak_mb", "planned_peak_bytes",
+    "planned_breakdown_mb"}``.
 
     Traced on fake tensors (no compute) over a freshly built copy of the workload (the measured model was
     converted in place by ``Precision.setup``), with the precision the row ran: the ampkit runner's tuned
@@ -58,5 +59,5 @@ def planned_peak(cfg: Dict[str, Any], precision: Any, device: torch.device) -> O
         p = plan(wl.model, wl.batches[0], precision=prec, loss_fn=wl.loss_fn, device=device)
     except Exception as e:  # reported beside the row, never fails the measurement
         return {"planned_peak_mb": None, "planned_error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
-    return {"planned_peak_mb": round(p.peak_bytes / 2**20, 1),
-            "planned_breakdown_mb": {k: round(v / 2**20, 2) for k, v in p.breakdown.items()}}
+    return {"planned_peak_mb": round(p.peak_bytes / 2**20, 3), "planned_peak_bytes": int(p.peak_bytes),
+            "planned_breakdown_mb": {k: round(v / 2**20, 3) for k, v in p.breakdown.items()}}

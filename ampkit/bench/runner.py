@@ -87,7 +87,7 @@ def aggregate(reps: List[Dict]) -> Dict:
                    loop_ms_per_step=round(statistics.median([t for r in ok for t in r["loop_step_ms"]]), 3))
         out.pop("ratios", None)
         out.pop("loop_step_ms", None)
-    for key in ("planned_breakdown_mb", "planned_error"):  # from the repetition that planned
+    for key in ("planned_peak_bytes", "planned_breakdown_mb", "planned_error"):  # from the repetition that planned
         found = next((r[key] for r in ok if r.get(key)), None)
         out.pop(key, None)
         if found:

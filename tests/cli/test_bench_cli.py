@@ -43,6 +43,7 @@ def test_bench_writes_json_md_png_through_worker_processes(tmp_path):
         assert x["ms_per_step"] > 0 and x["ms_per_step_spread"] >= 0 and x["repeats"] == 1 and x["steps"] == 2
         assert x["tflops"] > 0 and 0 < x["utilisation"] and x["peak_mem_mb"] > 0 and x["profile"]
         assert x["state_bytes_per_param"] == pytest.approx(16.0, abs=0.2)
+        assert x["planned_peak_bytes"] > 0 and "weights" in x["planned_breakdown_mb"]  # ampkit.plan, once per row
     fp32 = results[0]
     assert fp32["speedup_vs_fp32"] == 1.0 and fp32["loss_delta_vs_fp32"] == 0.0
     assert results[1]["vs_torch_loop"] == pytest.approx(results[3]["ms_per_step"] / results[1]["ms_per_step"], rel=1e-3)
@@ -50,6 +51,7 @@ def test_bench_writes_json_md_png_through_worker_processes(tmp_path):
     assert fp32["final_loss"] == pytest.approx(results[2]["final_loss"], rel=1e-5)
     md = (tmp_path / "out" / "bench.md").read_text()
     assert "| tinybench:make | bf16-mixed | ampkit |" in md and "--steps 2" in md
+    assert "| peak MB | planned MB |" in md
     assert (tmp_path / "out" / "bench.png").stat().st_size > 1000
     assert "| model | precision | runner |" in r.stdout and "[4/4]" in r.stderr
     # a second run into the same directory must not overwrite
