@@ -2,8 +2,9 @@
 
 A resume is planned once (`ResumePlan`: the checkpoint located, read from disk once, its saved
 options) and the plan is handed down: the CLI's saved options, auto's saved mode, the options check
-and the Trainer's load all use that one read. Every refusal is a `CheckpointError` naming the checkpoint, the option and the fix; options that
-only change the learning-rate curve give one warning sentence instead.
+and the Trainer's load all use that one read. Every refusal is a `CheckpointError` naming the
+checkpoint, the option and the fix; options that only change the learning-rate curve give one
+warning sentence instead.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def test_every_alias_through_every_entry_point(name):
             ampkit.set_global_policy(spelling)
             assert ampkit.global_policy() == mode and ampkit.Precision(device="cpu").name == mode
             args = _build_parser().parse_args(["train", "--precision", spelling])
-            assert ampkit.Precision(_config_from_args(args).precision, "cpu").name == mode  # what the Trainer builds
+            assert ampkit.Precision(_config_from_args(args)[0].precision, "cpu").name == mode  # what the Trainer builds
             keras_mode = KERAS_DIFFERENCES.get(name.lower(), mode)
             assert keras.Policy(spelling).mode == keras_mode
             keras.set_global_policy(spelling)
