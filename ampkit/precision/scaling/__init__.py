@@ -7,6 +7,7 @@
   skip limit and the parameter names its error gives; their part of the state dict.
 * ``hysteresis``: DeepSpeed's rule, back off only after N overflowing steps in a row.
 * ``unscale``: unscaling an optimizer's gradients in place while checking them for inf/NaN.
+* ``fused``: torch's protocol for optimizers that skip inside their kernel (found_inf handed over).
 * ``nonfinite``: read-only inf/NaN checks, the one found-inf total, the distributed all-reduce.
 * ``step_result``: what a step returns without reading the device (``StepResult``, ``HostCopy``).
 * ``traceable``: torch's GradScaler step-path methods, written again where ``torch.compile`` traces them.
