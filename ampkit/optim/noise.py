@@ -6,11 +6,13 @@ for an element are a hash of (seed, position), where the position is a counter o
 every draw advances. The same seed and position give the same bits in eager and compiled code, on any
 device, and the state to save for a bit-exact resume is the seed and the counter.
 
-The hash is the well-known ``0x45d9f3b`` integer mix (xor-shift, multiply, twice), keyed by the seed,
-applied to each position's low 32 bits and then again keyed with its high 32 bits. Every intermediate
-is an int64 holding a 32-bit value (masked after each multiply, and ``0x45d9f3b < 2**27``, so a
-product stays below ``2**59``): no signed overflow in eager torch, inductor's C++ or Triton. One hash
-gives 32 bits, two elements' worth; draws are made in bounded chunks by the caller.
+The hash is the well-known ``0x45d9f3b`` integer mix (xor-shift, multiply, xor-shift, multiply,
+xor-shift) on each position's low 32 bits, keyed by the seed before the first round and by the
+position's high 32 bits (and the seed again) between the rounds. Every intermediate is an int64
+holding a 32-bit value (masked after each multiply, and ``0x45d9f3b < 2**27``, so a product stays
+below ``2**59``): no signed overflow in eager torch, inductor's C++ or Triton. One hash gives 32 bits,
+read as two signed 16-bit lanes (a dtype view, no arithmetic; the int64's two low int16 lanes on the
+little-endian machines torch runs on); draws are made in bounded chunks by the caller.
 """
 from __future__ import annotations
 
@@ -31,11 +33,9 @@ def _mix_int(x: int) -> int:
     return (x >> 16) ^ x
 
 
-def _mix_(x: torch.Tensor) -> torch.Tensor:
-    """The hash, in place, on an int64 tensor of 32-bit values."""
-    for _ in range(2):
-        x.bitwise_xor_(x >> 16).mul_(_MUL).bitwise_and_(_M32)
-    return x.bitwise_xor_(x >> 16)
+def _round_(x: torch.Tensor) -> torch.Tensor:
+    """One round of the mix, in place, on an int64 tensor of 32-bit values: xor-shift, multiply, mask."""
+    return x.bitwise_xor_(x >> 16).mul_(_MUL).bitwise_and_(_M32)
 
 
 class RoundingNoise:
@@ -61,18 +61,21 @@ class RoundingNoise:
         self.position.copy_(torch.as_tensor(position, dtype=torch.int64))  # map_location may have moved it
 
     def bits16(self, n: int) -> torch.Tensor:
-        """``n`` values uniform in ``[0, 65535]`` (int32), and the counter advanced by ``ceil(n / 2)``."""
+        """``n`` values uniform in ``[-32768, 32767]`` (int16), and the counter advanced by ``ceil(n / 2)``.
+
+        Add 32768 for a uniform value in ``[0, 65535]``. About 17 elementwise int64 passes over
+        ``ceil(n / 2)`` values; under torch.compile inductor fuses them into one kernel.
+        """
         m = (n + 1) // 2
         x = torch.arange(m, dtype=torch.int64, device=self.position.device).add_(self.position)
         self.position.add_(m)
-        high = x >> 32
-        _mix_(x.bitwise_and_(_M32).bitwise_xor_(self._k1))
-        _mix_(x.bitwise_xor_(high).bitwise_xor_(self._k2))
-        del high
-        lanes = torch.empty((m, 2), dtype=torch.int32, device=x.device)
-        lanes[:, 0] = x & 0xFFFF
-        lanes[:, 1] = x >> 16
-        return lanes.view(-1)[:n]
+        between = (x >> 32).bitwise_xor_(self._k2)  # the high half, keyed: mixed in between the rounds
+        _round_(x.bitwise_and_(_M32).bitwise_xor_(self._k1))
+        _round_(x.bitwise_xor_(between))
+        del between
+        x.bitwise_xor_(x >> 16)
+        # the 32 hashed bits as two int16 lanes: the low two of the int64's four (little-endian)
+        return x.view(torch.int16).view(m, 4)[:, :2].reshape(-1)[:n]
 
     def __repr__(self) -> str:
         return f"RoundingNoise(seed={self.seed}, device={self.position.device})"

@@ -24,8 +24,9 @@ __all__ = ["kahan_add_", "stochastic_round_", "stochastic_round"]
 
 # random bits are drawn in chunks so the transient noise buffer stays <= 8 MiB
 _CHUNK = 1 << 22
-# a RoundingNoise draw in chunks of 2**19 values: its int64 hash state, one temporary and the int32
-# lanes are ~12 B per value at most, 6 MiB (under torch.compile inductor fuses them away)
+# a RoundingNoise draw in chunks of 2**19 values: its int64 hash state (one per two values), one
+# temporary of that size and the int16 lanes are ~10 B per value at most, 5 MiB (under torch.compile
+# inductor fuses them away)
 _HASH_CHUNK = 1 << 19
 # the largest int32 view to which a 16-bit addend cannot overflow: 0x7FFF0000 is a (positive) NaN, and
 # so is everything above it, so clamping there keeps those NaNs NaN
@@ -70,9 +71,9 @@ def stochastic_round_(x: torch.Tensor, generator: Noise = None) -> torch.Tensor:
     if isinstance(generator, RoundingNoise):
         for start in range(0, bits.numel(), _HASH_CHUNK):
             seg = bits[start:start + _HASH_CHUNK]
-            # uniform addend in [0, 65535], then the low 16 bits cut: rounds the magnitude up with
-            # probability (dropped bits) / 2**16; no int32 sum can overflow after the clamp
-            seg.clamp_(max=_NO_OVERFLOW).add_(generator.bits16(seg.numel())).bitwise_and_(_BF16_MASK)
+            # 32768 + an int16 lane = a uniform addend in [0, 65535], then the low 16 bits cut: rounds the
+            # magnitude up with probability (dropped bits) / 2**16; no int32 sum overflows after the clamp
+            seg.clamp_(max=_NO_OVERFLOW).add_(1 << 15).add_(generator.bits16(seg.numel())).bitwise_and_(_BF16_MASK)
         return x
     for start in range(0, bits.numel(), _CHUNK):
         seg = bits[start:start + _CHUNK]

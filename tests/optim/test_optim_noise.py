@@ -19,8 +19,10 @@ def _chi2(values: torch.Tensor, bins: int) -> float:
 def test_bits_are_uniform_over_16_bits():
     """Chi-square over all 65536 values (df 65535, sd 362), for the whole draw and for each lane of a
     hash (even and odd elements), and for single bits; a fixed seed, so deterministic."""
-    bits = RoundingNoise(0).bits16(1 << 21)  # 32 draws per value expected
-    assert bits.dtype == torch.int32 and 0 <= bits.min() and bits.max() <= 65535
+    lanes = RoundingNoise(0).bits16(1 << 21)  # 32 draws per value expected
+    assert lanes.dtype == torch.int16
+    bits = lanes.int() + 32768  # the addend stochastic_round_ uses
+    assert 0 <= bits.min() and bits.max() <= 65535
     df, sd = 65535, (2 * 65535) ** 0.5
     for sample in (bits, bits[0::2], bits[1::2]):
         assert abs(_chi2(sample, 65536) - df) < 5 * sd
