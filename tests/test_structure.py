@@ -207,3 +207,28 @@ def test_the_counter_sees_the_old_mode_branches(tmp_path):
     assert [g.split(": ", 1)[1] for g in got] == [
         "builds MasterWeightOptimizer(init_optimizer)", "branches on self.ampkit.mode.master_weights",
         "branches on MODES[name].compensated", "branches on getattr(self.mode, 'compensated')"], got
+
+
+MAX_MODULE_LINES = 350  # issue 24: a module past this is split by responsibility, not defended in its docstring
+
+
+def long_modules(limit=MAX_MODULE_LINES):
+    """``path: lines`` of every ampkit module longer than ``limit`` lines."""
+    out = []
+    for name, (path, _) in sorted(_modules().items()):
+        with open(path, encoding="utf-8") as f:
+            n = sum(1 for _ in f)
+        if n > limit:
+            out.append(f"{os.path.relpath(path, ROOT)}: {n}")
+    return out
+
+
+def test_no_module_over_the_line_limit():
+    assert long_modules() == []
+
+
+def test_the_line_counter_sees_a_long_module(tmp_path, monkeypatch):
+    path = tmp_path / "long.py"
+    path.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    monkeypatch.setattr(__import__(__name__), "_modules", lambda: {"ampkit.p.long": (str(path), False)})
+    assert len(long_modules()) == 1

@@ -11,8 +11,7 @@ while its input was finite. Backward, at the first non-finite gradient: the inne
 whose gradient w.r.t. its output was finite while the gradient w.r.t. its input or one of its
 own parameters was not; else the loss, or the code between modules that consumed an output.
 
-Why ~330 lines: the forward and backward searches share one replay (hooks, restored buffers and RNG)
-and one report; each half alone is ~150 lines.
+The forward and backward searches share one replay (hooks, restored buffers and RNG) and one report.
 
 Trainer use::
 
