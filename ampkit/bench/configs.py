@@ -248,6 +248,10 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
         # one more configuration per ampkit row: both steps in one process, alternating step by step
         configs += [{**c, "runner": "paired", "loop_precision": baseline_precision(c["resolved_precision"])}
                     for c in list(configs) if c["runner"] == "ampkit"]
+    if s.compile:
+        # with --compile every row is compiled: one more configuration per ampkit row times its compiled
+        # step against the same eager step in one process, alternating (the eager side is never compiled)
+        configs += [{**c, "runner": "paired-compile"} for c in list(configs) if c["runner"] == "ampkit"]
     if "torch-loop" in s.runners and any(baseline_precision(resolved[p]) != p for p in precisions):
         notes.append("torch-loop rows use plain autocast in the same dtype as the ampkit modes it is the "
                      "baseline for (bf16-master/bf16-pure -> bf16-mixed): that is what a user writes by hand.")

@@ -40,9 +40,21 @@ def attach_paired(results: List[Dict]) -> List[Dict]:
     """The rows without the ``paired`` ones (``--paired``), whose ratios move onto their ampkit row:
     ``vs_torch_loop_paired`` (median loop/ampkit over steps timed side by side in one process),
     ``paired_ratio_iqr``, ``paired_rep_ratios``, ``paired_loop_ms`` (the loop's median there), or
-    ``paired_error``."""
-    rows = [r for r in results if r.get("runner") != "paired"]
+    ``paired_error``. The ``paired-compile`` rows (``--compile``) likewise: ``compiled_vs_eager_paired``
+    (median eager/compiled, > 1: compiled faster), ``compiled_ratio_iqr``, ``compiled_rep_ratios``,
+    ``paired_eager_ms``, ``paired_compiled_ms``, or ``compiled_pair_error``."""
+    rows = [r for r in results if r.get("runner") not in ("paired", "paired-compile")]
     by_key = {(r["model"], r["precision"]): r for r in rows if r.get("runner") == "ampkit"}
+    for p in (r for r in results if r.get("runner") == "paired-compile"):
+        row = by_key.get((p["model"], p["precision"]))
+        if row is None:
+            continue
+        if p.get("vs_torch_loop_paired") is None:
+            row["compiled_pair_error"] = p.get("error", "no paired steps")
+            continue
+        row.update(compiled_vs_eager_paired=p["vs_torch_loop_paired"], compiled_ratio_iqr=p["paired_ratio_iqr"],
+                   compiled_rep_ratios=p["paired_rep_ratios"], paired_eager_ms=p["loop_ms_per_step"],
+                   paired_compiled_ms=p["ms_per_step"])
     for p in (r for r in results if r.get("runner") == "paired"):
         row = by_key.get((p["model"], p["precision"]))
         if row is None:
@@ -203,6 +215,20 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
                       f"{PAIRED_DISAGREE:.0%} for " + ", ".join(f"{r['model']} {r['precision']}" for r in apart)
                       + ": their processes ran at different speeds for the same work; the paired ratio is the one "
                       "to read."]
+    compiled = [r for r in results if r.get("compiled_vs_eager_paired") is not None or r.get("compiled_pair_error")]
+    if compiled:
+        lines += ["", "## Compiled vs eager, paired in one process (`--compile`)", "",
+                  "ampkit's compiled step (model and optimizer step, as `ampkit train --compile`) and the same "
+                  "step eager, built over identical seeded workloads in one process and timed alternately.", "",
+                  "| model | precision | compiled ms | eager ms | eager/compiled (median) | IQR | per repetition |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for r in compiled:
+            if r.get("compiled_pair_error"):
+                lines.append(f"| {r['model']} | {r['precision']} | failed: {r['compiled_pair_error']} |" + " |" * 4)
+                continue
+            reps = ", ".join(f"{x:.3f}" for x in r["compiled_rep_ratios"])
+            lines.append(f"| {r['model']} | {r['precision']} | {r['paired_compiled_ms']:.1f} | {r['paired_eager_ms']:.1f} "
+                         f"| {r['compiled_vs_eager_paired']:.3f} | {r['compiled_ratio_iqr']:.3f} | {reps} |")
     ran = [r for r in results if r.get("loop")]
     if ran:  # what each row's step was: the ampkit runner's layout / op policy are measured choices
         lines += ["", "## What each row ran", ""]

@@ -124,7 +124,9 @@ def measure_paired(cfg: Dict) -> Dict:
     ampkit step beside it is immune to the speed regime a process happens to land in.
 
     ``step_ms`` holds ampkit's times, ``loop_step_ms`` the loop's, ``ratios`` loop/ampkit (> 1: ampkit
-    faster). Peak memory covers both models, so it is not reported for this row.
+    faster). Peak memory covers both models, so it is not reported for this row. Runner
+    ``paired-compile`` (``--compile``): the same with ampkit's eager step in the loop's place, so
+    ``ratios`` is eager/compiled (> 1: the compiled step faster).
     """
     from .loops import make_step
     from .workload import build_workload
@@ -132,15 +134,17 @@ def measure_paired(cfg: Dict) -> Dict:
     device = _prepare(cfg)
     steps, warmup = int(cfg["steps"]), int(cfg["warmup"])
     n_batches = min(8, steps + warmup)
+    versus_eager = cfg["runner"] == "paired-compile"  # the other side: ampkit's own eager step
+    other = ("ampkit", cfg["precision"]) if versus_eager else ("torch-loop", cfg["loop_precision"])
     pair = {}
-    for runner, mode in (("ampkit", cfg["precision"]), ("torch-loop", cfg["loop_precision"])):
+    for key, (runner, mode) in (("ampkit", ("ampkit", cfg["precision"])), ("torch-loop", other)):
         wl = build_workload(cfg["model"], int(cfg["batch_size"]), n_batches, int(cfg["seed"]), device)
-        pair[runner] = (make_step(runner, mode, wl, device, float(cfg["lr"])), wl)
+        pair[key] = (make_step(runner, mode, wl, device, float(cfg["lr"])), wl)
     t_start = time.perf_counter()
     for i in range(max(1, warmup)):
-        for step, wl in pair.values():
+        for key, (step, wl) in pair.items():
             step(*wl.batches[i % len(wl.batches)])
-            if i == 0 and cfg.get("compile"):
+            if i == 0 and cfg.get("compile") and not (versus_eager and key == "torch-loop"):
                 step.compile()
     times: Dict[str, List[float]] = {"ampkit": [], "torch-loop": []}
     loss = None
@@ -169,9 +173,9 @@ def measure_paired(cfg: Dict) -> Dict:
         times[runner].append(t)
     a_step = pair["ampkit"][0]
     return {
-        "model": cfg["model"], "precision": cfg["precision"], "runner": "paired",
+        "model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"],
         "resolved_precision": a_step.precision.name if a_step.precision is not None else cfg["precision"],
-        "loop_precision": cfg["loop_precision"], "device": str(device), "threads": torch.get_num_threads(),
+        "loop_precision": cfg["precision"] if versus_eager else cfg["loop_precision"], "device": str(device), "threads": torch.get_num_threads(),
         "warmup": warmup, "steps": steps, "step_ms": [round(t, 3) for t in times["ampkit"]],
         "loop_step_ms": [round(t, 3) for t in times["torch-loop"]],
         "ratios": [round(b / a, 4) for a, b in zip(times["ampkit"], times["torch-loop"])],
@@ -207,7 +211,7 @@ def main(argv=None) -> int:
     try:
         cfg = json.loads(argv[0])
         runner = cfg.get("runner")
-        record = (measure_paired(cfg) if runner == "paired" else tune_only(cfg) if runner == "tune"
+        record = (measure_paired(cfg) if runner in ("paired", "paired-compile") else tune_only(cfg) if runner == "tune"
                   else measure(cfg))
     except Exception as e:  # reported as one record so the run goes on with the other configurations
         traceback.print_exc(file=sys.stderr)

@@ -29,8 +29,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="override the models' batch sizes (cnn/resnet 64, gpt 16, "
                    "gpt2 up to 16 on CUDA by memory, 1 on CPU)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model in every configuration "
-                   "(compile time is spent in warm-up, not timed)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model and ampkit's step in every "
+                   "configuration (compile time is spent in warm-up, not timed), and time each ampkit row's "
+                   "compiled step against its eager one, paired in one process (adds one process per ampkit row)")
     p.add_argument("--quick", action="store_true", help="cnn + gpt, fp32 vs bf16-mixed, both runners, 3 steps x 2 "
                    "repeats: a few minutes on a 2-core CPU")
     p.add_argument("--paired", action="store_true", help="also run each ampkit mode and its plain loop in one "

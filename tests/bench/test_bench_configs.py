@@ -99,3 +99,13 @@ def test_bf16_pure_without_optim_is_a_clear_error(monkeypatch):
         plan(Settings(models=["cnn"], precisions=["bf16-pure"], device="cpu"))
     _, notes = plan(Settings(models=["cnn"], device="cpu"))
     assert any("bf16-pure skipped" in n for n in notes)
+
+
+def test_compile_adds_one_compiled_vs_eager_pair_per_ampkit_row():
+    cfgs, _ = plan(Settings(models=["cnn", "gpt"], precisions=["fp32"], device="cpu", compile=True))
+    ampkit_rows = [c for c in cfgs if c["runner"] == "ampkit"]
+    pairs = [c for c in cfgs if c["runner"] == "paired-compile"]
+    assert ampkit_rows and len(pairs) == len(ampkit_rows) and all(c["compile"] for c in pairs)
+    assert {(c["model"], c["precision"]) for c in pairs} == {(c["model"], c["precision"]) for c in ampkit_rows}
+    plain, _ = plan(Settings(models=["cnn"], precisions=["fp32"], device="cpu"))
+    assert not [c for c in plain if c["runner"] == "paired-compile"]

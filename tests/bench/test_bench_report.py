@@ -100,3 +100,25 @@ def test_paired_ratios_attach_to_ampkit_rows_and_disagreement_is_called_out():
     assert "| cnn | bf16-mixed | failed: timed out after 9 s |" in md
     # per process 1.50x, paired 1.02x: the report says which to read
     assert "differ by more than 10% for cnn bf16-master" in md
+
+
+def test_compiled_vs_eager_pairs_attach_to_ampkit_rows():
+    """``--compile``: each ampkit row's paired-compile record (eager/compiled per step, in one process) moves
+    onto the row and gets its own table; a failed pair says why."""
+    from ampkit.bench.report import attach_paired
+
+    pair = {"model": "cnn", "precision": "fp32", "runner": "paired-compile", "vs_torch_loop_paired": 0.87,
+            "paired_ratio_iqr": 0.02, "paired_rep_ratios": [0.86, 0.88], "loop_ms_per_step": 190.0,
+            "ms_per_step": 218.0, "loop_precision": "fp32"}
+    failed = {"model": "gpt", "precision": "fp32", "runner": "paired-compile", "error": "InductorError: no compiler"}
+    everything = rows() + [pair, failed]
+    kept = attach_paired(everything)
+    assert len(kept) == len(everything) - 2 and all(r["runner"] != "paired-compile" for r in kept)
+    res = finalize(kept, DEV)
+    cnn = next(r for r in res if (r["model"], r["precision"], r["runner"]) == ("cnn", "fp32", "ampkit"))
+    assert cnn["compiled_vs_eager_paired"] == 0.87 and cnn["paired_eager_ms"] == 190.0
+    assert "vs_torch_loop_paired" not in cnn  # not confused with the loop pairing
+    md = markdown(DEV, res, {"steps": 3}, [])
+    assert "## Compiled vs eager, paired in one process (`--compile`)" in md
+    assert "| cnn | fp32 | 218.0 | 190.0 | 0.870 | 0.020 | 0.860, 0.880 |" in md
+    assert "| gpt | fp32 | failed: InductorError: no compiler |" in md

@@ -109,3 +109,21 @@ def test_dict_batches_and_the_models_own_loss(tmp_path, monkeypatch):
             assert 0 < r["final_loss"] < 10
     finally:
         sys.modules.pop("bench_dict_mod", None)
+
+
+def test_compiled_step_paired_with_its_eager_self(user_models, monkeypatch):
+    """runner paired-compile: ampkit's compiled step and the same step eager over identical workloads in one
+    process, alternating; only one side is compiled."""
+    from ampkit.bench import loops
+    from ampkit.bench.worker import measure_paired
+
+    built, compiled = [], []
+    real_make, real_compile = loops.make_step, loops.Step.compile
+    monkeypatch.setattr(loops, "make_step", lambda *a, **k: built.append(real_make(*a, **k)) or built[-1])
+    monkeypatch.setattr(loops.Step, "compile", lambda self: (compiled.append(self), real_compile(self))[1])
+    r = measure_paired(cfg(runner="paired-compile", compile=True, steps=3, warmup=2))
+    assert len(built) == 2 and all(s.precision is not None for s in built)  # two ampkit steps
+    assert compiled == [built[0]] and built[1].step_fn is None  # the eager side stays eager
+    assert r["runner"] == "paired-compile" and r["loop_precision"] == "fp32"
+    assert len(r["step_ms"]) == len(r["loop_step_ms"]) == len(r["ratios"]) == 3
+    assert all(x > 0 for x in r["ratios"]) and r["final_loss"] == r["final_loss"]  # finite, not NaN
