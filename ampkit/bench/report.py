@@ -36,6 +36,18 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+#: a paired record's fields (runner -> its key -> the ampkit row's key): ``paired`` times ampkit against the
+#: plain loop, ``paired-compile`` ampkit's compiled step against the same step eager (ratios: other/this)
+_PAIRED_KEYS = {
+    "paired": {"vs_torch_loop_paired": "vs_torch_loop_paired", "paired_ratio_iqr": "paired_ratio_iqr",
+               "paired_rep_ratios": "paired_rep_ratios", "loop_ms_per_step": "paired_loop_ms",
+               "ms_per_step": "paired_ms", "loop_precision": "paired_loop_precision", "error": "paired_error"},
+    "paired-compile": {"vs_torch_loop_paired": "compiled_vs_eager_paired", "paired_ratio_iqr": "compiled_ratio_iqr",
+                       "paired_rep_ratios": "compiled_rep_ratios", "loop_ms_per_step": "paired_eager_ms",
+                       "ms_per_step": "paired_compiled_ms", "error": "compiled_pair_error"},
+}
+
+
 def attach_paired(results: List[Dict]) -> List[Dict]:
     """The rows without the ``paired`` ones (``--paired``), whose ratios move onto their ampkit row:
     ``vs_torch_loop_paired`` (median loop/ampkit over steps timed side by side in one process),
@@ -43,28 +55,19 @@ def attach_paired(results: List[Dict]) -> List[Dict]:
     ``paired_error``. The ``paired-compile`` rows (``--compile``) likewise: ``compiled_vs_eager_paired``
     (median eager/compiled, > 1: compiled faster), ``compiled_ratio_iqr``, ``compiled_rep_ratios``,
     ``paired_eager_ms``, ``paired_compiled_ms``, or ``compiled_pair_error``."""
-    rows = [r for r in results if r.get("runner") not in ("paired", "paired-compile")]
+    rows = [r for r in results if r.get("runner") not in _PAIRED_KEYS]
     by_key = {(r["model"], r["precision"]): r for r in rows if r.get("runner") == "ampkit"}
-    for p in (r for r in results if r.get("runner") == "paired-compile"):
-        row = by_key.get((p["model"], p["precision"]))
+    for p in results:
+        keys = _PAIRED_KEYS.get(p.get("runner"))
+        row = by_key.get((p["model"], p["precision"])) if keys else None
         if row is None:
             continue
         if p.get("vs_torch_loop_paired") is None:
-            row["compiled_pair_error"] = p.get("error", "no paired steps")
+            row[keys["error"]] = p.get("error", "no paired steps")
             continue
-        row.update(compiled_vs_eager_paired=p["vs_torch_loop_paired"], compiled_ratio_iqr=p["paired_ratio_iqr"],
-                   compiled_rep_ratios=p["paired_rep_ratios"], paired_eager_ms=p["loop_ms_per_step"],
-                   paired_compiled_ms=p["ms_per_step"])
-    for p in (r for r in results if r.get("runner") == "paired"):
-        row = by_key.get((p["model"], p["precision"]))
-        if row is None:
-            continue
-        if p.get("vs_torch_loop_paired") is None:
-            row["paired_error"] = p.get("error", "no paired steps")
-            continue
-        row.update(vs_torch_loop_paired=p["vs_torch_loop_paired"], paired_ratio_iqr=p["paired_ratio_iqr"],
-                   paired_rep_ratios=p["paired_rep_ratios"], paired_loop_ms=p["loop_ms_per_step"],
-                   paired_ms=p["ms_per_step"], paired_loop_precision=p.get("loop_precision"))
+        for mine, theirs in keys.items():
+            if mine != "error":
+                row[theirs] = p.get(mine)
     return rows
 
 
