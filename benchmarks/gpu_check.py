@@ -140,9 +140,8 @@ def memory_plan_vs_measured(device: str) -> str:
         from ampkit.memory import plan
     except ImportError:
         return "ampkit.memory.plan not present: nothing to compare"
-    import ampkit
+    from ampkit.memory.trace import make_precision, run_steps
     from ampkit.models import gpt2
-    from ampkit.train.trainer import build_optimizer
     from torch import nn
 
     rows = []
@@ -162,17 +161,10 @@ def memory_plan_vs_measured(device: str) -> str:
             rows.append(f"{mode}: predicted {predicted / 2**20:.0f} MiB (measured: CUDA only)")
             continue
         model = make().to(device)
-        p = ampkit.Precision(mode, device)
-        opt = build_optimizer(model, "adamw", 1e-4, 0.01, torch.device(device))
-        model, opt = p.setup(model, opt)
         torch.cuda.reset_peak_memory_stats()
-        x, y = (t.to(device) for t in batch)
-        for _ in range(2):
-            with p.autocast():
-                loss = loss_fn(model(x), y)
-            p.backward(loss)
-            p.step(opt)
-            opt.zero_grad(set_to_none=True)
+        # the very steps the plan traced (optimizer, setup, forward/backward/step), on real tensors
+        model, opt = run_steps(model, tuple(t.to(device) for t in batch), make_precision(mode, device),
+                               loss_fn=loss_fn, steps=2)
         measured = torch.cuda.max_memory_allocated()
         rows.append(f"{mode}: predicted {predicted / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB "
                     f"({predicted / measured:.2f}x)")
