@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .._optional import require
 from .configs import baseline_precision
@@ -69,6 +69,21 @@ def attach_paired(results: List[Dict]) -> List[Dict]:
             if mine != "error":
                 row[theirs] = p.get(mine)
     return rows
+
+
+def _reps(ratios: List[float]) -> str:
+    return ", ".join(f"{x:.3f}" for x in ratios)
+
+
+def _paired_table(lines: List[str], rows: List[Dict], title: str, intro: str, header: str, align: str,
+                  error_key: str, cells: Callable[[Dict], List[str]]) -> None:
+    """A section of paired rows: a failed pair says why, across the row; the others get their ``cells``."""
+    lines += ["", f"## {title}", "", intro, "", header, align]
+    blanks = header.count("|") - 4  # the cells after model, precision and the failure
+    for r in rows:
+        head = f"| {r['model']} | {r['precision']} |"
+        lines.append(f"{head} failed: {r[error_key]} |" + " |" * blanks if r.get(error_key)
+                     else head + "".join(f" {c} |" for c in cells(r)))
 
 
 def measured_step_peak_mb(r: Dict) -> Optional[float]:
@@ -197,20 +212,15 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
                          f"| {r['model_flops_per_step'] * 1e-9 / r['ms_per_step']:.3g} | {r['mfu']:.1%} |")
     paired = [r for r in results if r.get("vs_torch_loop_paired") is not None or r.get("paired_error")]
     if paired:
-        lines += ["", "## ampkit vs the plain loop, paired in one process (`--paired`)", "",
-                  "Both steps built over identical seeded workloads in one process and timed alternately, step by "
-                  "step: the ratio holds even where separate processes land in different speed regimes.", "",
-                  "| model | precision | plain loop | ampkit ms | loop ms | loop/ampkit (median) | IQR | per repetition "
-                  "| per-process vs torch-loop |",
-                  "|---|---|---|---:|---:|---:|---:|---|---:|"]
-        for r in paired:
-            if r.get("paired_error"):
-                lines.append(f"| {r['model']} | {r['precision']} | failed: {r['paired_error']} |" + " |" * 6)
-                continue
-            reps = ", ".join(f"{x:.3f}" for x in r["paired_rep_ratios"])
-            lines.append(f"| {r['model']} | {r['precision']} | {r['paired_loop_precision']} | {r['paired_ms']:.1f} "
-                         f"| {r['paired_loop_ms']:.1f} | {r['vs_torch_loop_paired']:.3f} | {r['paired_ratio_iqr']:.3f} "
-                         f"| {reps} | {_f(r.get('vs_torch_loop'), '.2f')} |")
+        _paired_table(lines, paired, "ampkit vs the plain loop, paired in one process (`--paired`)",
+                      "Both steps built over identical seeded workloads in one process and timed alternately, step "
+                      "by step: the ratio holds even where separate processes land in different speed regimes.",
+                      "| model | precision | plain loop | ampkit ms | loop ms | loop/ampkit (median) | IQR "
+                      "| per repetition | per-process vs torch-loop |", "|---|---|---|---:|---:|---:|---:|---|---:|",
+                      "paired_error", lambda r: [r["paired_loop_precision"], f"{r['paired_ms']:.1f}",
+                                                 f"{r['paired_loop_ms']:.1f}", f"{r['vs_torch_loop_paired']:.3f}",
+                                                 f"{r['paired_ratio_iqr']:.3f}", _reps(r["paired_rep_ratios"]),
+                                                 _f(r.get("vs_torch_loop"), ".2f")])
         apart = [r for r in paired if r.get("vs_torch_loop") and r.get("vs_torch_loop_paired")
                  and abs(r["vs_torch_loop"] / r["vs_torch_loop_paired"] - 1) > PAIRED_DISAGREE]
         if apart:
@@ -220,18 +230,14 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
                       "to read."]
     compiled = [r for r in results if r.get("compiled_vs_eager_paired") is not None or r.get("compiled_pair_error")]
     if compiled:
-        lines += ["", "## Compiled vs eager, paired in one process (`--compile`)", "",
-                  "ampkit's compiled step (model and optimizer step, as `ampkit train --compile`) and the same "
-                  "step eager, built over identical seeded workloads in one process and timed alternately.", "",
-                  "| model | precision | compiled ms | eager ms | eager/compiled (median) | IQR | per repetition |",
-                  "|---|---|---:|---:|---:|---:|---|"]
-        for r in compiled:
-            if r.get("compiled_pair_error"):
-                lines.append(f"| {r['model']} | {r['precision']} | failed: {r['compiled_pair_error']} |" + " |" * 4)
-                continue
-            reps = ", ".join(f"{x:.3f}" for x in r["compiled_rep_ratios"])
-            lines.append(f"| {r['model']} | {r['precision']} | {r['paired_compiled_ms']:.1f} | {r['paired_eager_ms']:.1f} "
-                         f"| {r['compiled_vs_eager_paired']:.3f} | {r['compiled_ratio_iqr']:.3f} | {reps} |")
+        _paired_table(lines, compiled, "Compiled vs eager, paired in one process (`--compile`)",
+                      "ampkit's compiled step (model and optimizer step, as `ampkit train --compile`) and the same "
+                      "step eager, built over identical seeded workloads in one process and timed alternately.",
+                      "| model | precision | compiled ms | eager ms | eager/compiled (median) | IQR | per repetition |",
+                      "|---|---|---:|---:|---:|---:|---|", "compiled_pair_error",
+                      lambda r: [f"{r['paired_compiled_ms']:.1f}", f"{r['paired_eager_ms']:.1f}",
+                                 f"{r['compiled_vs_eager_paired']:.3f}", f"{r['compiled_ratio_iqr']:.3f}",
+                                 _reps(r["compiled_rep_ratios"])])
     ran = [r for r in results if r.get("loop")]
     if ran:  # what each row's step was: the ampkit runner's layout / op policy are measured choices
         lines += ["", "## What each row ran", ""]
