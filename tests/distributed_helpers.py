@@ -1,7 +1,9 @@
 """Run a function on 2 gloo ranks (CPU) for the distributed tests.
 
-Forked from the test process where the OS allows it and no GPU is present: torch is already imported
-there, so a rank starts in milliseconds instead of seconds. A deadline turns a hang (ranks out of step in their
+Started through a fork server where the OS has one and no GPU is present: a clean process, with torch and
+ampkit imported once, forks the ranks, so a rank starts fast and never inherits the test process's threads
+(a fork of the test process itself, after inductor's compile workers or the OpenMP pool had run, hung
+now and then). A deadline turns a hang (ranks out of step in their
 collectives, the bug these tests look for) into a failure instead of a stuck suite.
 """
 import datetime
@@ -25,7 +27,9 @@ def run_ranks(fn, *args, timeout: float = 150.0) -> None:
     """Start ``fn(rank, *args)`` on WORLD processes and wait; fail on an error or past ``timeout``."""
     # fork is unsafe once autograd has run on a GPU in this process (an earlier test on a CUDA machine):
     # torch refuses it there ("Unable to handle autograd's threading in combination with fork")
-    method = "fork" if "fork" in mp.get_all_start_methods() and not torch.cuda.is_available() else "spawn"
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available() else "spawn"
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", "ampkit"])
     ctx = mp.start_processes(fn, args=args, nprocs=WORLD, start_method=method, join=False)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
