@@ -18,7 +18,6 @@ optimizer holds is the one computed with). Both run torchao's GEMM unchanged, an
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import warnings
 from typing import Dict
@@ -85,52 +84,13 @@ def _run(forward, x: torch.Tensor) -> torch.Tensor:
         raise
 
 
-@functools.lru_cache(maxsize=None)
 def current_classes():
-    """``(CurrentScalingLinear, CurrentScalingConv1D)``, built on torchao's ``Float8Linear`` (imported on first use)."""
-    float8 = import_torchao_float8()
-    f8l = float8.float8_linear
+    """``(CurrentScalingLinear, CurrentScalingConv1D)``, built on torchao's ``Float8Linear`` (imported on first
+    use: ``current_modules`` imports torchao; the classes live there, at module level, so a converted model
+    pickles with ``torch.save(model)``)."""
+    from . import current_modules
 
-    class CurrentScalingLinear(f8l.Float8Linear):
-        """torchao's ``Float8Linear`` that also runs under ``inference_mode`` and names the fix under ``torch.func``."""
-
-        fp8_gemm = True
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return _run(super().forward, x)
-
-    class CurrentScalingConv1D(nn.Module):
-        """A Conv1D (``y = x @ weight + bias``, weight ``(in, out)``) whose GEMM is torchao's fp8 matmul.
-
-        ``weight`` is the fp8 matmul's ``weight_t`` operand as it is: the result is a ``Float8Linear``
-        with weight ``weight.t()`` (same scales, same casts).
-        """
-
-        fp8_gemm = True
-
-        def __init__(self, conv: nn.Module, config) -> None:
-            super().__init__()
-            nx, nf = conv.weight.shape
-            self.nf, self.nx = nf, nx
-            self.weight = conv.weight
-            self.bias = conv.bias
-            self.config = config
-            with torch.device("meta"):  # torchao's per-GEMM settings, as its Linear builds them
-                self.linear_mm_config = f8l.Float8Linear(nx, nf, bias=False, config=config).linear_mm_config
-
-        def _forward(self, x: torch.Tensor) -> torch.Tensor:
-            if torch.is_autocast_enabled("cuda"):  # as Float8Linear.forward
-                x = x.to(torch.get_autocast_dtype("cuda"))
-            out = f8l.matmul_with_hp_or_float8_args.apply(x, self.weight, self.linear_mm_config, self.config)
-            return out if self.bias is None else out + self.bias.to(out.dtype)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return _run(self._forward, x)
-
-        def extra_repr(self) -> str:
-            return f"nf={self.nf}, nx={self.nx}, fp8={self.config.cast_config_input.short_str()}"
-
-    return CurrentScalingLinear, CurrentScalingConv1D
+    return current_modules.CurrentScalingLinear, current_modules.CurrentScalingConv1D
 
 
 def convert_current(model: nn.Module, recipe: Recipe, chosen: Dict[str, str], emulate: bool) -> nn.Module:
