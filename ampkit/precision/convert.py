@@ -56,6 +56,7 @@ def convert_model(
     if plan is None:
         plan = fp32_plan(model, dtype, keep_norm_fp32, skip)
     fp32_roots = tuple(skip) + tuple(plan.islands)
+    tied = _TiedCopies.of(model) if compute_copies and not getattr(model, "_ampkit_compute_copies", False) else None
     for name, module in model.named_modules():
         if any(name == s or name.startswith(s + ".") for s in fp32_roots if s):
             continue
@@ -74,7 +75,9 @@ def convert_model(
                 if getattr(t, "grad", None) is not None:
                     t.grad = None
         if (copied["_parameters"] or copied["_buffers"]) and not getattr(module, "_ampkit_compute_copies", False):
-            module.register_forward_pre_hook(ComputeCopies(dtype, copied["_parameters"], copied["_buffers"]))
+            shared = [k for k in copied["_parameters"] if tied is not None and id(module._parameters[k]) in tied.ids]
+            module.register_forward_pre_hook(ComputeCopies(dtype, copied["_parameters"], copied["_buffers"],
+                                                           tied if shared else None, shared))
             module.register_forward_hook(DropComputeCopies(copied["_parameters"], copied["_buffers"]),
                                          always_call=True)
             module._ampkit_compute_copies = True
@@ -89,6 +92,46 @@ def convert_model(
     return model
 
 
+class _TiedCopies:
+    """One compute copy per forward of the model for a parameter several modules use (tied embeddings): the
+    model's forward pre-hook opens the scope, its forward hook (always called) closes it; inside it the first
+    module casts and the others reuse that copy, so backward sums the uses' 16-bit gradients on the one copy
+    and casts once to fp32 (a cast per use would hold an fp32 temporary per use). Outside the scope
+    (activation checkpointing's recompute, a submodule called on its own) each module casts for itself."""
+
+    def __init__(self, ids) -> None:
+        self.ids = frozenset(ids)  # consulted at setup only (ids do not survive pickling)
+        self.copies: dict = {}
+        self.active = False
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Optional["_TiedCopies"]:
+        seen, ids = {}, set()
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    if seen.get(id(p), module) is not module:
+                        ids.add(id(p))
+                    seen[id(p)] = module
+        if not ids:
+            return None
+        tied = cls(ids)
+        model.register_forward_pre_hook(tied.open)
+        model.register_forward_hook(tied.close, always_call=True)
+        return tied
+
+    def open(self, module: nn.Module, args: Any) -> None:
+        self.copies.clear()
+        self.active = True
+
+    def close(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.copies.clear()
+        self.active = False
+
+    def __getstate__(self):
+        return {"ids": frozenset(), "copies": {}, "active": False}
+
+
 class ComputeCopies:
     """Forward pre-hook: the module's named parameters and buffers (stored in fp32) shadowed by their casts
     to ``dtype`` for this call (an instance attribute wins over ``_parameters``/``_buffers`` in attribute
@@ -97,14 +140,24 @@ class ComputeCopies:
     as fp32 (accumulating there in fp32); a 16-bit copy lives as long as autograd saves it for backward.
     As FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does for its all-gathered parameters."""
 
-    def __init__(self, dtype: torch.dtype, params: List[str], buffers: List[str]) -> None:
+    def __init__(self, dtype: torch.dtype, params: List[str], buffers: List[str],
+                 tied: Optional[_TiedCopies] = None, shared: Iterable[str] = ()) -> None:
         self.dtype, self.params, self.buffers = dtype, tuple(params), tuple(buffers)
+        self.tied, self.shared = tied, frozenset(shared)  # parameters other modules use too
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         shadow = module.__dict__
+        tied = self.tied if self.tied is not None and self.tied.active else None
         for key in self.params:
             p = module._parameters[key]
-            if p is not None:
+            if p is None:
+                continue
+            if tied is not None and key in self.shared:
+                held = tied.copies.get(id(p))
+                if held is None or held[0] is not p:
+                    held = tied.copies[id(p)] = (p, p.to(self.dtype))
+                shadow[key] = held[1]
+            else:
                 shadow[key] = p.to(self.dtype)
         for key in self.buffers:
             b = module._buffers[key]

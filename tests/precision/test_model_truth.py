@@ -263,3 +263,24 @@ def test_pure_resume_from_the_clients_own_checkpoint_is_bitwise(mode):
     assert prec2.loss_scale == prec.loss_scale
     _train(prec2, model2, opt2, 3, first=3)
     assert all(torch.equal(a, b) for a, b in zip(reference, model2.parameters()))
+
+
+@pytest.mark.parametrize("mode", MASTER)
+def test_a_tied_weight_has_one_compute_copy_per_forward(mode):
+    """The embedding and the LM head share one 16-bit copy of their fp32 weight within a forward (one cast,
+    one fp32 gradient made from the summed 16-bit ones); a module called on its own casts for itself."""
+    prec, model = _precision(mode), _model()
+    model, _ = prec.setup(model)
+    assert model.head.weight is model.tok.weight
+    seen = []
+    for m in (model.tok, model.head):
+        m.register_forward_pre_hook(lambda mod, a: seen.append(mod.weight))
+    with prec.autocast():
+        loss = model(_batch(0)).float().square().mean()
+    assert len(seen) == 2 and seen[0] is seen[1] and seen[0].dtype == prec.compute_dtype
+    loss.backward()
+    assert model.tok.weight.grad.dtype == torch.float32 and model.tok.weight.grad.abs().sum() > 0
+    seen.clear()
+    with prec.autocast():
+        model.head(torch.randn(2, 32))
+    assert seen[0].dtype == prec.compute_dtype and "weight" not in vars(model.head)
