@@ -17,17 +17,12 @@ optimizer holds is the one computed with). Both run torchao's GEMM unchanged, an
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
-from typing import Dict
 
 import torch
-from torch import nn
 
-from .recipes import Recipe
-
-__all__ = ["import_torchao_float8", "convert_current", "current_classes", "FUNC_TRANSFORM_HINT"]
+__all__ = ["import_torchao_float8", "FUNC_TRANSFORM_HINT"]
 
 log = logging.getLogger("ampkit.fp8")
 _NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
@@ -82,28 +77,3 @@ def _run(forward, x: torch.Tensor) -> torch.Tensor:
         if "setup_context" in str(e):  # torch's message for an autograd.Function under a torch.func transform
             raise RuntimeError(FUNC_TRANSFORM_HINT) from e
         raise
-
-
-def current_classes():
-    """``(CurrentScalingLinear, CurrentScalingConv1D)``, built on torchao's ``Float8Linear`` (imported on first
-    use: ``current_modules`` imports torchao; the classes live there, at module level, so a converted model
-    pickles with ``torch.save(model)``)."""
-    from . import current_modules
-
-    return current_modules.CurrentScalingLinear, current_modules.CurrentScalingConv1D
-
-
-def convert_current(model: nn.Module, recipe: Recipe, chosen: Dict[str, str], emulate: bool) -> nn.Module:
-    """Swap the modules named in ``chosen`` (name -> ``"linear"``/``"conv1d"``) for torchao fp8 modules
-    (parameters shared, not copied)."""
-    float8 = import_torchao_float8()
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe.name), emulate=emulate)
-    # torchao's entry point (nothing matches this filter): applies its inductor fix for fp8 kernels under compile
-    float8.convert_to_float8_training(model, module_filter_fn=lambda m, n: False, config=config)
-    linear_cls, conv_cls = current_classes()
-    for name, kind in chosen.items():
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, attr)
-        setattr(parent, attr, linear_cls.from_float(old, config=config) if kind == "linear" else conv_cls(old, config))
-    return model

@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .current import convert_current
 from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
 from .detect import gemm_dims, gemm_kind
 from .recipes import DelayedScaling, Recipe
@@ -180,6 +179,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Fp8Filter = Fp8Filter
     dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
     emulate = not has_fp8_gemm(dev, recipe.rowwise)
     if not isinstance(recipe, DelayedScaling):
+        from .current_modules import convert_current  # imports torchao
+
         return convert_current(model, recipe, chosen, emulate)
     for name, kind in chosen.items():
         parent_name, _, attr = name.rpartition(".")

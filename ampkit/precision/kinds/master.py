@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
-from torch import nn
 
 from ...optim.master import MASTER_KEY, MasterWeightOptimizer
 from .cast import CastParams
