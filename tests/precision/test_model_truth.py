@@ -284,3 +284,36 @@ def test_a_tied_weight_has_one_compute_copy_per_forward(mode):
     with prec.autocast():
         model.head(torch.randn(2, 32))
     assert seen[0].dtype == prec.compute_dtype and "weight" not in vars(model.head)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, checkpoint):
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpoint = checkpoint
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = x + (checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x))
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("mode", MASTER)
+def test_activation_checkpointing_recomputes_with_the_same_copies(mode):
+    """Non-reentrant activation checkpointing recomputes a block's forward in backward: its modules cast
+    their compute copies again (the same values), so the gradients are bitwise those without checkpointing."""
+    grads = []
+    for ckpt in (False, True):
+        prec = _precision(mode)
+        model, _ = prec.setup(_Checkpointed(ckpt))
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        with prec.autocast():
+            loss = model(x).float().square().mean()
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+        assert all(g.dtype == torch.float32 for g in grads[-1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
