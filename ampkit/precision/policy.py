@@ -256,11 +256,11 @@ class Precision(KindHooks, metaclass=_ByKind):
             loss.backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
-        """Make the optimizer's grads real (unscaled, fp32 master grads) and record the non-finite check
-        (once per step), as ``GradScaler.unscale_``: then ``torch.nn.utils.clip_grad_norm_`` clips what the
-        step applies, over ``model.parameters()`` or the optimizer's params, in every mode. With fp32
-        masters the unscaled master grads are also written back into the model's grads, and the step takes
-        any change made there (see :class:`~ampkit.optim.MasterWeightOptimizer`). Unscaled modes have
+        """Make the optimizer's grads real (unscaled) and record the non-finite check (once per step), as
+        ``GradScaler.unscale_``: then ``torch.nn.utils.clip_grad_norm_`` clips what the step applies, over
+        ``model.parameters()`` or the optimizer's params, in every mode. With a
+        :class:`~ampkit.optim.MasterWeightOptimizer` (a 16-bit model, apex's layout) the unscaled master grads
+        are also written back into the model's grads, and the step takes any change made there. Unscaled modes have
         nothing to unscale: the check is ``_norm`` (a gradient norm computed anyway) or one read-only pass,
         never a scale-1 unscale."""
         stepping.unscale(self, optimizer, _norm, to_model=True)
@@ -285,7 +285,8 @@ class Precision(KindHooks, metaclass=_ByKind):
     # ------------------------------------------------------------------ state
     def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """The model's full-precision weights, keyed like ``model.state_dict()`` and loadable into the model
-        built in fp32 (strict): the fp32 masters where the mode keeps them, weight + Kahan buffer (in fp32)
+        built in fp32 (strict): the model's own fp32 params where it has them (the master modes' are the
+        masters), the masters of a ``MasterWeightOptimizer`` passed in, weight + Kahan buffer (in fp32)
         in bf16-pure with Kahan compensation, fp32 casts of 16-bit tensors otherwise, buffers included, tied
         weights one tensor (``ampkit.precision.export``). ``optimizer``: the one holding the masters or
         buffers, by default the one ``setup`` returned. For ``torch.save`` or
