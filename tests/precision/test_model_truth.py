@@ -317,3 +317,16 @@ def test_activation_checkpointing_recomputes_with_the_same_copies(mode):
         grads.append([p.grad for p in model.parameters()])
         assert all(g.dtype == torch.float32 for g in grads[-1])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_fp16_pure_optimizer_built_after_setup_gets_the_eps_check():
+    """fp16-pure after ``setup(model)``: an Adam built later with torch's default eps (which fp16 moments
+    cannot hold) is raised to the mode's minimum at its first step, with the one warning setup gives."""
+    prec, model = _precision("fp16-pure", init_scale=2.0**10), _model()
+    model, _ = prec.setup(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    prec.backward(_loss(prec, model, 0))
+    with pytest.warns(UserWarning, match="eps raised to"):
+        prec.step(opt)
+    assert opt.param_groups[0]["eps"] == prec.min_adam_eps
+    assert all(torch.isfinite(p).all() for p in model.parameters())

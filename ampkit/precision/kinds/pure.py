@@ -69,8 +69,13 @@ class PurePrecision(CastParams):
 
     def check_step_optimizer(self, optimizer) -> None:
         """bf16-pure: the optimizer stepped must be the compensated one (``setup(model, optimizer)`` or
-        ``wrap_optimizer`` made it): a plain one would round every update away unseen."""
-        if self.mode.compensated and not isinstance(optimizer, CompensatedOptimizer) \
+        ``wrap_optimizer`` made it): a plain one would round every update away unseen. fp16-pure: an optimizer
+        built after ``setup(model)`` gets the Adam ``eps`` check ``setup`` would have made (once: it raises eps)."""
+        if not self.mode.compensated:
+            if not torch.compiler.is_compiling():
+                self.check_optimizer_eps(optimizer)
+            return
+        if not isinstance(optimizer, CompensatedOptimizer) \
                 and not getattr(optimizer, "_ampkit_compensated", False):
             raise TypeError(
                 f"precision={self.name!r} steps a compensated optimizer, got a plain {type(optimizer).__name__} "
