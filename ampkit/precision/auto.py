@@ -17,7 +17,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .device import device_info, resolve_device
+from .capability import capability, device_info
+from .device import resolve_device
 from .modes import MODES, resolve
 from .tuned import Tuned
 
@@ -27,21 +28,25 @@ __all__ = ["preference_order", "auto_mode", "mode_family", "auto_candidates", "p
 def _ranked(device: Any) -> List[Tuple[str, str]]:
     """(mode, the device's argument for it) for each precision `auto` may pick here, fastest first; fp32 last.
 
-    bf16 before fp16 where the device has fast bf16 (no loss scale to tune); fp16 only on GPUs with fp16
-    matrix units (never on CPU, where torch's fp16 kernels run far slower than fp32).
+    Read from what this device measured (:func:`~ampkit.precision.capability.capability`), never from its
+    flags: a 16-bit dtype is a candidate only where its GEMMs/convs ran >= 1.15x fp32 here; the faster one
+    first, bf16 before fp16 on a tie (no loss scale to tune). On CUDA the GPU must also support the dtype.
     """
-    info = device_info(device)
+    dev = resolve_device(device)
+    info, cap = device_info(dev), capability(dev)
+    where = info.name if dev.type == "cuda" else "this CPU"
     ranked: List[Tuple[str, str]] = []
-    if info.type == "cuda":
-        if info.bf16_fast:
-            ranked.append(("bf16-mixed", f"{info.name} has bf16 tensor cores: bf16 autocast, no loss scaling needed"))
-        if info.fp16_fast:
-            ranked.append(("fp16-mixed", f"{info.name} has fp16 tensor cores but no fast bf16: fp16 autocast with "
-                                         "dynamic loss scaling"))
-        return ranked + [("fp32", f"{info.name} has no 16-bit matrix units: mixed precision would not be faster")]
-    if info.bf16_fast:
-        ranked.append(("bf16-mixed", f"CPU has {info.matrix_units}: bf16 matmuls/convs run ~2x faster than fp32"))
-    return ranked + [("fp32", "CPU has no bf16 units (AMX/AVX512-BF16) and torch's CPU fp16 is slow: fp32 is fastest")]
+    # bf16 first unless fp16 measured clearly (>10%) faster: bf16 needs no loss scale, and a GPU's tensor
+    # cores run both at the same rate, where the probe's difference is noise
+    order = ["fp16", "bf16"] if cap.ratio("fp16") > 1.1 * cap.ratio("bf16") else ["bf16", "fp16"]
+    for name in order:
+        if not cap.fast(name) or (name == "bf16" and not info.bf16_supported):
+            continue
+        how = "no loss scaling needed" if name == "bf16" else "dynamic loss scaling"
+        ranked.append((f"{name}-mixed", f"{cap.phrase(name)}: {name} autocast, {how}"))
+    slowest = ", ".join(f"{n} {cap.ratio(n):.2f}x" for n in ("bf16", "fp16"))
+    return ranked + [("fp32", f"{where} runs 16-bit matmuls/convs no faster than fp32 ({slowest} fp32, "
+                              f"{cap.how()}): fp32 is fastest")]
 
 
 def preference_order(device: Any) -> List[str]:
@@ -52,9 +57,8 @@ def preference_order(device: Any) -> List[str]:
 def auto_mode(device: Any = None) -> Tuple[str, str]:
     """(canonical mode name, one-line reason) the device alone picks: the first of :func:`preference_order`.
 
-    CUDA: bf16 where the GPU has it (no loss scaling to tune), else fp16 with dynamic scaling.
-    CPU: a bf16 mode where the CPU has bf16 units (AMX / AVX512-BF16); never fp16 (torch's CPU
-    fp16 kernels run far slower than fp32), else fp32.
+    The 16-bit autocast mode whose dtype measured fastest here (>= 1.15x fp32), else fp32: the same
+    rule on a CPU and a GPU.
     """
     return _ranked(device)[0]
 
