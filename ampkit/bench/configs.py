@@ -210,7 +210,8 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
     bad = [r for r in s.runners if r not in RUNNERS]
     if bad or not s.runners:
         raise ValueError(f"Unknown runner {bad[0] if bad else ''!r}: use {', '.join(RUNNERS)} (comma-separated).")
-    from ..precision import auto_mode, resolve_device
+    from ..precision import resolve_device
+    from ..precision.auto import canonical
 
     device = resolve_device(s.device)
     notes: List[str] = []
@@ -231,7 +232,7 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
         slow16 = _slow_low_precision(device, "fp16")
         if slow16 and any(_dtype(p) == "fp16" for p in precisions if p != AUTO):
             notes.append(f"fp16 asked for: {slow16}; expect long steps (each worker stops after its timeout).")
-    resolved = {p: (auto_mode(device)[0] if p == AUTO else p) for p in precisions}
+    resolved = {p: canonical(p, device) for p in precisions}
     models = []
     for m in s.models:
         key = _check_model(m)

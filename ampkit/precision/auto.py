@@ -7,13 +7,15 @@
 * :func:`probe`: the autocast precision whose AMP check speaks for a mode.
 * :func:`decide`: the mode a ``Precision("auto")`` runs (what ``ampkit.tune`` measured, else the device's).
 * :func:`why`: the one "why this mode" line, the device's argument and what was measured.
+* :func:`canonical`: a name as it runs here (aliases resolved, ``auto`` -> the device's choice).
+* :func:`pick`: the tie rule over measured step times (``ampkit.tuning`` times, this decides).
 
 ``ampkit.diagnose`` measures (verdicts: which candidates are safe) and ``ampkit.tuning`` times (which
 safe one is fastest); both ask this file what the candidates are and word their answer with :func:`why`.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,7 +24,8 @@ from .device import resolve_device
 from .modes import MODES, resolve
 from .tuned import Tuned
 
-__all__ = ["preference_order", "auto_mode", "mode_family", "auto_candidates", "probe", "decide", "why"]
+__all__ = ["preference_order", "auto_mode", "mode_family", "auto_candidates", "canonical", "probe", "decide", "why",
+           "pick", "TIE"]
 
 
 def _ranked(device: Any) -> List[Tuple[str, str]]:
@@ -88,6 +91,13 @@ def auto_candidates(device: Any = None, grad_accum: int = 1) -> List[str]:
     return [m for p in preference_order(dev) if p != "fp32" for m in mode_family(p, dev, grad_accum)] + ["fp32"]
 
 
+def canonical(name: str, device: Any = None) -> str:
+    """The mode a precision name runs on this device: aliases resolved, ``auto`` -> the device's own
+    choice (:func:`auto_mode`; what a ``Precision("auto")`` runs when nothing was timed)."""
+    mode = resolve(name)
+    return auto_mode(device)[0] if mode == "auto" else mode
+
+
 def probe(mode: str) -> str:
     """The autocast mode whose AMP check speaks for ``mode`` (same compute dtype), or "fp32"."""
     low = MODES[mode].low_dtype
@@ -108,3 +118,24 @@ def why(mode: str, measured: str, device: Any = None, *, device_choice: Optional
     if mode == choice:
         return f"{reason}; {measured}"
     return f"{measured}; the device alone suggested {choice} ({reason})"
+
+
+#: another candidate replaces the measured capability's choice only when it is at least this much faster
+#: (or more, where the timings themselves wandered more: :func:`spread`)
+TIE = 0.03
+
+
+def pick(ms: Dict[str, float], ranked: Sequence[str], noise: Optional[Dict[str, float]] = None) -> tuple:
+    """(mode, why) from step times: ``ranked[0]`` (the measured capability's choice) unless another
+    candidate is faster by more than :data:`TIE` and by more than the two candidates' timing noise, so a
+    lucky timing between two modes the machine cannot tell apart never decides."""
+    first = ranked[0]
+    best = min(ranked, key=ms.get)
+    if best == first:
+        return first, f"{first} fastest here"
+    gain = 1 - ms[best] / ms[first]
+    tie = max(TIE, *((noise or {}).get(m, 0.0) for m in (best, first)))
+    if gain > tie:
+        return best, f"{best} fastest here"
+    return first, (f"{best} only {gain:.0%} faster than {first}, within {tie:.0%} (the tie margin or the timing "
+                   f"noise): kept {first}, the mode this device's measured speeds favour")

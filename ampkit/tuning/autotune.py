@@ -32,7 +32,7 @@ from torch import nn
 
 from ..diagnose import verdict
 from ..precision import Precision
-from ..precision.auto import auto_candidates, auto_mode, probe, why
+from ..precision.auto import auto_candidates, auto_mode, pick, probe, why
 from ..precision.device import machine_key, resolve_device
 from ..utils.batch import call_model
 from ..utils.tree import iter_tensors, to_device
@@ -203,27 +203,6 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     reason = why(mode, f"{check_note}; {verdict_note}, measured per step ({timing}"
                        f"{', cached' if cached else ''})", dev)
     return {"mode": mode, "reason": reason, "ms": ms, "cached": cached, "checked": checked}
-
-
-#: another candidate replaces the measured capability's choice only when it is at least this much faster
-#: (or more, where the timings themselves wandered more: :func:`spread`)
-TIE = 0.03
-
-
-def pick(ms: Dict[str, float], ranked: Sequence[str], noise: Optional[Dict[str, float]] = None) -> tuple:
-    """(mode, why) from step times: ``ranked[0]`` (the measured capability's choice) unless another
-    candidate is faster by more than :data:`TIE` and by more than the two candidates' timing noise, so a
-    lucky timing between two modes the machine cannot tell apart never decides."""
-    first = ranked[0]
-    best = min(ranked, key=ms.get)
-    if best == first:
-        return first, f"{first} fastest here"
-    gain = 1 - ms[best] / ms[first]
-    tie = max(TIE, *((noise or {}).get(m, 0.0) for m in (best, first)))
-    if gain > tie:
-        return best, f"{best} fastest here"
-    return first, (f"{best} only {gain:.0%} faster than {first}, within {tie:.0%} (the tie margin or the timing "
-                   f"noise): kept {first}, the mode this device's measured speeds favour")
 
 
 def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, modes: Sequence[str],

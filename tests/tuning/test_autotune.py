@@ -168,7 +168,8 @@ def test_slow_steps_get_fewer_rounds():
 def test_a_tie_within_the_timing_noise_keeps_the_measured_favourite():
     """Two modes the machine cannot tell apart: the capability's choice stays, and the reason says why;
     a gain beyond both the 3% margin and the candidates' own noise wins."""
-    from ampkit.tuning.autotune import TIE, pick, spread
+    from ampkit.precision.auto import TIE, pick
+    from ampkit.tuning.autotune import spread
 
     ranked = ["bf16-mixed", "bf16-master", "fp32"]
     ms = {"bf16-mixed": 100.0, "bf16-master": 98.0, "fp32": 150.0}
