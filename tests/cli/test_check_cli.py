@@ -93,7 +93,7 @@ def test_process_exit_code_and_stderr():
 
 
 def test_model_nonfinite_in_fp32_is_not_called_safe(capsys):
-    """Issue 20: a model NaN in fp32 already: no 'fp32 is the safe choice', and a non-zero exit."""
+    """A model NaN in fp32 already: no 'fp32 is the safe choice', and a non-zero exit."""
     code, out, err = _run(capsys, ["check", "--model", "check_models:nan_in_fp32"] + TINY)
     assert code == 3, err
     assert "fp32 is the safe choice" not in out and "non-finite in fp32 already" in err

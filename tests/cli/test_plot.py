@@ -1,4 +1,4 @@
-"""`ampkit plot` (issue 20): a diverged run still shows its skips and scale, the evaluation axis says what
+"""`ampkit plot`: a diverged run still shows its skips and scale, the evaluation axis says what
 it shows, a run without metrics is a one-line error."""
 import json
 import math

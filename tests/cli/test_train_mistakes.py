@@ -1,4 +1,4 @@
-"""`ampkit train` on what a new user's trial hit (issue 23, items 11-13): labels counted from all of a
+"""`ampkit train` on what a new user's trial hit: labels counted from all of a
 dataset, one line and a non-zero exit for what used to be a traceback, messages that say what happened
 and how to fix it. Subprocesses where the process matters (start-up, stdout), main() in-process elsewhere."""
 import json

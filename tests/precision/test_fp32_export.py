@@ -1,4 +1,4 @@
-"""Issue 23 item 6: ``Precision.fp32_state_dict(model)`` gets the full-precision weights out, keyed like
+"""``Precision.fp32_state_dict(model)`` gets the full-precision weights out, keyed like
 ``model.state_dict()``, loadable into the fp32 model, in every mode; exported with ``torch.save`` and Hugging
 Face's ``save_pretrained(dir, state_dict=...)``."""
 import io

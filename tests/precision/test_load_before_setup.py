@@ -1,4 +1,4 @@
-"""Issue 23 item 7: the optimizer's state loaded before ``setup()`` (nanoGPT's resume order: build the model
+"""The optimizer's state loaded before ``setup()`` (nanoGPT's resume order: build the model
 and load its weights, build the optimizer and load its state, then the precision lines) continues exactly:
 bitwise equal to the documented order (setup, then load) and to the run never interrupted. Master modes
 used to raise ``KeyError: 'param_groups'``; bf16-pure loaded but dropped its rounding generator.

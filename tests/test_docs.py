@@ -1,0 +1,185 @@
+"""The documentation holds: every relative link in README.md, CHANGELOG.md and docs/*.md resolves (the file,
+and the ``#anchor`` where one is given), the Python blocks marked runnable run on a CPU, and neither the pages
+nor the tests' docstrings speak of the project's history (work stages, rounds, issue numbers) instead of
+what is.
+
+A block is runnable when the line right before its opening fence is ``<!-- runnable -->``; it runs in a fresh
+interpreter with this checkout on ``PYTHONPATH``, CUDA hidden and a private ``$AMPKIT_CACHE_DIR``. No network,
+no mkdocs needed.
+"""
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUNNABLE = "<!-- runnable -->"
+#: wording of a development log: sessions, rounds and issue numbers belong in the changelog or nowhere
+DEV_LOG = re.compile(r"\bstop \d+\b|\bthis round\b|\blast round\b|\bbefore this fix\b|\bissues? #?\d+\b"
+                     r"|\b(?:this|an earlier|earlier) session\b", re.IGNORECASE)
+
+_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HTML_ID = re.compile(r"<a\s+(?:id|name)=\"([^\"]+)\"", re.IGNORECASE)
+
+
+def prose_lines(text):
+    """(line number, line) of the text outside fenced code blocks, inline code removed."""
+    fence = None
+    for no, line in enumerate(text.splitlines(), 1):
+        m = _FENCE.match(line)
+        if m and (fence is None or (m.group(2)[0] == fence[0] and len(m.group(2)) >= len(fence) and not m.group(3).strip())):
+            fence = m.group(2) if fence is None else None
+            continue
+        if fence is None:
+            yield no, re.sub(r"(`+)(?:(?!\1).)+?\1", "", line)
+
+
+def code_blocks(text):
+    """(line number of the opening fence, info string, code, the line before the fence) of each fenced block."""
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, info, start = m.group(2), m.group(3).strip(), i
+        j = i + 1
+        while j < len(lines) and not (lines[j].strip().startswith(fence) and not lines[j].strip()[len(fence):].strip("`~ ")):
+            j += 1
+        yield start + 1, info, "\n".join(lines[i + 1:j]) + "\n", lines[i - 1].strip() if i else ""
+        i = j + 1
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped (``-`` and ``_`` kept), spaces to ``-``."""
+    text = re.sub(r"<[^>]+>", "", heading).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(text):
+    """Every anchor a page offers: its headings' slugs (repeats get -1, -2, as GitHub numbers them) and
+    explicit ``<a id=...>`` / ``<a name=...>`` targets."""
+    seen, found = {}, set()
+    for _, line in _heading_lines(text):
+        base = slug(line)
+        n = seen.get(base, 0)
+        found.add(base if n == 0 else f"{base}-{n}")
+        seen[base] = n + 1
+    found.update(_HTML_ID.findall(text))
+    return found
+
+
+def _heading_lines(text):
+    fence = None
+    for no, line in enumerate(text.splitlines(), 1):
+        m = _FENCE.match(line)
+        if m and (fence is None or (m.group(2)[0] == fence[0] and not m.group(3).strip())):
+            fence = m.group(2) if fence is None else None
+            continue
+        h = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if fence is None and h:
+            yield no, h.group(1)
+
+
+def broken_links(page, root=ROOT):
+    """'page:line: link: why' for each relative link of ``page`` that does not resolve."""
+    text = page.read_text()
+    problems = []
+    for no, line in prose_lines(text):
+        for target in _LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):  # http:, https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(root)}:{no}: {target}"
+            if not dest.exists():
+                problems.append(f"{where}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+                problems.append(f"{where}: no heading or <a id> with anchor #{anchor} in {dest.name}")
+    return problems
+
+
+def runnable_blocks(page):
+    return [(no, code) for no, info, code, before in code_blocks(page.read_text())
+            if before == RUNNABLE and info.split()[:1] == ["python"]]
+
+
+def dev_log_wording(text):
+    return [m.group(0) for m in DEV_LOG.finditer(text)]
+
+
+def _test_docstrings():
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc:
+                    yield f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 1)}", doc
+
+
+# ---------------------------------------------------------------- the checks, on the real pages
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    assert not broken_links(page), "\n".join(broken_links(page))
+
+
+def test_the_readme_is_a_front_door():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 260, "README.md is the front door: move reference text to docs/"
+    assert runnable_blocks(ROOT / "README.md"), "the README's five-line loop is marked <!-- runnable -->"
+    linked = {Path(t.partition("#")[0]).name for _, line in prose_lines(readme) for t in _LINK.findall(line)}
+    unlinked = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in linked | {"index.md"})
+    assert not unlinked, f"docs pages the README does not link to: {unlinked}"
+
+
+BLOCKS = [(page, no, code) for page in PAGES for no, code in runnable_blocks(page)]
+
+
+@pytest.mark.parametrize("page,line,code", BLOCKS, ids=[f"{p.relative_to(ROOT)}:{n}" for p, n, _ in BLOCKS])
+def test_runnable_block_runs_on_cpu(page, line, code, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", AMPKIT_CACHE_DIR=str(tmp_path / "cache"),
+               OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"{page.relative_to(ROOT)}:{line} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_say_what_is_not_its_history(page):
+    hits = [f"line {no}: {w!r}" for no, line in enumerate(page.read_text().splitlines(), 1)
+            for w in dev_log_wording(line)]
+    assert not hits, f"{page.relative_to(ROOT)}: development-log wording (say what is; history: CHANGELOG.md): {hits}"
+
+
+def test_test_docstrings_say_what_is_tested_not_its_history():
+    hits = [f"{where}: {w!r}" for where, doc in _test_docstrings() for w in dev_log_wording(doc)]
+    assert not hits, "development-log wording in test docstrings:\n" + "\n".join(hits)
+
+
+# ---------------------------------------------------------------- the checkers can fail
+
+def test_checkers_find_what_is_wrong(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## Same\n\n## Same\n\n<a id=\"kept\"></a>\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page: one `title`\n\n"
+        "[ok](other.md) [ok](other.md#same-1) [ok](other.md#kept) [ok](#page-one-title) [web](https://x.org/y)\n"
+        "[gone](missing.md) [bad anchor](other.md#nowhere) [bad own](#nowhere)\n"
+        "`[in code](missing-too.md)`\n\n```python\n[also code](missing-three.md)\n```\n"
+        "<!-- runnable -->\n```python\nprint(1)\n```\n\n```python\nprint(2)\n```\n")
+    problems = broken_links(page, root=tmp_path)
+    assert [p.split(": ")[1] for p in problems] == ["missing.md", "other.md#nowhere", "#nowhere"], problems
+    assert [code for _, code in runnable_blocks(page)] == ["print(1)\n"]
+    assert dev_log_wording("as at stop 13, this round; before this fix (Issue 23 item 7)") == [
+        "stop 13", "this round", "before this fix", "Issue 23"]
+    assert dev_log_wording("one step of the loop; the issue is the scale; stop at 13") == []
