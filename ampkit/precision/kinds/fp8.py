@@ -36,9 +36,11 @@ class Fp8Precision(AutocastPrecision):
         return self.fp8.apply(model, self.device), optimizer
 
     def state_dict(self) -> Dict[str, Any]:
+        """:meth:`Precision.state_dict` plus ``"fp8"``: the recipe (the amax histories are in the model's)."""
         return {**super().state_dict(), "fp8": self.fp8.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """:meth:`Precision.load_state_dict`; a checkpoint of another fp8 recipe is refused (ValueError)."""
         saved = state.get("name")
         if saved is None or saved == self.name:  # a mode mismatch is the base class's error
             self.fp8.check_state(state.get("fp8"))
