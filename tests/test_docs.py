@@ -183,3 +183,52 @@ def test_checkers_find_what_is_wrong(tmp_path):
     assert dev_log_wording("as at stop 13, this round; before this fix (Issue 23 item 7)") == [
         "stop 13", "this round", "before this fix", "Issue 23"]
     assert dev_log_wording("one step of the loop; the issue is the scale; stop at 13") == []
+
+
+# ---------------------------------------------------------------- the API reference's targets exist
+
+def api_targets(text):
+    """(dotted path, [members listed under it]) of each mkdocstrings ``::: path`` block of a page."""
+    out = []
+    for m in re.finditer(r"^::: *([\w.]+)\n((?:[ \t]+.*\n)*)", text, re.MULTILINE):
+        members = re.findall(r"^\s+- (\w+)\s*$", m.group(2), re.MULTILINE)
+        out.append((m.group(1), members))
+    return out
+
+
+def resolve(path):
+    """The object ``path`` names (a module, or an attribute of the longest importable module prefix)."""
+    import importlib
+
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def test_api_reference_names_what_exists():
+    """docs/api.md names objects and members that exist, so `make docs` renders them (mkdocs is not needed here)."""
+    targets = api_targets((ROOT / "docs" / "api.md").read_text())
+    assert len(targets) >= 10
+    missing = []
+    for path, members in targets:
+        try:
+            obj = resolve(path)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{path}: {type(e).__name__}: {e}")
+            continue
+        missing += [f"{path}.{m}" for m in members if not hasattr(obj, m)]
+    assert not missing, f"docs/api.md names what ampkit does not have: {missing}"
+
+
+def test_api_targets_are_read_with_their_members():
+    text = "# T\n\n::: pkg.Cls\n    options:\n      members:\n        - one\n        - two\n\n::: pkg.func\n"
+    assert api_targets(text) == [("pkg.Cls", ["one", "two"]), ("pkg.func", [])]
+    with pytest.raises(AttributeError):
+        resolve("ampkit.Precision.no_such_member")
