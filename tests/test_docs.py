@@ -232,3 +232,80 @@ def test_api_targets_are_read_with_their_members():
     assert api_targets(text) == [("pkg.Cls", ["one", "two"]), ("pkg.func", [])]
     with pytest.raises(AttributeError):
         resolve("ampkit.Precision.no_such_member")
+
+
+# ---------------------------------------------------------------- the commands shown are the CLI's
+
+def cli_lines(text):
+    """(line number, argv after ``ampkit``) of each ``ampkit VERB ...`` command in a page's shell blocks
+    (also under ``torchrun ... -m ampkit``), with comments and line continuations handled."""
+    import shlex
+
+    from ampkit.cli import VERBS
+
+    out = []
+    for no, info, code, _ in code_blocks(text):
+        if info.split()[:1] not in ([], ["bash"], ["sh"], ["shell"]):
+            continue
+        for i, line in enumerate(code.replace("\\\n", " ").splitlines()):
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            for k in range(len(words)):
+                if words[k] == "ampkit" and (k == 0 or words[k - 1] == "-m") and k + 1 < len(words) \
+                        and words[k + 1] in VERBS:
+                    out.append((no + 1 + i, words[k + 1:]))
+                    break
+    return out
+
+
+def test_commands_in_the_pages_parse():
+    """Every ``ampkit VERB ...`` line of README.md and docs/ parses with ampkit's own parser (flags renamed
+    or removed fail here); nothing is run."""
+    import contextlib
+    import io
+
+    from ampkit.cli import _build_parser
+
+    parser = _build_parser()
+    bad, seen = [], 0
+    for page in PAGES:
+        for no, argv in cli_lines(page.read_text()):
+            seen += 1
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err):
+                    parser.parse_args(argv)
+            except SystemExit:
+                bad.append(f"{page.relative_to(ROOT)}:{no}: ampkit {' '.join(argv)}: {err.getvalue().strip().splitlines()[-1]}")
+    assert seen >= 20
+    assert not bad, "\n".join(bad)
+
+
+def test_train_flags_are_all_in_training_md():
+    """docs/TRAINING.md's flag tables name every flag `ampkit train` takes."""
+    import argparse
+
+    from ampkit.cli import train
+
+    p = argparse.ArgumentParser()
+    train.add_parser(p)
+    page = (ROOT / "docs" / "TRAINING.md").read_text()
+    missing = [o for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"
+               and f"`{o}`" not in page]
+    assert not missing, f"ampkit train flags docs/TRAINING.md does not list: {missing}"
+
+
+def test_cli_lines_are_found_and_a_wrong_flag_fails():
+    text = ("```bash\nampkit train --epochs 2   # comment\ntorchrun --nproc-per-node 2 -m ampkit check \\\n"
+            "    --precision bf16\nampkit plan: not a command\n```\n```python\nampkit train --nope\n```\n")
+    assert cli_lines(text) == [(2, ["train", "--epochs", "2"]), (3, ["check", "--precision", "bf16"])]
+    from ampkit.cli import _build_parser
+
+    with pytest.raises(SystemExit):
+        import contextlib
+        import io
+
+        with contextlib.redirect_stderr(io.StringIO()):
+            _build_parser().parse_args(["train", "--no-such-flag"])
