@@ -1,7 +1,8 @@
 """The documentation holds: every relative link in README.md, CHANGELOG.md and docs/*.md resolves (the file,
-and the ``#anchor`` where one is given), the Python blocks marked runnable run on a CPU, and neither the pages
-nor the tests' docstrings speak of the project's history (work stages, rounds, issue numbers) instead of
-what is.
+and the ``#anchor`` where one is given), the Python blocks marked runnable run on a CPU, every ``ampkit VERB``
+command shown parses with the CLI's parser, docs/TRAINING.md lists every ``ampkit train`` flag, docs/api.md
+names objects that exist, and neither the pages nor the tests' docstrings speak of the project's history
+(work stages, rounds, issue numbers) instead of what is.
 
 A block is runnable when the line right before its opening fence is ``<!-- runnable -->``; it runs in a fresh
 interpreter with this checkout on ``PYTHONPATH``, CUDA hidden and a private ``$AMPKIT_CACHE_DIR``. No network,
