@@ -117,6 +117,8 @@ class _Core:
             return optimizer  # already the one ampkit steps
         made = self.ampkit.wrap_optimizer(optimizer, fp32_params=self._fp32_copies)
         self._prepared[id(optimizer)] = made
+        if len({id(o) for o in self._prepared.values()}) == 1:  # precision.fp32_state_dict(model) finds it
+            self.ampkit._optimizer = made
         return made
 
     def fp32_state_dict(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
@@ -171,8 +173,6 @@ class AmpkitFabricPrecision(_Core, _FabricPrecision):
         made = super().prepare_optimizer(optimizer)
         if not known:
             _route_state(self, optimizer, made)
-            if len({id(o) for o in self._prepared.values()}) == 1:  # precision.fp32_state_dict(model) finds it
-                self.ampkit._optimizer = made
         return made
 
     def backward(self, tensor: torch.Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
