@@ -46,6 +46,10 @@ __all__ = ["LossScaler"]
 class LossScaler(TraceableGradScaler):
     """Gradient scaler; ``LossScaler(...)`` accepts everything ``torch.amp.GradScaler(...)`` does."""
 
+    #: the key checkpointers that take a scaler object save its ``state_dict()`` under (timm's
+    #: ``CheckpointSaver(amp_scaler=...)`` and ``resume_checkpoint(loss_scaler=...)``: timm's NativeScaler's key)
+    state_dict_key = "amp_scaler"
+
     def __init__(
         self,
         device: str = "cuda",
