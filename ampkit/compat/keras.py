@@ -40,6 +40,7 @@ import torch
 
 from .. import precision as core
 from ..precision import Precision, auto_mode
+from ..precision.kinds import precision_class
 from ..precision.modes import AUTO, MODES, resolve, valid_names
 
 __all__ = ["Policy", "DTypePolicy", "set_global_policy", "global_policy", "set_dtype_policy", "dtype_policy",
@@ -91,8 +92,7 @@ class Policy:
     @property
     def torch_variable_dtype(self) -> torch.dtype:
         """Where the trained weights live: fp32 in the master modes (the masters), else the param dtype."""
-        mode = MODES[self.mode]
-        return torch.float32 if mode.master_weights else mode.param_dtype
+        return torch.float32 if precision_class(self.mode).keeps_fp32_masters else MODES[self.mode].param_dtype
 
     @property
     def compute_dtype(self) -> str:

@@ -45,10 +45,7 @@ __all__ = ["LossScaler"]
 
 class LossScaler(TraceableGradScaler):
     """Gradient scaler; ``LossScaler(...)`` accepts everything ``torch.amp.GradScaler(...)`` does."""
-
-    #: the key checkpointers that take a scaler object save its ``state_dict()`` under (timm's
-    #: ``CheckpointSaver(amp_scaler=...)`` and ``resume_checkpoint(loss_scaler=...)``: timm's NativeScaler's key)
-    state_dict_key = "amp_scaler"
+    state_dict_key = "amp_scaler"  # timm's CheckpointSaver/resume_checkpoint save state_dict() under it
 
     def __init__(
         self,
