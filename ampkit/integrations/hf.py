@@ -91,7 +91,10 @@ class AmpkitOptimizer(torch.optim.Optimizer):
             raise ValueError("AmpkitTrainer steps without a closure (the Trainer runs the backward itself): "
                              "use an optimizer whose step() needs no closure.")
         self.last_result = self.precision.step(self.optimizer)
+        self._opt_called = True  # what torch's LR schedulers check, as their step wrapper would set it
         return self.last_result
+
+    step._wrapped_by_lr_sched = True  # a scheduler over this optimizer finds its step tracked (above)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -195,6 +198,7 @@ class AmpkitTrainerMixin:
         if _ampkit_optimizer(self.optimizer) is not None:
             return self.optimizer
         super().create_optimizer(model)
+        given = self.optimizer
         if self.precision.is_setup:  # a later train() call on the same model: the kind's optimizer change only
             stepped = self.precision.wrap_optimizer(self.optimizer)
         else:
@@ -202,6 +206,8 @@ class AmpkitTrainerMixin:
             if model is not self.model:
                 self.model = self.model_wrapped = model
         self.optimizer = AmpkitOptimizer(stepped, self.precision)
+        if getattr(self.lr_scheduler, "optimizer", None) is given:  # optimizers=(opt, scheduler): the scheduler
+            self.lr_scheduler.optimizer = self.optimizer  # drives the groups of the optimizer that steps
         return self.optimizer
 
     def _stepped_optimizer(self) -> torch.optim.Optimizer:

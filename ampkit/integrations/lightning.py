@@ -117,6 +117,8 @@ class _Core:
             return optimizer  # already the one ampkit steps
         made = self.ampkit.wrap_optimizer(optimizer, fp32_params=self._fp32_copies)
         self._prepared[id(optimizer)] = made
+        if made is not optimizer and getattr(made, "optimizer", None) is not optimizer:
+            _share_groups(optimizer, made)
         if len({id(o) for o in self._prepared.values()}) == 1:  # precision.fp32_state_dict(model) finds it
             self.ampkit._optimizer = made
         return made
@@ -187,6 +189,17 @@ class AmpkitFabricPrecision(_Core, _FabricPrecision):
         return self.ampkit.step(self.prepare_optimizer(optimizer))
 
 
+def _share_groups(original: torch.optim.Optimizer, made: torch.optim.Optimizer) -> None:
+    """A replacement optimizer (bf16-pure's compensated one) steps with the groups a scheduler built on the
+    original changes: the original's ``param_groups`` is the replacement's list, also after a
+    ``load_state_dict`` gives the replacement new group dicts."""
+    def relink(_opt):
+        original.param_groups = made.param_groups
+
+    relink(made)
+    made.register_load_state_dict_post_hook(relink)
+
+
 def _optimizers_of_fabric_setup() -> List[torch.optim.Optimizer]:
     """The optimizers being passed to ``Fabric.setup``, which calls ``convert_module`` (our caller's caller):
     Fabric gives a precision plugin no hook with the optimizers, and a ``fabric.load`` before the first step
@@ -236,8 +249,13 @@ def _route_state(plugin: "AmpkitFabricPrecision", original: torch.optim.Optimize
         finally:
             busy[0] = False
 
+    def loaded(_opt):
+        if getattr(made, "optimizer", made) is not original:  # a scheduler built on the original drives the steps
+            original.param_groups = made.param_groups
+
     original.register_state_dict_post_hook(saved)
     original.register_load_state_dict_pre_hook(loading)
+    original.register_load_state_dict_post_hook(loaded)
 
 
 class AmpkitPrecision(_Core, _TrainerPrecision):

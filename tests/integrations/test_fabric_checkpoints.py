@@ -26,13 +26,16 @@ def _fabric(mode, **kwargs):
     return L.Fabric(accelerator="cpu", devices=1, plugins=AmpkitFabricPrecision(mode, "cpu", **kwargs))
 
 
-def _setup(fabric, seed=0):
+def _setup(fabric, seed=0, scheduler=False):
     model = _net(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    return fabric.setup(model, optimizer)
+    model, optimizer = fabric.setup(model, optimizer)
+    if scheduler:  # built on the optimizer Fabric returned, as litgpt does
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.7 ** s)
+    return model, optimizer
 
 
-def _train(fabric, model, optimizer, steps, clip=None):
+def _train(fabric, model, optimizer, steps, clip=None, scheduler=None):
     for step in steps:
         x, y = _batch(step)
         loss = nn.functional.cross_entropy(model(x), y)  # computed after the forward, as Fabric code does
@@ -41,6 +44,8 @@ def _train(fabric, model, optimizer, steps, clip=None):
             fabric.clip_gradients(model, optimizer, max_norm=clip)
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     return loss
 
 
@@ -76,19 +81,21 @@ def test_fabric_save_load_resumes_bitwise(tmp_path, mode, kwargs):
     """fabric.save({"model", "optimizer"}) mid-run, then a fresh Fabric, model (another init) and optimizer,
     fabric.load, and the rest of the run: equal to the uninterrupted run (weights, optimizer state, scale)."""
     whole = _fabric(mode, **kwargs)
-    m, o = _setup(whole)
-    _train(whole, m, o, range(6))
+    m, o, s = _setup(whole, scheduler=True)
+    _train(whole, m, o, range(6), scheduler=s)
     expected = whole.strategy.precision.fp32_state_dict(m)
 
     first = _fabric(mode, **kwargs)
-    m1, o1 = _setup(first)
-    _train(first, m1, o1, range(3))
-    first.save(tmp_path / "ckpt.pt", {"model": m1, "optimizer": o1})
+    m1, o1, s1 = _setup(first, scheduler=True)
+    _train(first, m1, o1, range(3), scheduler=s1)
+    first.save(tmp_path / "ckpt.pt", {"model": m1, "optimizer": o1, "scheduler": s1})
 
     again = _fabric(mode, **kwargs)
-    m2, o2 = _setup(again, seed=1)
-    again.load(tmp_path / "ckpt.pt", {"model": m2, "optimizer": o2})
-    _train(again, m2, o2, range(3, 6))
+    m2, o2, s2 = _setup(again, seed=1, scheduler=True)
+    again.load(tmp_path / "ckpt.pt", {"model": m2, "optimizer": o2, "scheduler": s2})
+    _train(again, m2, o2, range(3, 6), scheduler=s2)
+    stepped = again.strategy.precision.prepare_optimizer(o2.optimizer)
+    assert [g["lr"] for g in stepped.param_groups] == [1e-2 * 0.7 ** 6]  # the schedule reached the steps
     got = again.strategy.precision.fp32_state_dict(m2)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected), [k for k in expected if not torch.equal(expected[k], got[k])]

@@ -65,7 +65,21 @@ def test_bf16_mixed_is_bitwise_hfs_own_bf16(tmp_path):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
 
 
-MODES = ["fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp8-delayed"]
+def test_gradient_accumulation_and_evaluate_match_hfs_own_bf16(tmp_path):
+    """Two micro-batches per step (HF's accumulation, the loss divided by HF) and evaluate() under the same
+    autocast: bitwise HF's bf16=True again."""
+    kw = {"max_steps": 3, "gradient_accumulation_steps": 2, "per_device_eval_batch_size": 8}
+    hf = T.Trainer(model=gpt2(), args=targs(tmp_path / "hf", bf16=True, **kw), train_dataset=Tokens(),
+                   eval_dataset=Tokens(8, seed=1))
+    hf.train()
+    ours = AmpkitTrainer(model=gpt2(), args=targs(tmp_path / "ampkit", **kw), train_dataset=Tokens(),
+                         eval_dataset=Tokens(8, seed=1), precision="bf16-mixed")
+    ours.train()
+    assert_bitwise(weights(hf.model), weights(ours.model))
+    assert hf.evaluate()["eval_loss"] == ours.evaluate()["eval_loss"]
+
+
+MODES = ["fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure", "fp8-delayed"]
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +212,20 @@ def test_checkpoint_without_precision_state_warns_in_scaled_modes(tmp_path):
                             precision="fp16-mixed")
     with pytest.warns(UserWarning, match="loss scale starts again"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+@pytest.mark.parametrize("mode", ["bf16-pure", "fp16-master"])
+def test_optimizer_and_scheduler_passed_in_are_the_ones_stepped(mode, tmp_path):
+    """optimizers=(opt, scheduler) built by the user before the Trainer: ampkit steps its masters / compensated
+    form, and the user's scheduler still drives the learning rate the step uses."""
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    trainer = AmpkitTrainer(model=model, args=targs(tmp_path, max_steps=3), train_dataset=Tokens(),
+                            optimizers=(opt, sched), precision=mode)
+    trainer.train()
+    stepped = trainer.optimizer.optimizer.optimizer  # accelerate's wrapper -> AmpkitOptimizer -> ampkit's
+    assert stepped is not opt or mode == "fp16-master"
+    assert [g["lr"] for g in stepped.param_groups] == [1e-3 * 0.5 ** 3] * len(stepped.param_groups)
+    assert trainer.precision.optimizer_steps == 3 and [h["learning_rate"] for h in train_logs(trainer)] == \
+        [1e-3, 5e-4, 2.5e-4]

@@ -137,6 +137,12 @@ def test_trainer_trains_and_checkpoints(tmp_path, mode, kwargs):
         assert state and all(s["master_weight"].dtype == torch.float32 for s in state.values())
 
 
+class _DecayingModule(_Module):
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-4)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
 @pytest.mark.parametrize("mode,kwargs", [("16-mixed", {"init_scale": 2.0**20, "growth_interval": 2}),
                                          ("bf16-master", {}), ("bf16-true", {}), ("bf16-mixed", {})])
 def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path, mode, kwargs):
@@ -151,16 +157,17 @@ def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path, mode, kwargs):
                             logger=False, enable_progress_bar=False, enable_model_summary=False,
                             gradient_clip_val=1.0)
         torch.manual_seed(seed)
-        module = _Module()
+        module = _DecayingModule()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(module, loader, ckpt_path=ckpt)
         return trainer, module, plugin
 
-    _, whole, whole_plugin = fit(2, tmp_path / "whole")
+    whole_trainer, whole, whole_plugin = fit(2, tmp_path / "whole")
     fit(1, tmp_path / "first")
     ckpt = next((tmp_path / "first").rglob("*.ckpt"))
-    _, resumed, plugin = fit(2, tmp_path / "resumed", ckpt=str(ckpt), seed=1)
+    trainer, resumed, plugin = fit(2, tmp_path / "resumed", ckpt=str(ckpt), seed=1)
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [1e-2 * 0.5 ** 2]  # the schedule steps it
     assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
     assert whole_plugin.ampkit.scaler.state_dict() == plugin.ampkit.scaler.state_dict()
     if plugin.ampkit.mode.master_weights:
