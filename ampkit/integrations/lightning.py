@@ -174,7 +174,7 @@ class AmpkitFabricPrecision(_Core, _FabricPrecision):
         known = id(optimizer) in self._prepared or any(o is optimizer for o in self._prepared.values())
         made = super().prepare_optimizer(optimizer)
         if not known:
-            _route_state(self, optimizer, made)
+            _StateRoute(self, optimizer, made)
         return made
 
     def backward(self, tensor: torch.Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
@@ -189,14 +189,21 @@ class AmpkitFabricPrecision(_Core, _FabricPrecision):
         return self.ampkit.step(self.prepare_optimizer(optimizer))
 
 
-def _share_groups(original: torch.optim.Optimizer, made: torch.optim.Optimizer) -> None:
+class _Relink:
     """A replacement optimizer (bf16-pure's compensated one) steps with the groups a scheduler built on the
     original changes: the original's ``param_groups`` is the replacement's list, also after a
-    ``load_state_dict`` gives the replacement new group dicts."""
-    def relink(_opt):
-        original.param_groups = made.param_groups
+    ``load_state_dict`` gives the replacement new group dicts (a load post-hook)."""
 
-    relink(made)
+    def __init__(self, original: torch.optim.Optimizer, made: torch.optim.Optimizer) -> None:
+        self.original, self.made = original, made
+
+    def __call__(self, _optimizer: Any = None) -> None:
+        self.original.param_groups = self.made.param_groups
+
+
+def _share_groups(original: torch.optim.Optimizer, made: torch.optim.Optimizer) -> None:
+    relink = _Relink(original, made)
+    relink()
     made.register_load_state_dict_post_hook(relink)
 
 
@@ -215,47 +222,46 @@ def _optimizers_of_fabric_setup() -> List[torch.optim.Optimizer]:
     return []
 
 
-def _route_state(plugin: "AmpkitFabricPrecision", original: torch.optim.Optimizer,
-                 made: torch.optim.Optimizer) -> None:
-    """Make ``original.state_dict()`` / ``load_state_dict()`` (what ``fabric.save`` / ``fabric.load`` call on the
+class _StateRoute:
+    """Makes ``original.state_dict()`` / ``load_state_dict()`` (what ``fabric.save`` / ``fabric.load`` call on the
     optimizer the user holds) carry the state of ``made``, the optimizer ampkit steps, and the precision's own
     state under :data:`PRECISION_KEY`, through torch's optimizer state-dict hooks. ``made`` may wrap
     ``original`` (fp32 masters: its state dict calls the original's), so a nested call runs torch's own."""
-    busy = [False]
 
-    def saved(_opt, state_dict):
-        if busy[0]:
+    def __init__(self, plugin: "AmpkitFabricPrecision", original: torch.optim.Optimizer,
+                 made: torch.optim.Optimizer) -> None:
+        self.plugin, self.original, self.made = plugin, original, made
+        self.busy = False
+        original.register_state_dict_post_hook(self.saved)
+        original.register_load_state_dict_pre_hook(self.loading)
+        if getattr(made, "optimizer", made) is not original:  # a replacement, not a wrapper
+            original.register_load_state_dict_post_hook(_Relink(original, made))
+
+    def saved(self, _optimizer: Any, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        if self.busy:
             return None
-        busy[0] = True
+        self.busy = True
         try:
-            out = made.state_dict() if made is not original else state_dict
+            out = self.made.state_dict() if self.made is not self.original else state_dict
         finally:
-            busy[0] = False
-        return {**out, PRECISION_KEY: plugin.state_dict()}
+            self.busy = False
+        return {**out, PRECISION_KEY: self.plugin.state_dict()}
 
-    def loading(_opt, state_dict):
-        if busy[0]:
+    def loading(self, _optimizer: Any, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        if self.busy:
             return None
         state_dict = dict(state_dict)
         own = state_dict.pop(PRECISION_KEY, None)
         if own:
-            plugin.load_state_dict(own)
-        if made is original:
+            self.plugin.load_state_dict(own)
+        if self.made is self.original:
             return state_dict
-        busy[0] = True
+        self.busy = True
         try:
-            made.load_state_dict(state_dict)
-            return original.state_dict()  # torch then loads the original's own state back: a no-op
+            self.made.load_state_dict(state_dict)
+            return self.original.state_dict()  # torch then loads the original's own state back: a no-op
         finally:
-            busy[0] = False
-
-    def loaded(_opt):
-        if getattr(made, "optimizer", made) is not original:  # a scheduler built on the original drives the steps
-            original.param_groups = made.param_groups
-
-    original.register_state_dict_post_hook(saved)
-    original.register_load_state_dict_pre_hook(loading)
-    original.register_load_state_dict_post_hook(loaded)
+            self.busy = False
 
 
 class AmpkitPrecision(_Core, _TrainerPrecision):

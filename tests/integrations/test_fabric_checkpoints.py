@@ -141,3 +141,4 @@ def test_fp32_state_dict_needs_no_extra_argument():
     for sd in (plugin.fp32_state_dict(model), plugin.ampkit.fp32_state_dict(model.module)):
         assert sd["0.weight"].dtype == torch.float32 and torch.equal(sd["0.weight"], masters[0])
         assert not torch.equal(sd["0.weight"], model.module[0].weight.float())  # not the bf16 weights' casts
+
