@@ -47,6 +47,7 @@ import torch
 
 try:
     from transformers import Trainer, TrainerCallback
+    from transformers.utils import logging as hf_logging
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ampkit.integrations.hf needs the `transformers` package (and `accelerate`): "
                       "pip install transformers accelerate.") from e
@@ -54,6 +55,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..precision import Precision
 
 __all__ = ["AmpkitTrainer", "AmpkitTrainerMixin", "AmpkitOptimizer", "PRECISION_STATE_NAME"]
+
+logger = hf_logging.get_logger(__name__)
 
 #: the file in each ``checkpoint-N/`` folder holding ``precision.state_dict()``
 PRECISION_STATE_NAME = "ampkit_precision.pt"
@@ -205,6 +208,9 @@ class AmpkitTrainerMixin:
             model, stepped = self.precision.setup(self.model, self.optimizer)
             if model is not self.model:
                 self.model = self.model_wrapped = model
+            clip = (f"max_grad_norm={self.args.max_grad_norm:g} is clipped by ampkit, on the unscaled gradients"
+                    if self.args.max_grad_norm > 0 else "no clipping (max_grad_norm=0)")
+            logger.info(f"AmpkitTrainer: {self.precision.describe()}; {clip}.")
         self.optimizer = AmpkitOptimizer(stepped, self.precision)
         if getattr(self.lr_scheduler, "optimizer", None) is given:  # optimizers=(opt, scheduler): the scheduler
             self.lr_scheduler.optimizer = self.optimizer  # drives the groups of the optimizer that steps

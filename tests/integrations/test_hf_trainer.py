@@ -229,3 +229,20 @@ def test_optimizer_and_scheduler_passed_in_are_the_ones_stepped(mode, tmp_path):
     assert [g["lr"] for g in stepped.param_groups] == [1e-3 * 0.5 ** 3] * len(stepped.param_groups)
     assert trainer.precision.optimizer_steps == 3 and [h["learning_rate"] for h in train_logs(trainer)] == \
         [1e-3, 5e-4, 2.5e-4]
+
+
+def test_says_once_that_ampkit_clips(tmp_path, caplog):
+    logging = T.utils.logging
+    logging.enable_propagation()
+    before = logging.get_verbosity()
+    logging.set_verbosity_info()
+    try:
+        trainer = AmpkitTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2), train_dataset=Tokens(),
+                                precision="fp16-mixed")
+        with caplog.at_level("INFO"):
+            trainer.train()
+    finally:
+        logging.set_verbosity(before)
+        logging.disable_propagation()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpkitTrainer:")]
+    assert len(said) == 1 and "fp16-mixed" in said[0] and "max_grad_norm=1 is clipped by ampkit" in said[0], said
