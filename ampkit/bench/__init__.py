@@ -22,7 +22,8 @@ def device_section(device_name: str, precisions: List[str], measure_peak: bool =
     """What the results were measured on, with the measured peak GEMM FLOP/s per dtype."""
     import torch
 
-    from ..precision.device import cpu_name, device_info, resolve_device
+    from ..precision.capability import device_info
+    from ..precision.device import cpu_name, resolve_device
     from ..precision.modes import MODES
     from .explain import low_dtype_of
     from .peak import measure_peaks
@@ -32,6 +33,7 @@ def device_section(device_name: str, precisions: List[str], measure_peak: bool =
     dtypes = ["fp32"] + sorted({d for p in precisions if p in MODES for d in [low_dtype_of(p)] if d})
     out = {
         "type": device.type, "name": cpu_name() if device.type == "cpu" else info.name, "matrix_units": info.matrix_units, "bf16_fast": info.bf16_fast,
+        "fp16_fast": info.fp16_fast, "speed": dict(info.speed), "speed_source": info.speed_source,
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "python": platform.python_version(), "notes": list(info.notes),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("AMPKIT_") or k == "OMP_NUM_THREADS"},

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..precision import MODES, auto_mode, device_info, resolve, resolve_device
+from ..precision import MODES, device_info, resolve, resolve_device
 from ..precision.islands import resolve_module_names
 from .audit import DtypeAudit
 from .fp8 import fp8_check, is_fp8
@@ -30,7 +30,7 @@ from .localise import localise_nonfinite
 from .runner import as_loss_fn, default_forward, prepare, run_once, step_fn, to_device
 from .scan import NumericsScan, fp32_candidates, recommend_init_scale, underflow_fraction_at
 from .stale import simulated_stale
-from ..precision.auto import preference_order
+from ..precision.auto import canonical, preference_order
 from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, unmeasured
 
 __all__ = ["check", "amp_verdicts", "auto_precision", "CheckReport", "DEFAULT_PRECISIONS"]
@@ -142,7 +142,7 @@ def check(
                                 _forward_ctx=audit_ctx if audit else None)
     else:
         why = "the fp32 reference itself is non-finite: fix the model first (see reference.first_nonfinite)"
-        verdicts = {n: unmeasured(why, ref.nonfinite) for n in dict.fromkeys(_auto_name(n, dev) for n in names)}
+        verdicts = {n: unmeasured(why, ref.nonfinite) for n in dict.fromkeys(canonical(n, dev) for n in names)}
 
     # 3. verify fp32 islands for fp16 precisions that fail on overflow
     islands = [m for m in fp32_candidates(scanned["modules"]) if m not in fp32_modules]
@@ -197,10 +197,6 @@ def check(
         thresholds={k: {"risky": r, "unsafe": u} for k, (r, u) in THRESHOLDS.items()} | {"stale_risky": STALE_RISKY},
         **fp8,
     )
-
-
-def _auto_name(name: str, dev: torch.device) -> str:
-    return auto_mode(dev)[0] if name == "auto" else name
 
 
 def _flag_stale(verdicts: Dict[str, Dict[str, Any]], stale: Dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 from . import checks
 from . import step as stepping
 from .choice import Choice, choose_mode, global_policy, set_global_policy
-from .device import device_info
+from .capability import device_info
 from .hooks import KindHooks
 from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
 from .islands import apply_fp32_islands, resolve_module_names

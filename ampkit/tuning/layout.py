@@ -24,7 +24,7 @@ from torch import nn
 from ..precision.device import machine_key, resolve_device
 from . import autotune
 from .autotune import fmt_ms, signature
-from .cache import cache_file, load_entries, store_entry
+from ..utils.cache import cache_file, load_entries, store_entry
 
 __all__ = ["has_conv2d", "faster_layout", "layout_cache_path", "MARGIN"]
 
