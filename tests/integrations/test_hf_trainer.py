@@ -198,6 +198,8 @@ def test_save_model_pure_mode_writes_its_16bit_weights(tmp_path):
 def test_refusals_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="leave fp16/bf16 False and pass precision="):
         AmpkitTrainer(model=gpt2(), args=targs(tmp_path, bf16=True), train_dataset=Tokens(), precision="bf16-mixed")
+    with pytest.raises(ValueError, match="LOMO optimizers step inside the backward"):
+        AmpkitTrainer(model=gpt2(), args=targs(tmp_path, optim="lomo"), train_dataset=Tokens(), precision="bf16-mixed")
     used = ampkit.Precision("bf16-mixed", "cpu")
     used.setup(gpt2())
     with pytest.raises(ValueError, match="already set up another model"):
