@@ -24,9 +24,9 @@ Seq2SeqTrainer)``). What it changes in the Trainer:
   per optimizer step, as with HF's own fp16;
 * ``max_grad_norm`` is ampkit's clipping: the unscaled gradients (the fp32 master gradients where the
   mode has them) are clipped and their norm is the ``grad_norm`` logged;
-* checkpoints (``checkpoint-N/``) hold ``ampkit_precision.pt`` (mode, loss scale and its counters, optimizer
-  state precision, fp8 state) beside HF's own files, and ``resume_from_checkpoint`` restores it; a checkpoint
-  of another mode is refused;
+* checkpoints (``checkpoint-N/``) hold ``ampkit_precision.pt`` beside HF's own files: ``precision.state_dict()``
+  (mode, loss scale and its counters, optimizer state precision, fp8 recipe) and the fp8 modules' amax
+  histories; ``resume_from_checkpoint`` restores them; a checkpoint of another mode is refused;
 * ``save_model`` (and the model in each checkpoint) is written in full precision where the mode keeps fp32
   weights (fp32, the autocast modes, fp16/bf16-master, fp8: ``precision.fp32_state_dict``), with a
   ``config.json`` whose ``dtype`` says float32, so a plain ``from_pretrained(dir)`` gets the fp32 weights;
@@ -53,6 +53,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install transformers accelerate.") from e
 
 from ..precision import Precision
+from ..precision.export import fp8_recipe_keys
 
 __all__ = ["AmpkitTrainer", "AmpkitTrainerMixin", "AmpkitOptimizer", "PRECISION_STATE_NAME"]
 
@@ -255,7 +256,10 @@ class AmpkitTrainerMixin:
     # -- checkpoints
     def _save_scaler(self, output_dir: str) -> None:
         if self.args.should_save:
-            torch.save(self.precision.state_dict(), os.path.join(output_dir, PRECISION_STATE_NAME))
+            model = self.model
+            recipe = {k: model.get_buffer(k).detach().clone() for k in sorted(fp8_recipe_keys(model))}
+            torch.save({"precision": self.precision.state_dict(), "fp8_buffers": recipe},
+                       os.path.join(output_dir, PRECISION_STATE_NAME))
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
@@ -266,7 +270,11 @@ class AmpkitTrainerMixin:
                 warnings.warn(f"{checkpoint} has no {PRECISION_STATE_NAME} (not saved by AmpkitTrainer): the loss "
                               "scale starts again from its initial value.", stacklevel=2)
             return
-        self.precision.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        self.precision.load_state_dict(saved["precision"])
+        with torch.no_grad():  # the fp8 modules' amax histories (the model's checkpoint holds the weights only)
+            for key, value in saved.get("fp8_buffers", {}).items():
+                self.model.get_buffer(key).copy_(value)
 
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
         full = self.precision.is_setup and _keeps_fp32_weights(self.precision)

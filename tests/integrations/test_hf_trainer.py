@@ -135,7 +135,7 @@ def test_nonfinite_step_is_skipped_counted_and_not_scheduled(tmp_path):
 
 
 RESUME = [("fp16-mixed", {"init_scale": 2.0**20, "growth_interval": 2}), ("fp16-master", {}),
-          ("bf16-master", {}), ("bf16-pure", {}), ("bf16-mixed", {})]
+          ("bf16-master", {}), ("bf16-pure", {}), ("bf16-mixed", {}), ("fp16-pure", {}), ("fp8-delayed", {})]
 
 
 @pytest.mark.parametrize("mode,options", RESUME, ids=[m for m, _ in RESUME])
@@ -156,8 +156,10 @@ def test_resume_from_hf_checkpoint_is_bitwise(mode, options, tmp_path):
     assert whole.precision.scaler.state_dict() == resumed.precision.scaler.state_dict()
     assert [h["loss"] for h in train_logs(whole)][3:] == [h["loss"] for h in train_logs(resumed)][-3:]
     if mode == "fp16-mixed":  # the scale moved in the first half, so a fresh scale would have drifted
-        saved = torch.load(ckpt / PRECISION_STATE_NAME, weights_only=True)
+        saved = torch.load(ckpt / PRECISION_STATE_NAME, weights_only=True)["precision"]
         assert saved["name"] == "fp16-mixed" and saved["scaler"]["scale"] != 2.0**20
+    if mode.startswith("fp8"):  # the amax histories travel along (the model's checkpoint holds weights only)
+        assert torch.load(ckpt / PRECISION_STATE_NAME, weights_only=True)["fp8_buffers"]
 
 
 def test_resume_refuses_another_modes_checkpoint(tmp_path):
