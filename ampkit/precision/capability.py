@@ -212,7 +212,8 @@ def _measure(dev: torch.device, rounds: int = 3, target_s: float = 0.004) -> Cap
     flops: Dict[str, float] = {}
     emulated = set()
     spent: Dict[str, float] = {}
-    with torch.no_grad():
+    # fork_rng: the probe's random operands are not the run's draws (a first Precision must not move the seed)
+    with torch.no_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         for kind, pname, fl, make in _probes(dev):
             kinds[pname], flops[pname] = kind, fl
             live = [n for n in names if n not in emulated]

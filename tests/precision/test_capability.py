@@ -53,6 +53,16 @@ def test_ratios_are_fp32_time_over_the_dtypes_by_kind(monkeypatch):
     assert cap.gflops == {"fp32": 1000.0, "bf16": 2000.0, "fp16": 1000.0}  # 1 GFLOP per call
 
 
+def test_the_probe_leaves_the_random_stream_alone(monkeypatch):
+    """The first Precision of a run may probe: its random operands must not move the run's seeded draws."""
+    monkeypatch.setattr(cap_mod, "_probes", lambda dev: [("gemm", "g", 1e9, lambda dt: (torch.randn(8), lambda: None)[1])])
+    monkeypatch.setattr(cap_mod, "_timer", lambda dev: (lambda fn, reps: 1e-3))
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    cap_mod._measure(torch.device("cpu"))
+    assert torch.equal(state, torch.get_rng_state())
+
+
 def test_an_emulated_dtype_is_not_timed_past_the_small_probe(monkeypatch):
     """Where the smallest probe already runs many times slower than fp32 (scalar emulation: bf16 on AVX2,
     fp16 on most CPUs), the larger shapes are never built or run: the probe stays a fraction of a second."""
