@@ -125,6 +125,13 @@ def _config_from_args(args, announce: bool = False):
 
     plan = ResumePlan(None)
     _, saved = saved_run_options(values, note, plan)
+    if values.get("resume") == "auto" and values.get("out") and not saved and not (
+            args.config or values.get("data") or values.get("model")):  # nothing says what a new run would train
+        out = values["out"]
+        what = "does not exist" if not os.path.exists(out) else "holds no checkpoint and no saved config.toml"
+        raise ValueError(f"--resume auto: nothing to resume: {out!r} {what}. Check the --out path, or leave "
+                         "out --resume to start a new run there (with --data/--model/--config, --resume auto "
+                         "starts one when there is nothing to continue).")
     if saved:
         changed = {k: (saved[k], v) for k, v in values.items()
                    if k in saved and k not in ("resume", "out") and saved[k] != v}

@@ -1,0 +1,164 @@
+"""`ampkit train` as a new user meets it: what a resume records is what it does, `--resume auto` on a
+directory with nothing to resume, one line instead of a traceback. main() in-process where the process
+does not matter, subprocesses where it does."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from ampkit.train.checkpoint import latest_checkpoint, load_checkpoint
+
+FAST = ["--no-progress", "--num-threads", "1", "--no-autotune", "--precision", "fp32"]
+
+
+class _InProcess:
+    def __init__(self, argv, capsys):
+        from ampkit.cli import main
+
+        self.returncode = main(argv)
+        captured = capsys.readouterr()
+        self.stdout, self.stderr = captured.out, captured.err
+
+
+def _one_error(r, code=2):
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [ln for ln in r.stderr.splitlines() if ": error: " in ln]
+    assert len(errors) == 1, r.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = np.random.RandomState(0)
+    x = r.randn(60, 8).astype("float32")
+    np.savez(tmp_path / "good.npz", x=x, y=(x[:, 0] > 0).astype("int64") + (x[:, 1] > 0))
+    return tmp_path
+
+
+def _train_records(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f if '"train"' in ln]
+
+
+def _groups(run):
+    return load_checkpoint(latest_checkpoint(os.path.join(run, "checkpoints")))["optimizer"]["param_groups"]
+
+
+def _config(run):
+    import tomllib
+
+    with open(os.path.join(run, "config.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+# ---------------------------------------------------------------- what a resume records, it does
+def test_weight_decay_given_on_a_resume_is_what_the_optimizer_uses(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "wd", "--epochs", "1", "--batch-size", "16", *FAST], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [g["weight_decay"] for g in _groups("wd")] == [0.01, 0.0]
+    r = _InProcess(["train", "--out", "wd", "--resume", "auto", "--epochs", "2", "--weight-decay", "0.5"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "weight_decay 0.01 -> 0.5" in r.stderr
+    assert [g["weight_decay"] for g in _groups("wd")] == [0.5, 0.0]  # biases and norms stay undecayed
+    assert _config("wd")["weight_decay"] == 0.5
+
+
+def test_a_finished_cosine_run_extended_with_a_constant_schedule_trains_at_its_lr(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "cos", "--epochs", "2", "--batch-size", "16", *FAST],
+                   capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _train_records("cos")[-1]["lr"] == 0.0  # the cosine reached its end
+    weights = load_checkpoint(latest_checkpoint("cos/checkpoints"))["model"]
+    r = _InProcess(["train", "--out", "cos", "--resume", "auto", "--epochs", "3", "--lr-schedule", "constant"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "lr_schedule 'cosine' -> 'constant' (applied" in r.stderr
+    new = _train_records("cos")[-3:]
+    assert [rec["lr"] for rec in new] == pytest.approx([3e-3] * 3)
+    assert _config("cos")["lr"] == 3e-3 and _config("cos")["lr_schedule"] == "constant"
+    after = load_checkpoint(latest_checkpoint("cos/checkpoints"))["model"]
+    assert any(not torch.equal(weights[k], after[k]) for k in weights)
+
+
+def test_a_finished_cosine_run_extended_stretches_its_curve_from_the_resumed_step(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "cos2", "--epochs", "2", "--batch-size", "16", *FAST],
+                   capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _InProcess(["train", "--out", "cos2", "--resume", "auto", "--epochs", "4"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lrs = [rec["lr"] for rec in _train_records("cos2")]
+    import math
+
+    # 3 steps an epoch; the 12-step cosine from step 6 on, the first resumed step at its step-6 value
+    assert lrs[6] == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 7 / 12)))
+    assert lrs[5] == 0.0 and all(lr > 0 for lr in lrs[6:-1])
+
+
+def test_a_constant_run_resumed_with_a_cosine_schedule_starts_it_at_the_resumed_step(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "con", "--epochs", "1", "--batch-size", "16",
+                    "--lr-schedule", "constant", *FAST], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _InProcess(["train", "--out", "con", "--resume", "auto", "--epochs", "2", "--lr-schedule", "cosine"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import math
+
+    lrs = [rec["lr"] for rec in _train_records("con")]
+    assert lrs[3] == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 4 / 6)))
+
+
+# ---------------------------------------------------------------- --resume auto with nothing to resume
+@pytest.mark.parametrize("state", ["missing", "empty", "lock-only"])
+def test_resume_auto_with_nothing_to_resume_is_one_line(state, work, capsys):
+    if state != "missing":
+        os.mkdir("R")
+    if state == "lock-only":
+        open("R/.ampkit.lock", "w").close()
+    before = sorted(os.listdir(work))
+    r = _InProcess(["train", "--out", "R", "--resume", "auto", "--no-progress"], capsys)
+    line = _one_error(r)
+    assert "nothing to resume" in line and "'R'" in line and "leave out --resume" in line, line
+    assert sorted(os.listdir(work)) == before
+    assert state == "missing" or sorted(os.listdir("R")) == ([".ampkit.lock"] if state == "lock-only" else [])
+
+
+def test_resume_auto_on_a_run_that_failed_before_its_first_checkpoint_starts_from_its_config(work, capsys):
+    os.mkdir("R")
+    with open("R/config.toml", "w") as f:
+        f.write('# ampkit train config (reload with: ampkit train --config THIS_FILE)\ndata = "good.npz"\nepochs = 1\nbatch_size = 16\nprecision = "fp32"\nautotune = false\n'
+                'progress = false\nnum_threads = 1\n')
+    r = _InProcess(["train", "--out", "R", "--resume", "auto"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert latest_checkpoint("R/checkpoints")
+
+
+def test_auto_is_chosen_afresh_when_there_is_no_checkpoint_yet(monkeypatch):
+    """A resume with no checkpoint (a run that failed before its first) times auto's candidates as the
+    same command without --resume does; one with a checkpoint keeps its mode."""
+    from ampkit.precision import Precision
+    from ampkit.train import setup
+    from ampkit.train.config import TrainConfig
+
+    seen = []
+    monkeypatch.setattr(setup, "tune", lambda prec, *a, modes, **k: seen.append(modes) or prec)
+    monkeypatch.setattr(setup, "needs_tuning", lambda *a: True)
+
+    class B:
+        def first(self, n):
+            return torch.zeros(n, 4), torch.zeros(n, dtype=torch.long)
+
+    cfg = TrainConfig(resume="auto", out="R")
+    prec = Precision("auto", "cpu")
+    setup.tune_for_run(prec, torch.nn.Linear(4, 2), cfg, B(), None, None, single_process=True)
+    setup.tune_for_run(prec, torch.nn.Linear(4, 2), cfg, B(), None, "fp32", single_process=True)
+    assert seen == [True, False]
+
+
+def test_resume_auto_with_the_run_named_starts_it_when_there_is_nothing_to_continue(work, capsys):
+    """A job script that always passes --resume auto (a requeued job continues, a first one starts)."""
+    r = _InProcess(["train", "--data", "good.npz", "--out", "new", "--resume", "auto", "--epochs", "1",
+                    "--batch-size", "16", *FAST], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "no checkpoint in" in r.stderr and latest_checkpoint("new/checkpoints")
