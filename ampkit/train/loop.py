@@ -188,7 +188,7 @@ class TrainLoop:
         scaler = self.precision.scaler
         record = {
             "kind": "train", "step": self.counters.attempted_steps, "optimizer_step": None,
-            "epoch": self.counters.epoch, "loss": window_loss.clone(),
+            "epoch": self.counters.epoch + 1, "loss": window_loss.clone(),  # 1-based, as the console counts
             "scale": scaler.scale_tensor.clone() if scaler.scale_tensor is not None else 1.0,
             "skipped": None, "lr": None,
         }
@@ -225,8 +225,9 @@ class TrainLoop:
         if not _dist.is_main_process():
             return
         c, epochs = self.counters, self.config.epochs
-        rec = {"kind": "eval", "step": c.attempted_steps, "epoch": c.epoch, "loss": ev["loss"],
-               "accuracy": ev["accuracy"]}
+        # the epoch evaluated, 1-based: the one just finished, or the one --max-steps stopped inside
+        rec = {"kind": "eval", "step": c.attempted_steps, "epoch": c.epoch + (1 if c.batch_in_epoch else 0),
+               "loss": ev["loss"], "accuracy": ev["accuracy"]}
         logger.event(rec)
         self.history.append(rec)
         acc = f", accuracy {ev['accuracy']:.4f}" if ev["accuracy"] is not None else ""

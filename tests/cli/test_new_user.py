@@ -162,3 +162,29 @@ def test_resume_auto_with_the_run_named_starts_it_when_there_is_nothing_to_conti
                     "--batch-size", "16", *FAST], capsys)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "no checkpoint in" in r.stderr and latest_checkpoint("new/checkpoints")
+
+
+# ---------------------------------------------------------------- metrics.jsonl: one epoch convention
+def test_metrics_count_epochs_from_one_in_every_record(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "ep", "--epochs", "2", "--batch-size", "16", *FAST],
+                   capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open("ep/metrics.jsonl") as f:
+        recs = [json.loads(ln) for ln in f]
+    train = {rec["step"]: rec["epoch"] for rec in recs if rec["kind"] == "train"}
+    evals = {rec["step"]: rec["epoch"] for rec in recs if rec["kind"] == "eval"}
+    assert train == {1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 6: 2}
+    assert evals == {3: 1, 6: 2}  # the same step, the same epoch
+    assert "epoch 2/2: eval loss" in r.stderr
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "METRICS.md")) as f:
+        doc = f.read()
+    undocumented = {k for rec in recs for k in rec if f"`{k}`" not in doc}
+    assert not undocumented, f"metrics.jsonl fields missing from docs/METRICS.md: {undocumented}"
+    # stopped by --max-steps inside epoch 2: its evaluation is epoch 2's too
+    r = _InProcess(["train", "--data", "good.npz", "--out", "ep2", "--epochs", "2", "--max-steps", "4",
+                    "--batch-size", "16", *FAST], capsys)
+    with open("ep2/metrics.jsonl") as f:
+        recs = [json.loads(ln) for ln in f]
+    assert [rec["epoch"] for rec in recs if rec["kind"] == "eval"] == [1, 2]
+    assert [rec["epoch"] for rec in recs if rec["kind"] == "train"][-1] == 2
