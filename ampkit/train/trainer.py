@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -197,10 +198,14 @@ class Trainer:
             _dist.barrier()
             return None
         path = ckpt.checkpoint_path(directory, self.attempted_steps)
-        ckpt.save_checkpoint(self.state_dict(), path)
-        ckpt.prune_checkpoints(directory, self.config.keep_last)
+        state = self.state_dict()
+        with self.stop.writing():  # a second Ctrl-C here lets the write finish, then stops
+            ckpt.save_checkpoint(state, path)
+            ckpt.prune_checkpoints(directory, self.config.keep_last)
         self.last_checkpoint = path
         _dist.barrier()
+        if self.stop.forced:
+            raise TrainingInterrupted(self.stop.signum or signal.SIGINT, path)
         return path
 
     def load_checkpoint(self, path: str) -> None:
