@@ -27,7 +27,7 @@ from ..memory import measure as memory_measure
 from ..precision import NonFiniteGradientsError
 from ..utils.batch import batch_size_of, call_model
 from . import distributed as _dist
-from .evaluate import label_error
+from .evaluate import input_error, label_error
 from .metrics import MetricsLogger, Progress
 from .signals import TrainingInterrupted
 
@@ -116,7 +116,13 @@ class TrainLoop:
                 window_inputs.append((i, order[i], x, y))
             with self._sync_context(last_in_window):
                 with precision.autocast():
-                    out = call_model(self.model, x)
+                    try:
+                        out = call_model(self.model, x)
+                    except IndexError as e:  # an id beyond the model's embedding (dict data: model(**batch))
+                        err = input_error(e, self.raw_model, x, f"training data (epoch {c.epoch + 1}, batch {i})")
+                        if err is None:
+                            raise
+                        raise err from None
                     try:
                         loss = self.loss_fn(out, y) / window
                     except IndexError as e:  # a label the output cannot take (classes counted from a prefix)

@@ -188,3 +188,57 @@ def test_metrics_count_epochs_from_one_in_every_record(work, capsys):
         recs = [json.loads(ln) for ln in f]
     assert [rec["epoch"] for rec in recs if rec["kind"] == "eval"] == [1, 2]
     assert [rec["epoch"] for rec in recs if rec["kind"] == "train"][-1] == 2
+
+
+# ---------------------------------------------------------------- dict data: one line for a bad token id
+_DICT_MODULE = '''
+import torch
+from torch.utils.data import Dataset
+
+
+class Tokens(Dataset):
+    def __init__(self, bad_at):
+        self.bad_at = bad_at
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        ids = torch.arange(6) + i % 10
+        if i == self.bad_at:
+            ids[2] = 500  # beyond the 64-row embedding
+        return {"input_ids": ids, "labels": torch.tensor(i % 2)}
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids).mean(1))
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, labels)}
+
+
+def data(**kw):
+    return Tokens(bad_at=30), Tokens(bad_at=-1)
+
+
+def data_bad_eval(**kw):
+    return Tokens(bad_at=-1), Tokens(bad_at=3)
+
+
+def model(**kw):
+    return Model()
+'''
+
+
+@pytest.mark.parametrize("factory,where", [("data", "training data (epoch 1, batch"), ("data_bad_eval", "evaluation data")])
+def test_a_token_id_beyond_the_embedding_in_dict_data_is_one_line(factory, where, work, monkeypatch, capsys):
+    (work / "dictmod.py").write_text(_DICT_MODULE)
+    monkeypatch.syspath_prepend(str(work))
+    r = _InProcess(["train", "--data", f"dictmod:{factory}", "--model", "dictmod:model", "--out", "tok", "--epochs", "1",
+                    "--batch-size", "4", *FAST], capsys)
+    line = _one_error(r)
+    assert where in line and "input_ids 500" in line and "64 rows" in line and "vocab_size >= 501" in line, line
