@@ -132,6 +132,19 @@ def run_all(configs: List[Dict], repeats: int, timeout_s: float, threads: int,
     """Measure ``configs`` ``repeats`` times in interleaved order; one aggregated record each."""
     reps: List[List[Dict]] = [[] for _ in configs]
     order = schedule(len(configs), repeats)
+    try:
+        _run_order(configs, order, reps, repeats, timeout_s, threads, log, worker)
+    except KeyboardInterrupt as e:  # the rows measured so far are kept: the caller writes them, then stops
+        for cfg, got in zip(configs, reps):
+            if not got:
+                got.append({"model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"],
+                            "error": "not run (interrupted)"})
+        e.partial = [aggregate(x) for x in reps]
+        raise
+    return [aggregate(x) for x in reps]
+
+
+def _run_order(configs, order, reps, repeats, timeout_s, threads, log, worker) -> None:
     for n, (r, i) in enumerate(order, 1):
         cfg = {**configs[i], "threads": threads, "count_flops": r == 0, "plan": r == 0,
                "profile": r == repeats - 1}
@@ -144,4 +157,3 @@ def run_all(configs: List[Dict], repeats: int, timeout_s: float, threads: int,
             else:
                 msg = f"{statistics.median(rec['step_ms']):.1f} ms/step, loss {rec['final_loss']:.4f}"
             log(f"[{n}/{len(order)}] {what} (round {r + 1}/{repeats}): {msg}")
-    return [aggregate(x) for x in reps]
