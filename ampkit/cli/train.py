@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from . import UsageError
 
@@ -146,24 +145,9 @@ def _config_from_args(args, announce: bool = False):
 
 
 def run(args) -> int:
-    """Under torchrun: set up the process group from its environment first, destroy it at exit."""
-    with warnings.catch_warnings():
-        warnings.showwarning = _one_line_warning(set())
-        return _run_with_group(args)
-
-
-def _one_line_warning(seen: set):
-    """Warnings as the command shows them: one line each, each text once (a Precision built again after
-    tuning repeats its CPU warning from another line of code), none on ranks other than 0."""
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        text = str(message).strip()
-        if env_is_secondary() or text in seen:
-            return
-        seen.add(text)
-        print(f"ampkit train: warning: {' '.join(text.split())}", file=sys.stderr)
-
-    return show
+    """Under torchrun: set up the process group from its environment first, destroy it at exit. (Warnings
+    are one line each, once: `ampkit.cli.one_line_warnings`.)"""
+    return _run_with_group(args)
 
 
 def _run_with_group(args) -> int:

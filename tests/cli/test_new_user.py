@@ -242,3 +242,41 @@ def test_a_token_id_beyond_the_embedding_in_dict_data_is_one_line(factory, where
                     "--batch-size", "4", *FAST], capsys)
     line = _one_error(r)
     assert where in line and "input_ids 500" in line and "64 rows" in line and "vocab_size >= 501" in line, line
+
+
+# ---------------------------------------------------------------- plan: one line, warnings once
+_PLAN_MODULE = '''
+import torch
+
+
+def wrong(**kw):
+    return torch.nn.Sequential(torch.nn.Linear(5, 3))
+'''
+
+
+def _ampkit(args, cwd):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + str(cwd)}
+    return subprocess.run([sys.executable, "-m", "ampkit", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_plan_with_a_model_that_does_not_fit_the_data_is_one_line(work):
+    (work / "planmod.py").write_text(_PLAN_MODULE)
+    r = _ampkit(["plan", "--data", "good.npz", "--model", "planmod:wrong", "--precision", "fp32,bf16-mixed"], work)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr[-3000:]  # torch's fake-tensor log silenced
+    assert r.stderr.startswith("ampkit plan: error: the model cannot run on this data (RuntimeError:"), r.stderr
+    assert r.stdout == ""
+
+
+def test_plan_counts_a_small_models_params_and_shows_each_warning_once(work):
+    r = _ampkit(["plan", "--data", "digits", "--precision", "fp8-tensorwise,fp8-rowwise,fp8-delayed"], work)
+    assert "(75,786 params)" in r.stdout and "0.0" not in r.stdout.splitlines()[0], r.stdout  # the digits CNN
+    warned = [ln for ln in r.stderr.splitlines() if "warning" in ln.lower()]
+    assert len(warned) == len(set(warned)), r.stderr
+    assert all(ln.startswith("ampkit plan: warning: ") for ln in warned), r.stderr
+    assert "warnings.warn" not in r.stderr and "UserWarning" not in r.stderr
