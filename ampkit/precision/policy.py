@@ -145,6 +145,8 @@ class Precision(KindHooks, metaclass=_ByKind):
         self.optimizer_state = options.optimizer_state
         self.take_options(options)
         self.scaler = options.scaler if options.scaler is not None else self._make_scaler(options)
+        if hasattr(self.scaler, "counters"):  # the skip limit's advice fits the mode
+            self.scaler.counters.low_dtype = self.mode.low_dtype
         self.scales_loss = self.mode.scaled
         self._setup_done = False
 

@@ -280,3 +280,20 @@ def test_plan_counts_a_small_models_params_and_shows_each_warning_once(work):
     assert len(warned) == len(set(warned)), r.stderr
     assert all(ln.startswith("ampkit plan: warning: ") for ln in warned), r.stderr
     assert "warnings.warn" not in r.stderr and "UserWarning" not in r.stderr
+
+
+# ---------------------------------------------------------------- messages that fit the run
+def test_the_nonfinite_stop_names_a_huge_loss_scale(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "ls", "--epochs", "1", "--batch-size", "16",
+                    "--max-consecutive-skips", "2", "--no-progress", "--num-threads", "1", "--no-autotune",
+                    "--precision", "fp16-mixed", "--loss-scale", "1e30"], capsys)
+    line = _one_error(r, code=3)
+    assert "The loss scale 1e+30 is itself the likely cause" in line and "leave --loss-scale" in line, line
+
+
+def test_the_nonfinite_stop_of_an_fp32_run_does_not_suggest_16_bit_fixes(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "f32", "--epochs", "1", "--batch-size", "16",
+                    "--max-consecutive-skips", "2", "--lr", "1e38", *FAST], capsys)
+    line = _one_error(r, code=3)
+    assert "ower the learning rate" in line and "bf16" not in line and "fp32_modules" not in line, line
+    assert "loss scale 1 " not in line
