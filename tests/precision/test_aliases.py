@@ -68,3 +68,14 @@ def test_an_unknown_name_offers_the_nearest_ones_not_every_alias():
 def test_half_is_float16s_other_name():
     """torch.half is float16; like fp16/float16, a bare dtype name means autocast in it."""
     assert resolve("half") == "fp16-mixed" == resolve("HALF")
+
+
+def test_a_loss_scale_with_auto_says_what_auto_chose():
+    """--precision auto --loss-scale 128: the refusal names auto's choice, not a mode the user never asked for."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError) as e:
+            ampkit.Precision("auto", "cpu", loss_scale=128)
+    text = str(e.value)
+    assert text.startswith("precision auto chose ") and "does not use loss scaling" in text, text
+    assert "precision='" not in text
