@@ -140,6 +140,15 @@ def _config_from_args(args, announce: bool = False):
             print(f"ampkit train: resuming {saved.get('out') or values['resume']} with its saved options"
                   + (f"; overridden by what was given here: {', '.join(parts)}" if parts else ""), file=sys.stderr)
         values = {**saved, **values}
+        data = values.get("data")
+        if ("data" in saved and data == saved["data"] and isinstance(data, str) and data.endswith(".npz")
+                and not os.path.isabs(data) and not os.path.exists(data)):
+            raise ValueError(f"data file {data!r}, from the run's saved options ({saved.get('out') or 'its checkpoint'}"
+                             f"/config.toml), is a path relative to where the run started, and {os.getcwd()!r} "
+                             "has no such file: resume from that directory, or pass --data with the file's path.")
+    data = values.get("data")
+    if isinstance(data, str) and data.endswith(".npz") and os.path.isfile(data):
+        values["data"] = os.path.abspath(data)  # recorded so: a resume from another directory finds it
     cfg = TrainConfig(**values).checked()  # every range rule lives in TrainConfig.checked
     return cfg, ResumePlan.locate(cfg.resume, cfg.out, plan)
 

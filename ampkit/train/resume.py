@@ -109,11 +109,17 @@ def check_saved_options(cfg: TrainConfig, world_size: int, ck: Dict[str, Any], p
                     f"{world_size}): its saved position would not match the data. Keep the global batch: "
                     f"{fix}; or start a new run.")
             continue
-        if key in saved and saved[key] != getattr(cfg, key):
+        if key in saved and saved[key] != getattr(cfg, key) and not _same_file(key, saved[key], getattr(cfg, key)):
             raise ckpt.CheckpointError(
                 f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
                 f"{key}={getattr(cfg, key)!r}: its saved position would not match the data. Resume "
                 f"without --{key.replace('_', '-')} (a resumed run keeps its saved options), or start a new run.")
+
+
+def _same_file(key: str, a: Any, b: Any) -> bool:
+    """A data file named relatively in one run and absolutely in the other (config.toml records it absolute)."""
+    return (key == "data" and isinstance(a, str) and isinstance(b, str) and ":" not in a + b
+            and os.path.abspath(a) == os.path.abspath(b))
 
 
 def check_model_signature(ck: Dict[str, Any], mine: list, path: str) -> None:

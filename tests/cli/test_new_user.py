@@ -297,3 +297,39 @@ def test_the_nonfinite_stop_of_an_fp32_run_does_not_suggest_16_bit_fixes(work, c
     line = _one_error(r, code=3)
     assert "ower the learning rate" in line and "bf16" not in line and "fp32_modules" not in line, line
     assert "loss scale 1 " not in line
+
+
+# ---------------------------------------------------------------- config.toml records what ran
+def test_config_records_the_mode_auto_chose_and_the_data_files_path(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "au", "--epochs", "1", "--batch-size", "16",
+                    "--precision", "auto", "--no-autotune", "--no-progress", "--num-threads", "1"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open("au/summary.json") as f:
+        ran = json.load(f)["precision"]
+    cfg = _config("au")
+    assert cfg["precision"] == ran != "auto"
+    assert cfg["data"] == str(work / "good.npz")
+    text = (work / "au" / "config.toml").read_text()
+    assert f"# precision asked: auto; it chose {ran}" in text and "pass --precision auto to choose again" in text
+    # the run resumes from another directory: its data file is found
+    os.mkdir("elsewhere")
+    os.chdir("elsewhere")
+    r = _InProcess(["train", "--out", str(work / "au"), "--resume", "auto", "--epochs", "2"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_relative_data_path_from_a_saved_config_says_where_it_came_from(work, capsys):
+    """An older run's config.toml with a relative data path, resumed from another directory."""
+    r = _InProcess(["train", "--data", "good.npz", "--out", "rel", "--epochs", "1", "--batch-size", "16", *FAST],
+                   capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = (work / "rel" / "config.toml").read_text().replace(str(work / "good.npz"), "good.npz")
+    (work / "rel" / "config.toml").write_text(text)
+    os.mkdir("elsewhere")
+    os.chdir("elsewhere")
+    r = _InProcess(["train", "--out", str(work / "rel"), "--resume", "auto", "--epochs", "2"], capsys)
+    line = _one_error(r)
+    assert "from the run's saved options" in line and "relative to where the run started" in line, line
+    os.chdir(work)  # from where it started, the relative path still resumes
+    r = _InProcess(["train", "--out", "rel", "--resume", "auto", "--epochs", "2"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
