@@ -333,3 +333,41 @@ def test_a_relative_data_path_from_a_saved_config_says_where_it_came_from(work, 
     os.chdir(work)  # from where it started, the relative path still resumes
     r = _InProcess(["train", "--out", "rel", "--resume", "auto", "--epochs", "2"], capsys)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- an --out that cannot be written
+def _refuse_probe(monkeypatch, err):
+    import builtins
+    import errno as errnos
+
+    from ampkit.train import rundir
+
+    real = builtins.open
+
+    def fake(path, *a, **k):
+        if str(path).endswith(".write-test"):
+            raise OSError(getattr(errnos, err), os.strerror(getattr(errnos, err)), str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(rundir, "open", fake, raising=False)
+
+
+def test_a_full_disk_at_the_start_leaves_nothing_behind(work, capsys, monkeypatch):
+    _refuse_probe(monkeypatch, "ENOSPC")
+    r = _InProcess(["train", "--data", "good.npz", "--out", "full", "--epochs", "1", *FAST], capsys)
+    line = _one_error(r)
+    assert "not writable (No space left on device)" in line and "choose another --out" in line, line
+    assert not os.path.exists("full")  # no directory, no .ampkit.lock
+
+
+def test_a_read_only_resume_is_told_to_make_the_run_writable(work, capsys, monkeypatch):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "ro", "--epochs", "1", "--batch-size", "16", *FAST],
+                   capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before = sorted(os.listdir("ro"))
+    _refuse_probe(monkeypatch, "EROFS")
+    r = _InProcess(["train", "--out", "ro", "--resume", "auto", "--epochs", "2"], capsys)
+    line = _one_error(r)
+    assert "Read-only file system" in line and "a resume writes into its run directory" in line, line
+    assert "choose another --out" not in line
+    assert sorted(os.listdir("ro")) == before  # no lock file left
