@@ -50,8 +50,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int)
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     g.add_argument("--batch-size", type=_batch_size, help="samples per micro-batch, or auto: the largest that "
-                   "`ampkit plan` finds fits the device's free memory less a 10%% margin (at most 4096 or the "
-                   "dataset's size)")
+                   "`ampkit plan` finds fits the device's free memory less a 10%% margin (at most 4096, and at most "
+                   "the training set / 16: an epoch keeps 16 optimizer steps)")
     g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     g.add_argument("--max-norm", type=float, help="clip the gradient norm to this value")
     g.add_argument("--lr", type=float)
@@ -241,10 +241,19 @@ def _auto_batch(args, cfg, model, data):
     from ..memory import auto_batch_size
     from ..train.distributed import run_device
 
-    cap = min(4096, len(data.train))
+    # the largest batch that fits, but never so large that an epoch is a step or two: one batch of the whole
+    # training set takes one optimizer step an epoch, and trains little at the default learning rate
+    per_epoch = max(1, len(data.train) // (MIN_STEPS_PER_EPOCH * cfg.grad_accum))
+    cap = min(4096, per_epoch)
     choice = auto_batch_size(model, sample_batch(data, 2), precision=cfg.precision, optimizer=cfg.optimizer,
                              device=run_device(cfg.device), cap=cap)
     if not env_is_secondary():
-        print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}"
-              f"{' (the dataset size)' if choice.batch_size == cap == len(data.train) else ''}", file=sys.stderr)
+        why = (f" (capped at the training set's {len(data.train)} samples / {MIN_STEPS_PER_EPOCH} optimizer steps "
+               "an epoch; memory would allow more: pass a number to train with larger batches)"
+               if choice.batch_size == cap == per_epoch else "")
+        print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}{why}", file=sys.stderr)
     return choice
+
+
+#: ``--batch-size auto`` keeps at least this many optimizer steps in an epoch
+MIN_STEPS_PER_EPOCH = 16

@@ -371,3 +371,13 @@ def test_a_read_only_resume_is_told_to_make_the_run_writable(work, capsys, monke
     assert "Read-only file system" in line and "a resume writes into its run directory" in line, line
     assert "choose another --out" not in line
     assert sorted(os.listdir("ro")) == before  # no lock file left
+
+
+def test_batch_size_auto_keeps_several_steps_an_epoch_and_says_why(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "ab", "--epochs", "1", "--batch-size", "auto", *FAST],
+                   capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(ln for ln in r.stderr.splitlines() if "--batch-size auto ->" in ln)
+    # good.npz: 48 training samples; a batch of 48 would be one step an epoch
+    assert "--batch-size auto -> 3:" in line and "48 samples / 16 optimizer steps an epoch" in line, line
+    assert _config("ab")["batch_size"] == 3
