@@ -145,11 +145,25 @@ def run_all(configs: List[Dict], repeats: int, timeout_s: float, threads: int,
 
 
 def _run_order(configs, order, reps, repeats, timeout_s, threads, log, worker) -> None:
+    """Run ``order``; a model whose runs fail alike in two configurations (the same error: the model or its
+    inputs, not a mode) is not run again: its remaining runs are recorded with that error."""
+    errors: Dict[str, List[str]] = {}  # model -> the errors of its failed runs so far
     for n, (r, i) in enumerate(order, 1):
         cfg = {**configs[i], "threads": threads, "count_flops": r == 0, "plan": r == 0,
                "profile": r == repeats - 1}
+        seen = errors.get(cfg["model"], [])
+        same = next((e for e in seen if seen.count(e) >= 2), None)
+        if same is not None:
+            reps[i].append({"model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"],
+                            "error": f"not run: the model failed alike in two configurations ({same})"})
+            continue
         rec = worker(cfg, timeout_s)
         reps[i].append(rec)
+        if "error" in rec and not str(rec["error"]).startswith("timed out"):
+            errors.setdefault(cfg["model"], []).append(str(rec["error"]))
+            if errors[cfg["model"]].count(str(rec["error"])) == 2 and log:
+                log(f"ampkit bench: {cfg['model']} failed alike in two configurations: its remaining runs are "
+                    "skipped (fix the model or its inputs, then run again)")
         if log:
             what = f"{cfg['model']} {cfg['precision']} {cfg['runner']}"
             if "error" in rec:
