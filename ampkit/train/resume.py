@@ -20,7 +20,8 @@ from .distributed import rescale_position
 from .rundir import RunDirError, checkpoint_dir
 
 __all__ = ["ResumePlan", "checkpoint_to_resume", "check_saved_options", "check_model_signature", "check_checkpoint",
-           "saved_position", "finished_summary", "schedule_change", "saved_run_options", "apply_given_options", "MUST_MATCH"]
+           "saved_position", "finished_summary", "schedule_change", "schedule_changed", "saved_run_options",
+           "apply_given_options", "MUST_MATCH"]
 
 # options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
 MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")

@@ -127,8 +127,9 @@ def test_resume_auto_with_nothing_to_resume_is_one_line(state, work, capsys):
 def test_resume_auto_on_a_run_that_failed_before_its_first_checkpoint_starts_from_its_config(work, capsys):
     os.mkdir("R")
     with open("R/config.toml", "w") as f:
-        f.write('# ampkit train config (reload with: ampkit train --config THIS_FILE)\ndata = "good.npz"\nepochs = 1\nbatch_size = 16\nprecision = "fp32"\nautotune = false\n'
-                'progress = false\nnum_threads = 1\n')
+        f.write('# ampkit train config (reload with: ampkit train --config THIS_FILE)\ndata = "good.npz"\n'
+                'epochs = 1\nbatch_size = 16\nprecision = "fp32"\nautotune = false\nprogress = false\n'
+                'num_threads = 1\n')
     r = _InProcess(["train", "--out", "R", "--resume", "auto"], capsys)
     assert r.returncode == 0, r.stderr[-2000:]
     assert latest_checkpoint("R/checkpoints")
@@ -234,12 +235,13 @@ def model(**kw):
 '''
 
 
-@pytest.mark.parametrize("factory,where", [("data", "training data (epoch 1, batch"), ("data_bad_eval", "evaluation data")])
+@pytest.mark.parametrize("factory,where", [("data", "training data (epoch 1, batch"),
+                                           ("data_bad_eval", "evaluation data")])
 def test_a_token_id_beyond_the_embedding_in_dict_data_is_one_line(factory, where, work, monkeypatch, capsys):
     (work / "dictmod.py").write_text(_DICT_MODULE)
     monkeypatch.syspath_prepend(str(work))
-    r = _InProcess(["train", "--data", f"dictmod:{factory}", "--model", "dictmod:model", "--out", "tok", "--epochs", "1",
-                    "--batch-size", "4", *FAST], capsys)
+    r = _InProcess(["train", "--data", f"dictmod:{factory}", "--model", "dictmod:model", "--out", "tok",
+                    "--epochs", "1", "--batch-size", "4", *FAST], capsys)
     line = _one_error(r)
     assert where in line and "input_ids 500" in line and "64 rows" in line and "vocab_size >= 501" in line, line
 
