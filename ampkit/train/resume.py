@@ -160,6 +160,13 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
         warnings.warn(note, stacklevel=3)
     if steps_per_epoch is not None and "lr" in saved and saved["lr"] != cfg.lr:
         cfg = cfg.updated(lr=saved["lr"])  # what config.toml then records
+    scaling = {k: saved.get(k) for k in ("loss_scale", "init_scale") if saved and saved.get(k) != getattr(cfg, k)}
+    if scaling:  # the loss scaler's state (scale, static or dynamic) is the checkpoint's
+        given = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in scaling)
+        warnings.warn(f"{given} does not apply to a resumed run: the checkpoint's loss scaler (its scale, static or "
+                      "dynamic) continues, and config.toml records the run's own setting; start a new run to use "
+                      "another scale.", stacklevel=3)
+        cfg = cfg.updated(**scaling)
     return cfg
 
 

@@ -383,3 +383,16 @@ def test_batch_size_auto_keeps_several_steps_an_epoch_and_says_why(work, capsys)
     # good.npz: 48 training samples; a batch of 48 would be one step an epoch
     assert "--batch-size auto -> 3:" in line and "48 samples / 16 optimizer steps an epoch" in line, line
     assert _config("ab")["batch_size"] == 3
+
+
+def test_a_loss_scale_given_on_a_resume_is_refused_and_recorded_as_in_effect(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "sc", "--epochs", "1", "--batch-size", "16",
+                    "--no-progress", "--num-threads", "1", "--no-autotune", "--precision", "fp16-mixed"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _InProcess(["train", "--out", "sc", "--resume", "auto", "--epochs", "2", "--loss-scale", "128",
+                    "--init-scale", "1024"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--loss-scale 128, --init-scale 1024.0 does not apply to a resumed run" in r.stderr, r.stderr[-2000:]
+    cfg = _config("sc")
+    assert "loss_scale" not in cfg and "init_scale" not in cfg  # the run's own: dynamic from the default
+    assert {rec["scale"] for rec in _train_records("sc")} == {65536.0}
