@@ -192,9 +192,12 @@ def finished_summary(cfg: TrainConfig, run_dir: Optional[str], epoch: int, globa
     if not path or not os.path.isfile(path):
         return None
     if announce:
+        limits = ([f"--epochs (reached {epoch} of {cfg.epochs})"] if epoch >= cfg.epochs else []) + (
+            [f"--max-steps (reached {global_step} of {cfg.max_steps})"] if cfg.max_steps and global_step >= cfg.max_steps
+            else [])
         print(f"ampkit: the run in {run_dir} already finished ({epoch} epoch(s), {global_step} optimizer steps; "
               f"epochs={cfg.epochs}, max_steps={cfg.max_steps}): nothing to train and no file changed. Pass a "
-              "larger --epochs or --max-steps to train it further.", file=sys.stderr)
+              f"larger {' and a larger '.join(limits)} to train it further.", file=sys.stderr)
     with open(path) as f:
         return json.load(f)
 

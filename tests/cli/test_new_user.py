@@ -396,3 +396,12 @@ def test_a_loss_scale_given_on_a_resume_is_refused_and_recorded_as_in_effect(wor
     cfg = _config("sc")
     assert "loss_scale" not in cfg and "init_scale" not in cfg  # the run's own: dynamic from the default
     assert {rec["scale"] for rec in _train_records("sc")} == {65536.0}
+
+
+def test_a_finished_run_names_the_limit_it_reached(work, capsys):
+    r = _InProcess(["train", "--data", "good.npz", "--out", "fin", "--epochs", "1", "--batch-size", "16", *FAST],
+                   capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _InProcess(["train", "--out", "fin", "--resume", "auto", "--max-steps", "10"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Pass a larger --epochs (reached 1 of 1) to train it further" in r.stderr, r.stderr[-2000:]
