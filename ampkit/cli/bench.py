@@ -21,7 +21,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "a user module may define example_batch(batch_size) -> (inputs, targets))")
     p.add_argument("--data", help="digits | images | sequences | FILE.npz | pkg.module:factory, as ampkit train "
                    "reads it: every model is built for this data (as train builds it) and steps on its training "
-                   "samples (default: each model's own synthetic batches)")
+                   "samples; without --models, the data's own model (default: each model's synthetic batches)")
     p.add_argument("--precisions", type=_csv, help="comma-separated modes or aliases (default: every mode that makes "
                    "sense on the device; fp32 is always added as the reference)")
     p.add_argument("--runners", type=_csv, help="ampkit (Precision hooks, the Trainer's path), torch-loop (plain "
@@ -54,6 +54,14 @@ def settings_from_args(args):
         "models": args.models, "precisions": args.precisions, "runners": args.runners, "steps": args.steps,
         "warmup": args.warmup, "repeats": args.repeats, "batch_size": args.batch_size, "data": args.data,
     }.items() if v is not None}
+    if args.data and not args.models:  # as train: the data's own model
+        from ..data import load_data
+
+        model = load_data(args.data).default_model
+        if not model:
+            raise ValueError(f"--data {args.data} yields dict samples (keyword inputs): pass the model for them with "
+                             "--models pkg.module:factory.")
+        over["models"] = [model]
     over["device"] = str(resolve_device(args.device))
     over["compile"] = bool(args.compile)
     over["paired"] = bool(args.paired)

@@ -255,3 +255,17 @@ def test_an_interrupted_bench_writes_the_rows_it_measured(capsys, tmp_path, monk
     data = json.load(open(tmp_path / "b" / "bench.json"))
     assert [r.get("ms_per_step") is not None for r in data["results"]] == [True, True]
     assert any("interrupted" in n for n in data["notes"])
+
+
+def test_data_without_models_benches_the_datas_own_model(capsys, tmp_path, monkeypatch):
+    from ampkit.cli import _build_parser
+    from ampkit.cli.bench import settings_from_args
+
+    assert settings_from_args(_build_parser().parse_args(["bench", "--data", "digits", "--device", "cpu"])).models \
+        == ["cnn"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "hfish.py").write_text(_HF_LIKE)
+    code = main(["bench", "--device", "cpu", "--data", "hfish:data", "--out", "b"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "pass the model for them with --models" in err[0], err
