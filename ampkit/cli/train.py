@@ -7,7 +7,7 @@ import sys
 
 from . import UsageError
 
-_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune"}
+_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune", "retune"}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="take the defaults instead of timing on this model: the device's default mode for "
                    "precision auto (not the fastest of e.g. bf16-mixed / bf16-master / fp32), the rule for "
                    "the memory format")
+    g.add_argument("--retune", action="store_true", default=None,
+                   help="measure again what is cached per machine (the 16-bit speed probe, auto's step timings, "
+                   "the memory format) instead of reading it: after a hardware, driver or torch change")
     g.add_argument("--compensation", choices=["kahan", "stochastic", "none"],
                    help="bf16-pure only: how updates land in the bf16 weights: kahan (default, a bf16 buffer "
                    "per weight), stochastic (stochastic rounding, no extra state) or none; see docs/BF16_PURE.md")

@@ -47,6 +47,7 @@ class TrainConfig:
     log_every: int = 10
     compile: bool = False
     autotune: bool = True  # time what is left open on this model (cached): auto's mode, a conv model's memory format
+    retune: bool = False  # measure again what the per-machine caches hold (16-bit speed, auto's timings, layout)
     strategy: str = "ddp"  # under torchrun: ddp | fsdp (fully_shard + MixedPrecisionPolicy)
     tensorboard: bool = False
     device: Optional[str] = None

@@ -139,7 +139,7 @@ def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: B
     if not needs_tuning(prec, model, modes) or not cfg.autotune or not single_process:
         return prec
     x, y = batches.first(cfg.batch_size)
-    return tune(prec, model, x, y, loss_fn, grad_accum=cfg.grad_accum, modes=modes,
+    return tune(prec, model, x, y, loss_fn, grad_accum=cfg.grad_accum, modes=modes, refresh=cfg.retune,
                 log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
 
 
