@@ -25,7 +25,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("how")
     g.add_argument("--precision", default="fp16-mixed,bf16-mixed",
                    help="comma list of precisions to compare with fp32 (names or aliases; 'auto' = the "
-                        "device's choice; default: fp16-mixed,bf16-mixed)")
+                        "device's choice; block-scaled formats mxfp8, mxfp4, nvfp4, fp8-blockwise or their "
+                        "Transformer Engine names add the per-layer what-if; default: fp16-mixed,bf16-mixed)")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--fp32-modules", default="",
                    help="comma list of module names kept in fp32 in every checked precision")
@@ -100,6 +101,7 @@ def _load(args) -> Tuple[Any, Any, str, str]:
 
 
 def run(args) -> int:
+    from ..diagnose.blockscale import block_only
     from ..diagnose.check import check
     from ..utils.batch import batch_size_of
     from ..precision import resolve, resolve_device
@@ -108,6 +110,8 @@ def run(args) -> int:
     if not precisions:
         raise UsageError("--precision is empty: give e.g. --precision fp16-mixed,bf16-mixed.")
     for p in precisions:
+        if block_only(p):  # a block-scaled format: judged in the what-if, not run as a mode
+            continue
         try:
             resolve(p)
         except ValueError as e:

@@ -24,6 +24,7 @@ from torch import nn
 from ..precision import MODES, auto_mode, device_info, resolve, resolve_device
 from ..precision.islands import resolve_module_names
 from .audit import DtypeAudit
+from .blockscale import block_only, blockscale_check, requested_formats
 from .fp8 import fp8_check, is_fp8
 from .hooks import finite_number
 from .localise import localise_nonfinite
@@ -66,7 +67,7 @@ def _validate(model: nn.Module, precisions: Sequence[str], fp32_modules: Sequenc
         precisions = [p for p in precisions.split(",") if p.strip()]
     if not precisions:
         raise ValueError("no precision to check: pass e.g. precisions=['bf16-mixed', 'fp16-mixed'].")
-    names = [resolve(p) for p in precisions]  # ValueError naming the valid choices
+    names = [resolve(p) for p in precisions if not block_only(p)]  # ValueError naming the valid choices
     resolve_module_names(model, fp32_modules)  # ValueError with close matches
     if not (isinstance(loss_scale, (int, float)) and loss_scale > 0 and loss_scale != float("inf")):
         raise ValueError(f"loss_scale must be a positive finite number (e.g. 65536), got {loss_scale!r}.")
@@ -113,6 +114,9 @@ def check(
     precision also ``fp8`` (per-layer fp8 numerics, a verdict per recipe, advice: docs/FP8.md).
     """
     names = _validate(model, precisions, fp32_modules, loss_scale, lr)
+    formats = requested_formats(precisions)
+    if not names:  # only block-scaled formats asked for: they are judged against bf16-mixed
+        names = ["bf16-mixed"]
     dev = resolve_device(device)
     batch = to_device(batch, dev)
     forward_fn = forward_fn or default_forward
@@ -163,9 +167,11 @@ def check(
     # 5. fp8 numerics per converted Linear, then the recommendation (every checked mode, fp8 included)
     fp8 = {}
     if any(is_fp8(n) for n in names) and ref.nonfinite is None:
-        fp8 = {"fp8": fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
-                                fp8_skip, fp8_force)}
-    auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if fp8 else None)
+        fp8["fp8"] = fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
+                               fp8_skip, fp8_force)
+    if any(f not in MODES for f in formats) and ref.nonfinite is None:
+        fp8["blockscale"] = blockscale_check(model, batch, loss_fn, forward_fn, dev, formats)
+    auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if "fp8" in fp8 else None)
     if ref.nonfinite is not None:  # no precision is the safe choice for a model that fails in fp32
         auto["reason"] = ("the model is non-finite in fp32 already (see reference.first_nonfinite): no precision "
                           "is safe until the model, its init or the data is fixed")
