@@ -90,6 +90,9 @@ def check(
     audit: bool = True,
     fp8_skip: Sequence[str] = (),
     fp8_force: Sequence[str] = (),
+    fp8_filter: Optional[str] = None,
+    fp8_gpu: Optional[str] = None,
+    fp8_tokens: Optional[int] = None,
 ) -> CheckReport:
     """Check mixed precision for ``model`` on one ``batch``; returns a :class:`CheckReport` (a dict).
 
@@ -108,6 +111,8 @@ def check(
         audit: record which dtype each module's matmul/conv/softmax/norm ran in.
         fp8_skip, fp8_force: with fp8 precisions, Linear names kept in bf16 / converted although
             first or last (as ``Precision(fp8_skip=..., fp8_force=...)``).
+        fp8_filter, fp8_gpu, fp8_tokens: the fp8 filter (``'ends'``, ``'auto'``: per-layer roofline, ``'all'``),
+            the GPU class it judges for (default: this GPU's, ``'h100'`` on a CPU) and tokens per GEMM.
 
     Keys: ``device``, ``auto``, ``loss_scale``, ``reference``, ``verdicts``, ``modules``,
     ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``; with an fp8
@@ -168,7 +173,7 @@ def check(
     fp8 = {}
     if any(is_fp8(n) for n in names) and ref.nonfinite is None:
         fp8["fp8"] = fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
-                               fp8_skip, fp8_force)
+                               fp8_skip, fp8_force, fp8_filter, fp8_gpu, fp8_tokens)
     if any(f not in MODES for f in formats) and ref.nonfinite is None:
         fp8["blockscale"] = blockscale_check(model, batch, loss_fn, forward_fn, dev, formats)
     auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if "fp8" in fp8 else None)

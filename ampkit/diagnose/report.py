@@ -138,6 +138,8 @@ def format_fp8(f: Dict[str, Any], top: int = 10) -> List[str]:
     kept = {n: why for n, why in f["plan"].items() if why != "fp8"}
     if kept:
         lines.append("  kept in bf16: " + "; ".join(f"{n} ({why[6:]})" for n, why in kept.items()))
+    if f.get("roofline"):
+        lines.append(f"  roofline: {f['roofline']}")
     rows = []
     for name, per in list(f["layers"].items())[:top]:
         for mode, s in per.items() if isinstance(per, dict) and "note" not in per else []:

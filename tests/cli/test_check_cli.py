@@ -117,3 +117,9 @@ def test_block_scaled_formats_by_name_and_alias(capsys):
 def test_unknown_name_beside_a_block_format_exits_2(capsys):
     code, out, err = _run(capsys, ["check", "--model", "check_models:mlp", "--precision", "nvfp4,fp17"] + TINY)
     assert code == 2 and "fp17" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", [["--fp8-gpu", "h999"], ["--fp8-tokens", "0"]])
+def test_bad_fp8_roofline_flags_exit_2(capsys, flag):
+    code, out, err = _run(capsys, ["check", "--model", "check_models:mlp", "--precision", "fp8-rowwise"] + flag + TINY)
+    assert code == 2 and flag[0] in err and len(err.strip().splitlines()) == 1
