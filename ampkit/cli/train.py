@@ -20,7 +20,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="TOML/YAML/JSON file of train options (flags given here override it)")
     g = p.add_argument_group("precision")
     g.add_argument("--precision", help="auto (default) | fp32 | fp16-mixed | bf16-mixed | fp16-master | "
-                   "bf16-master | bf16-pure | fp16-pure | fp8-tensorwise | fp8-rowwise | fp8-delayed, "
+                   "bf16-master | bf16-pure | fp16-pure | fp8-tensorwise | fp8-rowwise | fp8-delayed | mxfp8, "
                    "or an alias (O0-O3, 16-mixed, mixed_bfloat16, ...)")
     g.add_argument("--no-amp", "--unamp", dest="no_amp", action="store_true", default=None,
                    help="train in fp32 (AMP is on by default)")

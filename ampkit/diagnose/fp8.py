@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..precision import MODES
-from ..precision.fp8 import (DEFAULT_GPU, DEFAULT_RULE, MIN_FLOP_SHARE, MIN_SPEEDUP, RECIPES, TOKENS, Fp8Filter,
+from ..precision.fp8 import (DEFAULT_RULE, default_gpu, MIN_FLOP_SHARE, MIN_SPEEDUP, RECIPES, TOKENS, Fp8Filter,
                              gpu_class, amax, coverage, coverage_warning, fake_quantise,
                              gemm_kind, has_fp8_gemm, plan, quantise, saturates, scale_from_amax)
 from .runner import prepare, run_once
@@ -134,8 +134,10 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
               rule: Optional[str] = None, gpu: Optional[str] = None, tokens: Optional[int] = None) -> Dict[str, Any]:
     """The ``fp8`` section of the check report (see the module docstring); ``requested``: fp8 modes asked for;
     ``rule``/``gpu``/``tokens``: the filter (``Precision(fp8_filter=, fp8_gpu=, fp8_tokens=)``)."""
-    filt = Fp8Filter(tuple(skip), tuple(force), rule=rule or DEFAULT_RULE, gpu=gpu or gpu_class(device) or DEFAULT_GPU,
-                     tokens=TOKENS if tokens is None else tokens, recipe=requested[0] if requested else "fp8-tensorwise")
+    recipe = requested[0] if requested else "fp8-tensorwise"
+    filt = Fp8Filter(tuple(skip), tuple(force), rule=rule or DEFAULT_RULE,
+                     gpu=gpu or gpu_class(device) or default_gpu(recipe), tokens=TOKENS if tokens is None else tokens,
+                     recipe=recipe)
     layout = plan(model, filt)
     cov = coverage(model, filt)
     chosen = [n for n, v in layout.items() if v == "fp8"]

@@ -15,17 +15,17 @@ from torch import nn
 from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
 from .detect import gemm_kind, is_conv1d
 from .quant import amax, fake_quantise, quantise, saturates, scale_from_amax
-from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
+from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, MXFP8Scaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
                       recipe_for)
-from .roofline import DEFAULT_GPU, GPUS, MIN_SPEEDUP, TOKENS, estimate, gpu_class
-from .swap import MIN_FLOP_SHARE, RULES, Fp8Filter, convert_to_fp8, coverage, coverage_warning, fp8_layers, plan, skip_label
+from .roofline import DEFAULT_GPU, GPUS, MIN_SPEEDUP, TOKENS, default_gpu, estimate, gpu_class
+from .swap import MIN_FLOP_SHARE, RULES, Fp8Filter, has_gemm, convert_to_fp8, coverage, coverage_warning, fp8_layers, plan, skip_label
 
 __all__ = [
-    "Fp8Plan", "DelayedScaling", "TensorwiseScaling", "RowwiseScaling", "RECIPES", "recipe_for", "Recipe",
+    "Fp8Plan", "DelayedScaling", "TensorwiseScaling", "RowwiseScaling", "MXFP8Scaling", "RECIPES", "recipe_for", "Recipe",
     "DelayedScalingLinear", "DelayedScalingConv1D", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers",
     "coverage", "coverage_warning", "MIN_FLOP_SHARE", "gemm_kind", "is_conv1d", "has_fp8_gemm",
     "E4M3", "E5M2", "fp8_max", "amax", "scale_from_amax", "quantise", "saturates", "fake_quantise",
-    "EMULATED_NOTE", "RULES", "DEFAULT_RULE", "estimate", "gpu_class", "GPUS", "TOKENS", "MIN_SPEEDUP", "DEFAULT_GPU",
+    "EMULATED_NOTE", "RULES", "DEFAULT_RULE", "estimate", "gpu_class", "GPUS", "TOKENS", "MIN_SPEEDUP", "DEFAULT_GPU", "default_gpu",
 ]
 
 EMULATED_NOTE = "emulated: numerics only, not a speed claim"
@@ -53,7 +53,7 @@ class Fp8Plan:
         self.coverage: Optional[dict] = None
 
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
-        self.emulated = not has_fp8_gemm(device, self.recipe.rowwise)
+        self.emulated = not has_gemm(device, self.recipe)
         if self.emulated and torch.device(device).type == "cuda":
             warnings.warn("fp8: this GPU has no fp8 tensor cores for this recipe (compute capability 8.9+, 9.0+ for "
                           "row-wise): the fp8 GEMMs "
@@ -61,7 +61,7 @@ class Fp8Plan:
                           stacklevel=3)
         if self.coverage is None:  # setup twice (resume, tune) warns once and swaps once
             if self.filter.gpu is None:  # judged for this GPU's class; on a CPU for DEFAULT_GPU
-                self.filter = dataclasses.replace(self.filter, gpu=gpu_class(device) or DEFAULT_GPU)
+                self.filter = dataclasses.replace(self.filter, gpu=gpu_class(device) or default_gpu(self.mode))
             self.coverage = coverage(model, self.filter)
             note = coverage_warning(self.coverage, self.mode)
             if note:
@@ -93,8 +93,11 @@ class Fp8Plan:
     def describe(self) -> str:
         r = self.recipe
         what = (f"delayed scaling (history {r.amax_history_len}, {r.amax_compute_algo}, margin {r.margin}, {r.format})"
-                if isinstance(r, DelayedScaling) else f"{r.name} current scaling (torchao)")
-        where = "" if self.emulated is None else (f"; {EMULATED_NOTE}" if self.emulated else "; torch._scaled_mm")
+                if isinstance(r, DelayedScaling) else "MXFP8 block scaling (E4M3, one E8M0 scale per 32; torchao MX)"
+                if isinstance(r, MXFP8Scaling) else f"{r.name} current scaling (torchao)")
+        where = "" if self.emulated is None else (f"; {EMULATED_NOTE}" if self.emulated else
+                                                  "; torchao MX kernels" if isinstance(r, MXFP8Scaling)
+                                                  else "; torch._scaled_mm")
         n = ""
         if self.emulated is not None:
             cov = self.coverage or {}

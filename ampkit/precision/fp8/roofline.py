@@ -22,14 +22,16 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["Gpu", "GPUS", "TOKENS", "MIN_SPEEDUP", "CAST_BYTES", "estimate", "gpu_class", "DEFAULT_GPU"]
+__all__ = ["Gpu", "GPUS", "TOKENS", "MIN_SPEEDUP", "CAST_BYTES", "estimate", "gpu_class", "default_gpu", "DEFAULT_GPU",
+           "DEFAULT_MX_GPU"]
 
 #: tokens per GEMM assumed when the run does not say (sequence 1024 x batch 8)
 TOKENS = 8192
 #: the predicted speedup a layer needs before it is converted
 MIN_SPEEDUP = 1.2
-#: the class a CPU run is judged for (what would convert there)
+#: the class a CPU run is judged for (what would convert there); block-scaled MX/NVFP4 recipes: :data:`DEFAULT_MX_GPU`
 DEFAULT_GPU = "h100"
+DEFAULT_MX_GPU = "b200"
 _LAUNCH_S = 4e-6
 _GEMM_EFF, _MEM_EFF = 0.78, 0.92
 
@@ -60,6 +62,11 @@ GPUS: Dict[str, Gpu] = {g.name: g for g in (
 CAST_BYTES = {"fp8-tensorwise": 6.0, "fp8-delayed": 6.0, "fp8-rowwise": 10.0, "fp8-blockwise": 10.0,
               "mxfp8": 6.0, "mxfp4": 5.0, "nvfp4": 5.0}
 _ELEM_BYTES = {"mxfp4": 0.5, "nvfp4": 0.5}
+
+
+def default_gpu(recipe: str) -> str:
+    """The GPU class a recipe is judged for when the run names none (the first class that has its GEMMs)."""
+    return DEFAULT_MX_GPU if recipe in ("mxfp8", "mxfp4", "nvfp4") else DEFAULT_GPU
 
 
 def gpu_class(device: Any) -> Optional[str]:

@@ -23,11 +23,12 @@ from torch import nn
 from .current import convert_current
 from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
 from .detect import gemm_dims, gemm_kind
-from .recipes import DelayedScaling, Recipe
-from .roofline import DEFAULT_GPU, GPUS, TOKENS, estimate
+from .mx import convert_mx, has_mx_gemm
+from .recipes import DelayedScaling, MXFP8Scaling, Recipe
+from .roofline import GPUS, TOKENS, default_gpu, estimate
 
 __all__ = ["skip_label", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers", "coverage", "coverage_warning", "MIN_FLOP_SHARE",
-           "RULES"]
+           "RULES", "has_gemm"]
 
 #: below this share of the Linear/Conv1D FLOPs in fp8, ``setup`` warns that the run is mostly bf16
 MIN_FLOP_SHARE = 0.5
@@ -46,6 +47,11 @@ def skip_label(why: str) -> str:
     return _LABEL.get(why, why)
 
 
+def has_gemm(device, recipe: Recipe) -> bool:
+    """Whether ``device`` runs ``recipe``'s GEMMs on tensor cores (else they are emulated)."""
+    return has_mx_gemm(device) if isinstance(recipe, MXFP8Scaling) else has_fp8_gemm(device, recipe.rowwise)
+
+
 def _under(name: str, prefixes: Sequence[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
@@ -62,7 +68,7 @@ class Fp8Filter:
 
     ``rule``: ``"ends"`` (dims multiples of 16, not first/last), ``"auto"`` (that, and the layer's
     roofline on ``gpu`` at ``tokens`` tokens per GEMM predicts at least :data:`.roofline.MIN_SPEEDUP` for
-    ``recipe``), ``"all"`` (every layer whose dims are multiples of 16); ``gpu`` None: :data:`.roofline.DEFAULT_GPU`.
+    ``recipe``), ``"all"`` (every layer whose dims are multiples of 16); ``gpu`` None: :func:`.roofline.default_gpu`.
     """
 
     skip: Tuple[str, ...] = ()
@@ -76,7 +82,7 @@ class Fp8Filter:
     @property
     def target(self) -> str:
         """The GPU class the roofline judges for."""
-        return self.gpu or DEFAULT_GPU
+        return self.gpu or default_gpu(self.recipe)
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -124,7 +130,8 @@ def _decide(model: nn.Module, filt: Fp8Filter) -> List[Dict[str, Any]]:
         i, o = r["dims"]
         forced = _under(r["name"], filt.force)
         r["roofline"] = estimate(i, o, filt.recipe, filt.target, filt.tokens)
-        if i % 16 or o % 16:
+        mult = 32 if filt.recipe == "mxfp8" else 16  # MX scales blocks of 32 along each contraction dim
+        if i % mult or o % mult:
             r["why"] = DIMS
         elif _under(r["name"], filt.skip):
             r["why"] = NAMED
@@ -141,7 +148,7 @@ def _text(r: Dict[str, Any]) -> str:
     what = "Conv1D" if r["kind"] == "conv1d" else "Linear"
     if r["why"] == SLOW:
         return f"bf16: {r['roofline']['why']}"
-    return {"fp8": "fp8", DIMS: f"bf16: dims {r['dims'][0]}x{r['dims'][1]} not multiples of 16",
+    return {"fp8": "fp8", DIMS: f"bf16: dims {r['dims'][0]}x{r['dims'][1]} not multiples of the GEMM's block",
             NAMED: "bf16: kept by name", ENDS: f"bf16: first/last {what} (force it by name to convert)"}[r["why"]]
 
 
@@ -220,7 +227,9 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Fp8Filter = Fp8Filter
     chosen = {r["name"]: r["kind"] for r in _decide(model, filt) if r["why"] == "fp8"}
     chosen = {n: k for n, k in chosen.items() if not is_fp8_module(model.get_submodule(n))}
     dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
-    emulate = not has_fp8_gemm(dev, recipe.rowwise)
+    emulate = not has_gemm(dev, recipe)
+    if isinstance(recipe, MXFP8Scaling):
+        return convert_mx(model, chosen, emulate)
     if not isinstance(recipe, DelayedScaling):
         return convert_current(model, recipe, chosen, emulate)
     for name, kind in chosen.items():
