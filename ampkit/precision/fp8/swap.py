@@ -130,7 +130,7 @@ def _decide(model: nn.Module, filt: Fp8Filter) -> List[Dict[str, Any]]:
         i, o = r["dims"]
         forced = _under(r["name"], filt.force)
         r["roofline"] = estimate(i, o, filt.recipe, filt.target, filt.tokens)
-        mult = 32 if filt.recipe == "mxfp8" else 16  # MX scales blocks of 32 along each contraction dim
+        r["mult"] = mult = 32 if filt.recipe == "mxfp8" else 16  # MX scales blocks of 32 along each contraction dim
         if i % mult or o % mult:
             r["why"] = DIMS
         elif _under(r["name"], filt.skip):
@@ -148,7 +148,7 @@ def _text(r: Dict[str, Any]) -> str:
     what = "Conv1D" if r["kind"] == "conv1d" else "Linear"
     if r["why"] == SLOW:
         return f"bf16: {r['roofline']['why']}"
-    return {"fp8": "fp8", DIMS: f"bf16: dims {r['dims'][0]}x{r['dims'][1]} not multiples of the GEMM's block",
+    return {"fp8": "fp8", DIMS: f"bf16: dims {r['dims'][0]}x{r['dims'][1]} not multiples of {r.get('mult', 16)}",
             NAMED: "bf16: kept by name", ENDS: f"bf16: first/last {what} (force it by name to convert)"}[r["why"]]
 
 
