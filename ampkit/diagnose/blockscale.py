@@ -169,11 +169,13 @@ def _advice(fmt: str, layers: Dict[str, Any], cov: Dict[str, Any], blocks: List[
     judged = [layers[n][fmt] for n in names if n in layers and fmt in layers[n]]
     failed = [n for n in names if n in layers and fmt in layers[n] and layers[n][fmt]["verdict"] != "ok"]
     worst = max((_LEVELS.index(v["verdict"]) for v in judged), default=0)
+    convs = (f"; its {cov['convolutions']} convolution(s) are not converted (Linear/Conv1D only)"
+             if cov.get("convolutions") else "")
     if not judged:
-        reason = "no GEMM layer was reached on this batch"
+        reason = "no Linear/Conv1D layer was reached on this batch" + convs
     elif share < MIN_FLOP_SHARE:
-        reason = (f"only {share:.0%} of the GEMM FLOPs would run in {fmt} once {len(keep)} of {len(names)} layers "
-                  f"stay in bf16")
+        reason = (f"only {share:.0%} of the Linear/Conv1D FLOPs would run in {fmt} once {len(keep)} of {len(names)} "
+                  f"layers stay in bf16{convs}")
     elif failed:
         reason = (f"{len(failed)} layer(s) fail the bars and stay in bf16; {share:.0%} of the GEMM FLOPs "
                   f"run in {fmt}")

@@ -90,3 +90,21 @@ def test_check_with_only_block_formats_compares_against_bf16_and_prints_the_sect
     assert r["blockscale"]["requested"] == ["nvfp4"] and "fp8" not in r
     text = r.text()
     assert "Block-scaled formats" in text and "nvfp4:" in text and "fp8-tensorwise (what-if):" in text
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hugging_face_models_from_configs(arch):
+    pytest.importorskip("transformers")
+    import hf_models
+
+    model = hf_models.build(arch)
+    r = check(model, hf_models.BATCHES[arch](0), precisions=["MXFP8BlockScaling", "nvfp4"], device="cpu")
+    b = r["blockscale"]
+    gemms = {"gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+             "llama": ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.down_proj")}[arch]
+    for suffix in gemms:  # GPT-2's Conv1D projections are measured as GEMMs too
+        names = [n for n in b["layers"] if n.endswith(suffix)]
+        assert len(names) == 2, (suffix, list(b["layers"]))
+        s = b["layers"][names[0]]["mxfp8"]
+        assert s["output_sqnr"] > bars("mxfp8")["gemm_sqnr"]["unsafe"], s
+    assert b["blocks"] == 2 and set(b["recipes"]) == set(WHATIF_ORDER)
