@@ -101,7 +101,8 @@ def check(
         batch: a tensor, an ``(inputs, target)`` pair, or a dict of keyword inputs.
         loss_fn: ``loss_fn(output, target)`` or ``loss_fn(output)``; default cross-entropy for
             integer targets, MSE for float targets, mean square of the output without a target.
-        precisions: names or aliases to check against fp32 (``'auto'`` = the device's choice).
+        precisions: names or aliases to check against fp32 (``'auto'`` = the device's choice); block-scaled
+            formats that are not modes (``nvfp4``, ``mxfp4``, ``fp8-blockwise``) are what-if only.
         device: where to run (default cuda if available, else cpu).
         forward_fn: ``forward_fn(model, batch) -> output`` (default ``model(x)``/``model(**batch)``).
         loss_scale: the loss scale the fp16 underflow fractions are measured at (torch's default
@@ -116,7 +117,8 @@ def check(
 
     Keys: ``device``, ``auto``, ``loss_scale``, ``reference``, ``verdicts``, ``modules``,
     ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``; with an fp8
-    precision also ``fp8`` (per-layer fp8 numerics, a verdict per recipe, advice: docs/FP8.md).
+    precision also ``fp8`` (per-layer fp8 numerics, a verdict per recipe, advice: docs/FP8.md); with a
+    block-scaled format (``mxfp8``, ``mxfp4``, ``nvfp4``, ``fp8-blockwise``) also ``blockscale``.
     """
     names = _validate(model, precisions, fp32_modules, loss_scale, lr)
     formats = requested_formats(precisions)
