@@ -20,18 +20,20 @@ over 10 dB under it, or its underflow over three times the Gaussian's (at least 
 the Gaussian's (at least 10%). Each format's advice keeps in bf16 the first and last GEMM layer (embedding
 side, output head), layers whose dims its kernels cannot take, layers that fail the bars, and for the
 4-bit formats the last 15% of the Transformer blocks (torchtitan's NVFP4 rule; NVIDIA kept 4 of 32),
-and states the share of the GEMM FLOPs left in low precision.
+and states the share of the GEMM FLOPs left in low precision and on how many of those layers the
+roofline (:mod:`ampkit.precision.fp8.roofline`) predicts a gain on the target GPU class.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, List, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ..precision.fp8 import MIN_FLOP_SHARE, Fp8Filter, coverage, gemm_kind, plan
+from ..precision.fp8 import (MIN_FLOP_SHARE, MIN_SPEEDUP, TOKENS, Fp8Filter, coverage, default_gpu, estimate,
+                             gemm_kind, gpu_class, plan)
 from ..precision.fp8.detect import gemm_dims
 from ..precision import resolve
 from ..precision.fp8.blocks import FORMATS, resolve_format, element_max, gemms, quantise_operand
@@ -146,7 +148,8 @@ def transformer_blocks(model: nn.Module) -> List[str]:
     return best
 
 
-def _advice(fmt: str, layers: Dict[str, Any], cov: Dict[str, Any], blocks: List[str]) -> Dict[str, Any]:
+def _advice(fmt: str, layers: Dict[str, Any], cov: Dict[str, Any], blocks: List[str], gpu: Optional[str],
+            tokens: int) -> Dict[str, Any]:
     names = list(cov["sizes"])
     keep: Dict[str, str] = {}
     if len(names) > 1:
@@ -181,14 +184,22 @@ def _advice(fmt: str, layers: Dict[str, Any], cov: Dict[str, Any], blocks: List[
                   f"run in {fmt}")
     else:
         reason = f"every layer passes; {share:.0%} of the GEMM FLOPs run in {fmt}"
+    target = gpu or default_gpu(fmt)
+    low = [n for n in names if n not in keep]
+    pays = [n for n in low if estimate(*cov["dims"][n], fmt, target, tokens)["pays"]]
+    if low:
+        reason += (f"; the roofline on {target} at {tokens} tokens per GEMM gains >= {MIN_SPEEDUP:g}x on "
+                   f"{len(pays)} of those {len(low)} layer(s)")
     return {"verdict": _LEVELS[worst], "applies": bool(judged) and share >= MIN_FLOP_SHARE, "reason": reason,
             "keep_bf16": keep, "failing": failed, "low_precision_flop_share": share,
-            "hardware": FORMATS[fmt].hardware}
+            "hardware": FORMATS[fmt].hardware, "roofline": {"gpu": target, "tokens": tokens, "pays": pays}}
 
 
 def blockscale_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Callable, device: torch.device,
-                     requested: Sequence[str]) -> Dict[str, Any]:
-    """The ``blockscale`` section of the check report (module docstring); ``requested``: formats asked for."""
+                     requested: Sequence[str], gpu: Optional[str] = None, tokens: Optional[int] = None) -> Dict[str, Any]:
+    """The ``blockscale`` section of the check report (module docstring); ``requested``: formats asked for;
+    ``gpu``/``tokens``: the roofline's target class (default: the first class with the format's GEMMs) and
+    tokens per GEMM (default 8192)."""
     filt = Fp8Filter(keep_ends=False)
     names = list(plan(model, filt))
     cov = coverage(model, filt)
@@ -209,7 +220,8 @@ def blockscale_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn
             layers[name][fmt] = {**s, **judge(s, fmt)}
     blocks = transformer_blocks(model)
     return {"formats": order, "requested": list(requested), "layers": layers,
-            "recipes": {fmt: _advice(fmt, layers, cov, blocks) for fmt in order},
+            "recipes": {fmt: _advice(fmt, layers, cov, blocks, gpu or gpu_class(device),
+                                     TOKENS if tokens is None else tokens) for fmt in order},
             "bars": {fmt: bars(fmt) for fmt in order}, "reference": {fmt: reference(fmt) for fmt in order},
             "blocks": len(blocks), "max_rows": MAX_ROWS}
 

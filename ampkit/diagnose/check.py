@@ -177,7 +177,7 @@ def check(
         fp8["fp8"] = fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
                                fp8_skip, fp8_force, fp8_filter, fp8_gpu, fp8_tokens)
     if any(f not in ("fp8-tensorwise", "fp8-rowwise") for f in formats) and ref.nonfinite is None:
-        fp8["blockscale"] = blockscale_check(model, batch, loss_fn, forward_fn, dev, formats)
+        fp8["blockscale"] = blockscale_check(model, batch, loss_fn, forward_fn, dev, formats, fp8_gpu, fp8_tokens)
     auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if "fp8" in fp8 else None)
     if ref.nonfinite is not None:  # no precision is the safe choice for a model that fails in fp32
         auto["reason"] = ("the model is non-finite in fp32 already (see reference.first_nonfinite): no precision "

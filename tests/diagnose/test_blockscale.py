@@ -108,3 +108,9 @@ def test_hugging_face_models_from_configs(arch):
         s = b["layers"][names[0]]["mxfp8"]
         assert s["output_sqnr"] > bars("mxfp8")["gemm_sqnr"]["unsafe"], s
     assert b["blocks"] == 2 and set(b["recipes"]) == set(WHATIF_ORDER)
+
+
+def test_each_format_states_what_its_roofline_would_gain(clean):
+    nv, fp8 = clean["recipes"]["nvfp4"], clean["recipes"]["fp8-rowwise"]
+    assert nv["roofline"]["gpu"] == "b200" and fp8["roofline"]["gpu"] == "h100"  # the first class with the GEMMs
+    assert nv["roofline"]["pays"] == [] and "gains >= 1.2x on 0 of those" in nv["reason"]  # d=64: far too small
