@@ -84,3 +84,9 @@ def test_mx_needs_dims_multiples_of_32():
     model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 64), nn.Linear(64, 64), nn.Linear(64, 8))
     p = plan(model, Fp8Filter(rule="all", recipe="mxfp8"))
     assert p["0"].startswith("bf16: dims 32x48") and p["1"].startswith("bf16: dims 48x64") and p["2"] == "fp8"
+
+
+def test_setup_warning_names_mxs_block_of_32():
+    model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 8))
+    with pytest.warns(UserWarning, match="3 with dims not multiples of 32.*mxfp8 needs both dims multiples of 32"):
+        ampkit.Precision("mxfp8", "cpu").setup(model, None)

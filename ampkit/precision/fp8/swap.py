@@ -196,12 +196,13 @@ def coverage_warning(cov: Dict[str, Any], mode: str) -> Optional[str]:
     share = cov["flop_share"] or 0.0
     if cov["converted"] and share >= MIN_FLOP_SHARE:
         return None
-    why = ", ".join(f"{n} {_LABEL[k]}" for k, n in cov["skipped"].items())
+    mult = "32" if mode == "mxfp8" else "16"  # MX scales blocks of 32
+    why = ", ".join(f"{n} {_LABEL[k].replace('16', mult)}" for k, n in cov["skipped"].items())
     fix = []
     if ENDS in cov["skipped"]:
         fix.append("fp8_force=[names] converts first/last layers")
     if DIMS in cov["skipped"]:
-        fix.append("fp8 needs both dims multiples of 16")
+        fix.append(f"{mode} needs both dims multiples of {mult}")
     if SLOW in cov["skipped"]:
         fix.append(f"on {cov['gpu']} at {cov['tokens']} tokens per GEMM these layers run faster in bf16 "
                    "(fp8_filter='all' converts them anyway; fp8_tokens= states your batch x sequence)")
