@@ -85,18 +85,19 @@ def _operand(x: torch.Tensor, fmt: str, weight: bool):
                  "scale_log2": [round(float(s.min()), 2), round(float(s.max()), 2)]}
 
 
-def layer_stats(x: torch.Tensor, w: torch.Tensor, go: torch.Tensor, fmt: str) -> Dict[str, Any]:
-    """x (M, K), w (N, K), go (M, N) in fp32: per-operand and per-GEMM numbers of ``fmt`` (module docstring)."""
+def layer_stats(x: torch.Tensor, w: torch.Tensor, go: torch.Tensor, fmt: str, refs=None) -> Dict[str, Any]:
+    """x (M, K), w (N, K), go (M, N) in fp32: per-operand and per-GEMM numbers of ``fmt`` (module docstring);
+    ``refs``: the fp32 ``(x @ w.T, go @ w, go.T @ x)`` when already computed."""
     sx, sw, sg = _operand(x, fmt, False), _operand(w, fmt, True), _operand(go, fmt, False)
-    y_ref = x @ w.t()
+    y_ref, gi_ref, gw_ref = refs if refs is not None else (x @ w.t(), go @ w, go.t() @ x)
     y, gi, gw = gemms(x, w, go, fmt)
     rows = sqnr(y_ref, y, dim=-1)
     live = y_ref.pow(2).sum(-1) > 0
     return {"operands": {"input": sx, "weight": sw, "grad_output": sg},
             "output_sqnr": float(sqnr(y_ref, y)),
             "worst_row_sqnr": float(rows[live].min()) if bool(live.any()) else float("inf"),
-            "grad_input_sqnr": float(sqnr(go @ w, gi)),
-            "grad_weight_sqnr": float(sqnr(go.t() @ x, gw))}
+            "grad_input_sqnr": float(sqnr(gi_ref, gi)),
+            "grad_weight_sqnr": float(sqnr(gw_ref, gw))}
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,17 +207,18 @@ def blockscale_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn
     cov["dims"] = {n: gemm_dims(model.get_submodule(n), gemm_kind(model.get_submodule(n))) for n in names}
     ref_model, ref_prec = prepare(model, "bf16-mixed", device)
     store: Dict[str, Dict[str, torch.Tensor]] = {}
-    run_once(ref_model, ref_prec, batch, forward_fn, loss_fn, forward_ctx=_capture(ref_model, names, store))
+    run_once(ref_model, ref_prec, batch, forward_fn, loss_fn, forward_ctx=_capture(ref_model, names, store, MAX_ROWS))
     order = list(dict.fromkeys(list(requested) + list(WHATIF_ORDER)))
     layers: Dict[str, Any] = {}
     for name in names:
         rec = store.get(name)
         if rec is None or "grad_output" not in rec:
             continue
-        x, w, go = rec["input"][:MAX_ROWS].cpu(), rec["weight"].cpu(), rec["grad_output"][:MAX_ROWS].cpu()
+        x, w, go = rec["input"].cpu(), rec["weight"].cpu(), rec["grad_output"].cpu()
         layers[name] = {}
+        refs = (x @ w.t(), go @ w, go.t() @ x)
         for fmt in order:
-            s = layer_stats(x, w, go, fmt)
+            s = layer_stats(x, w, go, fmt, refs)
             layers[name][fmt] = {**s, **judge(s, fmt)}
     blocks = transformer_blocks(model)
     return {"formats": order, "requested": list(requested), "layers": layers,

@@ -102,8 +102,10 @@ def _judge(s: Dict[str, Any]) -> Dict[str, Any]:
     return {"verdict": ("ok", "risky", "unsafe")[level], "reasons": reasons}
 
 
-def _capture(model: nn.Module, names: Sequence[str], store: Dict[str, Dict[str, torch.Tensor]]):
-    """Context: forward hooks keep each named Linear's input and a hook on its output keeps grad-output."""
+def _capture(model: nn.Module, names: Sequence[str], store: Dict[str, Dict[str, torch.Tensor]],
+             rows: Optional[int] = None):
+    """Context: forward hooks keep each named Linear's input and a hook on its output keeps grad-output
+    (the first ``rows`` tokens of each, all without ``rows``)."""
     class Ctx:
         def __enter__(self):
             self.handles = []
@@ -115,11 +117,11 @@ def _capture(model: nn.Module, names: Sequence[str], store: Dict[str, Dict[str, 
                 def hook(m, args, out, name=name, transposed=transposed):
                     x = args[0]
                     w = m.weight.detach().t() if transposed else m.weight.detach()
-                    store[name] = {"input": x.detach().reshape(-1, x.shape[-1]).float(),
+                    store[name] = {"input": x.detach().reshape(-1, x.shape[-1])[:rows].float(),
                                    "weight": w.to(x.dtype).float()}
                     if out.requires_grad:
                         out.register_hook(lambda g, name=name: store[name].__setitem__(
-                            "grad_output", g.detach().reshape(-1, g.shape[-1]).float()))
+                            "grad_output", g.detach().reshape(-1, g.shape[-1])[:rows].float()))
                 self.handles.append(mod.register_forward_hook(hook))
             return self
 
