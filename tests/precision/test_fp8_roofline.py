@@ -129,3 +129,30 @@ def test_bad_filter_options_are_one_line_errors(kwargs, match):
         Precision("fp8-rowwise", "cpu", **kwargs)
     with pytest.raises(ValueError, match="apply to the fp8 modes only"):
         Precision("bf16-mixed", "cpu", **kwargs)
+
+
+def test_cli_train_with_the_auto_filter_says_nothing_converts(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "roofline_cli_mod.py").write_text(
+        "from ampkit.data import sequences\nfrom ampkit.models import GPT\n"
+        "def data(seed=0):\n    return sequences(n=32, seq_len=16, vocab=64, seed=seed)\n"
+        "def make(**kw):\n    return GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["train", "--data", "roofline_cli_mod:data", "--model", "roofline_cli_mod:make", "--no-progress",
+              "--batch-size", "8", "--max-steps", "1"]
+    assert main(common + ["--precision", "fp8-rowwise", "--fp8-filter", "auto", "--out", "run"]) == 0
+    err = capsys.readouterr().err
+    assert "fp8-rowwise: no layer runs in fp8, so this run is bf16-mixed" in err
+    fp8 = json.load(open("run/summary.json"))["fp8"]
+    assert fp8["filter"] == "auto" and fp8["converted"] == [] and fp8["flop_share"] == 0
+    assert all(why.startswith(("roofline", "first/last")) for why in fp8["kept"].values()), fp8["kept"]
+    # a filter option with a mode that has no fp8 is a one-line usage error
+    assert main(common + ["--precision", "bf16-mixed", "--fp8-filter", "auto", "--out", "bad"]) == 2
+    err = capsys.readouterr().err
+    assert "apply to the fp8 modes only" in err and not (tmp_path / "bad").exists()
+    sys.modules.pop("roofline_cli_mod", None)
