@@ -20,6 +20,16 @@ from .options import PrecisionOptions
 __all__ = ["KindHooks"]
 
 
+def _fused_sgd_on_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's SGD over DTensor parameters (FSDP2 shards): torch has no DTensor rule for ``aten._fused_sgd_``,
+    so the SGD stays as the user built it (Adam/AdamW's fused kernels have one)."""
+    if type(optimizer) is not torch.optim.SGD:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+
+
 class KindHooks:
     """The kind hooks and their defaults (see the module docstring)."""
 
@@ -52,18 +62,22 @@ class KindHooks:
     def take_options(self, options: PrecisionOptions) -> None:
         """Check (and keep) the options only this kind uses (the fp8 recipe...): nothing here."""
 
-    def _convert(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
-        """Make the model and optimizer this kind's (``setup``, after ``model.to(device)``): here only
-        torch's Adam/AdamW/SGD switched to their fused kernel (no host sync per step)."""
-        if self.fused_optimizer and optimizer is not None:
+    def _convert_model(self, model: nn.Module) -> nn.Module:
+        """Make the model this kind's (``setup``/``convert_module``, after ``model.to(device)``): as it is here."""
+        return model
+
+    def _convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make the optimizer this kind's (``wrap_optimizer``, after ``optimizer_state``): here only torch's
+        Adam/AdamW/SGD switched to their fused kernel (no host sync per step)."""
+        if self.fused_optimizer and not _fused_sgd_on_dtensors(optimizer):
             checks.use_fused_kernel(optimizer, self.device)
-        return model, optimizer
+        return optimizer
 
     def _with_state(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
-        """The optimizer with its moments in ``optimizer_state`` (``setup``, before ``_convert``: a master
-        kind then wraps the converted optimizer over its fp32 masters); fp32 is torch's own state over fp32
-        params and masters: kept, fused."""
-        if optimizer is None or self.optimizer_state in (None, "fp32"):
+        """The optimizer with its moments in ``optimizer_state`` (``wrap_optimizer``, first); fp32 is torch's
+        own state over fp32 params and masters: kept, fused."""
+        if optimizer is None or self.optimizer_state in (None, "fp32") \
+                or type(optimizer).__module__.startswith("torchao"):  # already torchao's 8-bit one
             return optimizer
         return with_state_precision(optimizer, self.optimizer_state, compensation=None)
 
@@ -140,7 +154,9 @@ class KindHooks:
                        fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.optim.Optimizer:
         """The optimizer this kind steps for one built over the converted model (``convert_module``): the
         Adam ``eps`` check, then the kind's own treatment (masters, started from ``fp32_params`` =
-        ``fp32_copies``, which they consume; bf16-pure's compensated optimizer; as given elsewhere)."""
+        ``fp32_copies``, which they consume; bf16-pure's compensated optimizer; as given elsewhere), with its
+        moments in ``optimizer_state``. ``setup(model, optimizer)`` is ``convert_module`` then this."""
+        optimizer = self._convert_optimizer(self._with_state(optimizer))
         self.check_optimizer_eps(optimizer)
         return self._wrap_optimizer(optimizer)
 
@@ -152,6 +168,14 @@ class KindHooks:
 
         low = self.mode.autocast_dtype
         return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+
+    def fp32_policy(self):
+        """FSDP2's policy for the modules kept fp32 (norms, ``fp32_modules``): gathered, computed and reduced in
+        fp32, sharded as groups of their own so their block's 16-bit policy never casts them
+        (``ampkit.train.distributed.shard_fsdp``)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
     def prepare_fsdp(self):
         """Make this (not yet set up) precision one FSDP can shard: its ``fsdp_policy`` (the check), and

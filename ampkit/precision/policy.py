@@ -232,15 +232,14 @@ class Precision(KindHooks, metaclass=_ByKind):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None):
-        """Prepare model (device, dtype, memory format, islands) and optimizer (masters).
+        """Prepare model (device, dtype, memory format, islands) and optimizer: exactly ``convert_module(model)``
+        then ``wrap_optimizer(optimizer)``, so every option acts the same either way.
 
         Returns ``(model, optimizer)``; build the optimizer over ``model.parameters()`` first.
         """
         if self.fp32_modules:  # a wrong name fails before the model or the optimizer is changed
             resolve_module_names(model, self.fp32_modules)
-        model = model.to(self.device)
-        optimizer = self._with_state(optimizer)
-        model, optimizer = self._convert(model, optimizer)
+        model = self._convert_model(model.to(self.device))
         if self.fp32_modules:
             apply_fp32_islands(model, self.fp32_modules)
         if self.uses_channels_last(model):

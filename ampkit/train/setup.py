@@ -252,10 +252,10 @@ def wire(model: nn.Module, optimizer, prec: Precision, cfg: TrainConfig, world_s
         if optimizer is not None:
             raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
                              "optimizer=None and set optimizer/lr/weight_decay in the config.")
-        prec.prepare_fsdp()  # the kind refuses what FSDP cannot shard; contiguous parameters only
+        prec.prepare_fsdp()  # the kind refuses what FSDP cannot shard (fp8); contiguous parameters only
         model = _dist.shard_fsdp(prec.setup(model, None)[0], prec)
-        optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, device, sharded=True,
-                                    eps=prec.min_adam_eps)
+        optimizer = prec.wrap_optimizer(build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, device,
+                                                        sharded=True, eps=prec.min_adam_eps))
         prec.scaler.register_names(model)
     else:
         if optimizer is None:

@@ -68,12 +68,18 @@ def test_masters_are_the_kinds_decision():
                       CompensatedAdamW)
 
 
-@pytest.mark.parametrize("name,match", [("bf16-pure", "casts the model's parameters.*bf16-mixed"),
-                                        ("fp16-master", "casts the model's parameters.*fp16-mixed"),
-                                        ("fp8-rowwise", "fp8.*--strategy ddp")])
-def test_fsdp_refusals_come_from_the_kind(name, match):
-    with pytest.raises(ValueError, match=match):
-        _precision(name).prepare_fsdp()
+def test_fsdp_policies_come_from_the_kind():
+    """Master modes: fp32 shards gathered in 16 bits, reduced in fp32; pure modes: 16-bit shards gathered and
+    reduced as they are; kept-fp32 modules: fp32 throughout; fp8 still refused in one line."""
+    pytest.importorskip("torch.distributed.fsdp")
+    master = _precision("fp16-master").prepare_fsdp()
+    assert (master.param_dtype, master.reduce_dtype) == (torch.float16, torch.float32)
+    pure = _precision("bf16-pure").prepare_fsdp()
+    assert (pure.param_dtype, pure.reduce_dtype) == (None, None)
+    kept = _precision("bf16-master").fp32_policy()
+    assert (kept.param_dtype, kept.reduce_dtype) == (None, torch.float32)
+    with pytest.raises(ValueError, match="fp8.*--strategy ddp"):
+        _precision("fp8-rowwise").prepare_fsdp()
 
 
 def test_prepare_fsdp_turns_the_layout_off_or_refuses_it():

@@ -195,16 +195,3 @@ def test_eval_shards_cover_everything_in_equal_batch_counts(n, world):
     seen = torch.cat([torch.cat(s) for s in shards])
     if n >= world:
         assert sorted(seen.tolist()) == list(range(n))
-
-
-@pytest.mark.parametrize("name,fix", [("bf16-pure", "use bf16-mixed"), ("fp16-master", "use fp16-mixed")])
-def test_fsdp_refuses_modes_that_cast_parameters(name, fix):
-    import warnings
-
-    from ampkit import Precision
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        precision = Precision(name, "cpu")
-    with pytest.raises(ValueError, match=f"casts the model's parameters.*{fix}.*or --strategy ddp"):
-        precision.fsdp_policy()  # the kind answers what FSDP accepts

@@ -1,6 +1,7 @@
 """The 16-bit-weight kinds' shared part (master and pure): params cast in ``setup`` (pure) or computed as
 16-bit copies of the fp32 params (master), inputs cast by a forward pre-hook, outputs back to fp32 with
-``cast_outputs``; FSDP refused (it owns the parameters and their casts)."""
+``cast_outputs``. Under FSDP2 the modules kept fp32 (norms, islands) are sharded as their own groups with
+``fp32_policy`` (``ampkit.train.distributed.shard_fsdp``)."""
 from __future__ import annotations
 
 from typing import Any, List
@@ -38,11 +39,3 @@ class CastParams(AutocastPrecision):
 
     def convert_input(self, batch: Any) -> Any:
         return cast_floating(batch, self.compute_dtype)
-
-    def fsdp_policy(self):
-        low = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.mode.low_dtype]
-        raise ValueError(
-            f"precision={self.name!r} casts the model's parameters (or their compute copies), which FSDP owns "
-            "under --strategy fsdp: "
-            f"use {low}-mixed (FSDP keeps fp32 shards as master weights and all-gathers {low} for compute), "
-            "or --strategy ddp.")

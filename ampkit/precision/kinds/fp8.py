@@ -33,9 +33,8 @@ class Fp8Precision(AutocastPrecision):
         self.fp8 = Fp8Plan(self.name, options.fp8_recipe, options.fp8_skip, options.fp8_force,
                            rule=options.fp8_filter, gpu=options.fp8_gpu, tokens=options.fp8_tokens)
 
-    def _convert(self, model, optimizer):
-        model, optimizer = super()._convert(model, optimizer)
-        return self.fp8.apply(model, self.device), optimizer
+    def _convert_model(self, model):
+        return self.fp8.apply(super()._convert_model(model), self.device)
 
     def state_dict(self) -> Dict[str, Any]:
         """:meth:`Precision.state_dict` plus ``"fp8"``: the recipe (the amax histories are in the model's)."""

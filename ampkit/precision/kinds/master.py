@@ -65,17 +65,19 @@ class MasterPrecision(CastParams):
     #: wrapper ``master_optimizer`` builds); set by ``ampkit.compat.apex`` only
     model_holds_masters = True
 
-    def _convert(self, model, optimizer):
-        model, optimizer = super()._convert(model, optimizer)
-        if not self.model_holds_masters:
-            self._cast(model)
-            return model, optimizer
-        if optimizer is not None and not isinstance(optimizer, MasterWeightOptimizer):
+    def _convert_model(self, model):
+        self._cast(model, compute_copies=self.model_holds_masters)
+        return model
+
+    def _convert_optimizer(self, optimizer):
+        optimizer = super()._convert_optimizer(optimizer)
+        if self.model_holds_masters and not isinstance(optimizer, MasterWeightOptimizer) \
+                and not getattr(optimizer, "_ampkit_adopts_masters", False):
             adopt_saved_masters(optimizer)  # a master-layout state loaded before setup
             optimizer.register_load_state_dict_pre_hook(_flatten_earliest_layout)
             optimizer.register_load_state_dict_post_hook(_adopt_after_load)
-        self._cast(model, compute_copies=True)
-        return model, optimizer
+            optimizer._ampkit_adopts_masters = True
+        return optimizer
 
     def _details(self) -> List[str]:
         extra = super()._details()

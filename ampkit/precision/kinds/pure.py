@@ -40,13 +40,22 @@ class PurePrecision(CastParams):
                 "optimizer_state='8bit' is torchao's AdamW8bit, which lands bf16 updates by stochastic rounding, "
                 "not Kahan compensation: drop compensation='kahan' (or use optimizer_state='bf16').")
 
-    def _convert(self, model, optimizer):
-        if not self.mode.compensated:  # the compensated optimizers replace torch's (fused or not)
-            model, optimizer = super()._convert(model, optimizer)
+    def _convert_model(self, model):
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise ValueError(f"precision={self.name!r} casts the parameters, which fully_shard already sharded: "
+                             "call precision.setup(model) before fully_shard (or shard with "
+                             "ampkit.train.distributed.shard_fsdp(model, precision) after setup).")
         self._cast(model)
-        if not self.mode.compensated and optimizer is not None:
-            _state_like_params(optimizer)
-        return model, optimizer
+        return model
+
+    def _convert_optimizer(self, optimizer):
+        if self.mode.compensated:  # the compensated optimizers replace torch's (fused or not)
+            return optimizer
+        optimizer = super()._convert_optimizer(optimizer)
+        _state_like_params(optimizer)
+        return optimizer
 
     def _with_state(self, optimizer):
         # bf16-pure converts its optimizer once, in _wrap_optimizer (state precision included); fp16-pure's
@@ -68,6 +77,12 @@ class PurePrecision(CastParams):
         else:
             optimizer = compensated_from(optimizer, self.settings.optim_compensation)
         return with_state_precision(optimizer, self.optimizer_state)
+
+    def fsdp_policy(self):
+        """The shards are the 16-bit parameters themselves: gathered and reduced in 16 bits (half fp32's bytes)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
 
     def check_step_optimizer(self, optimizer) -> None:
         """bf16-pure: the optimizer stepped must be the compensated one (``setup(model, optimizer)`` or
