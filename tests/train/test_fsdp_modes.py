@@ -1,0 +1,196 @@
+"""Every 16-bit mode under FSDP2 (``fully_shard`` per block and root) on 2 gloo processes matches the same global
+batch in one process within the mode's own noise; ``setup`` before or after ``fully_shard``; ``optimizer_state``
+through ``setup`` and through ``convert_module`` + ``wrap_optimizer`` alike."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed_helpers import init_rank, run_ranks
+
+pytest.importorskip("torch.distributed.fsdp")
+
+MODES = ("bf16-master", "fp16-master", "bf16-pure", "fp16-pure")
+STEPS = 4
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return x + self.ln(torch.relu(self.fc(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blocks, self.out = nn.Linear(8, 16), nn.ModuleList([_Block(), _Block()]), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _precision(mode, **kwargs):
+    import ampkit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # fp16: a start scale the tiny model's gradients do not overflow at (the one-process and per-rank
+        # batches differ in size, so the first overflow step could differ)
+        return ampkit.Precision(mode, "cpu", **({"init_scale": 1024.0} if "fp16" in mode else {}), **kwargs)
+
+
+def _train(model, opt, prec, x, y):
+    for _ in range(STEPS):
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(prec.convert_input(x)).float(), y)
+        prec.backward(loss)
+        prec.step(opt, max_norm=1.0)
+        opt.zero_grad(set_to_none=True)
+
+
+def _full(model):
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _one_process(mode):
+    torch.manual_seed(0)
+    # SGD as built (not fused): the sharded runs cannot fuse it either (no DTensor rule for aten._fused_sgd_),
+    # and torch's fused CPU SGD over fp16 parameters moves them far less than the for-loop SGD does
+    prec = _precision(mode, fused_optimizer=False)
+    model = _Net()
+    model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _train(model, opt, prec, *_data())
+    return _full(model)
+
+
+def _ranks(rank, tmp, modes, order):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from ampkit.train.distributed import shard_fsdp
+
+    init_rank(rank, tmp)
+    out = {}
+    x, y = _data()
+    for mode in modes:
+        torch.manual_seed(0)
+        prec = _precision(mode)
+        model = _Net()
+        if order == "setup-first":
+            prec.prepare_fsdp()
+            model = shard_fsdp(prec.setup(model)[0], prec)
+            opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        else:  # the user shards with the kind's policy, then the five lines' setup
+            for b in model.blocks:
+                fully_shard(b, mp_policy=prec.fsdp_policy())
+            fully_shard(model, mp_policy=prec.fsdp_policy())
+            model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert not any(g.get("fused") for g in opt.param_groups)  # no aten._fused_sgd_ on DTensors
+        _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        out[mode] = {"params": _full(model), "skipped": prec.skipped_steps,
+                     "dtypes": {n: p.dtype for n, p in model.named_parameters()}}
+    if rank == 0:
+        torch.save(out, f"{tmp}/out.pt")
+    dist.destroy_process_group()
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_modes")
+    run_ranks(_ranks, str(tmp), MODES, "setup-first")
+    return torch.load(f"{tmp}/out.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_processes_match_one_process_within_the_modes_noise(sharded, mode):
+    """Tolerance: the mode's own noise, its one-process run's distance from fp32 (16-bit compute or storage
+    rounds differently when the batch is split and the gradients are reduced in another order: the same size
+    of effect). Twice that bounds the sharded run; a wrong average or a lost update moves it far more."""
+    one, ref = _one_process(mode), _one_process("fp32")
+    noise = _max_diff(one, ref)
+    two = sharded[mode]
+    assert two["skipped"] == 0
+    assert _max_diff(two["params"], one) <= 2 * noise + 1e-6
+    untrained = _full(_Net()) if torch.manual_seed(0) is not None else None
+    assert _max_diff(one, untrained) > 10 * noise  # the runs trained: the bound is tight against the updates
+    dtypes = two["dtypes"]
+    low = torch.float16 if "fp16" in mode else torch.bfloat16
+    assert dtypes["blocks.0.ln.weight"] == torch.float32  # norms stay fp32 (their own FSDP group)
+    assert dtypes["blocks.0.fc.weight"] == (torch.float32 if "master" in mode else low)  # masters or 16-bit shards
+
+
+def _shard_first(rank, tmp):
+    init_rank(rank, tmp)
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    for mode, expect in (("bf16-master", None), ("bf16-pure", "before fully_shard")):
+        prec, model = _precision(mode), _Net()
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+        if expect is None:
+            model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            _train(model, opt, prec, *_data())
+        else:
+            with pytest.raises(ValueError, match=expect):
+                prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if rank == 0:
+        torch.save(True, f"{tmp}/ok.pt")
+    dist.destroy_process_group()
+
+
+def test_shard_first_then_setup_works_or_says_the_order(tmp_path):
+    """Master modes: the fp32 shards are the masters whatever the order; pure modes cast the parameters, so
+    ``setup`` on a sharded model says in one line to call it first."""
+    run_ranks(_shard_first, str(tmp_path))
+    assert torch.load(f"{tmp_path}/ok.pt")
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16-pure", "fp16-pure"])
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_optimizer_state_is_the_same_through_setup_and_the_two_halves(mode, state):
+    if state == "8bit":
+        pytest.importorskip("torchao.optim")
+    import ampkit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = {"compensation": "stochastic"} if state == "8bit" and mode == "bf16-pure" else {}
+        made = []
+        for halves in (False, True):
+            prec = ampkit.Precision(mode, "cpu", optimizer_state=state, **kwargs)
+            torch.manual_seed(0)
+            model = _Net()
+            if halves:
+                model = prec.convert_module(model)
+                opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4))
+            else:
+                model, opt = prec.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4))
+            _train(model, opt, prec, *_data())
+            made.append((type(opt), {k: v.dtype for st in opt.state.values() for k, v in st.items()
+                                     if torch.is_tensor(v) and v.numel() > 1}, _full(model)))
+    (t1, s1, p1), (t2, s2, p2) = made
+    assert t1 is t2 and s1 == s2
+    if state == "bf16":
+        assert s1 and all(d == torch.bfloat16 for k, d in s1.items() if k.startswith("exp_avg"))
+    else:
+        assert "torchao" in t1.__module__
+    assert all(torch.equal(p1[k], p2[k]) for k in p1)
