@@ -194,3 +194,36 @@ def test_optimizer_state_is_the_same_through_setup_and_the_two_halves(mode, stat
     else:
         assert "torchao" in t1.__module__
     assert all(torch.equal(p1[k], p2[k]) for k in p1)
+
+
+def _ddp_first(rank, tmp):
+    import torch.distributed as dist
+
+    init_rank(rank, tmp)
+    x, y = _data()
+    out = {}
+    for mode in MODES + ("bf16-mixed",):
+        torch.manual_seed(0)
+        prec, model = _precision(mode), nn.parallel.DistributedDataParallel(_Net())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+        if "pure" in mode:
+            with pytest.raises(ValueError, match="before wrapping in DDP"):
+                prec.setup(model, opt)
+            out[mode] = "refused"
+            continue
+        model, opt = prec.setup(model, opt)
+        _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        out[mode] = _full(model.module)
+    if rank == 0:
+        torch.save(out, f"{tmp}/out.pt")
+    dist.destroy_process_group()
+
+
+def test_setup_on_a_model_already_in_ddp_works_or_says_the_order(tmp_path):
+    """Ray Train's ``prepare_model`` / accelerate's ``prepare`` wrap in DDP before ``setup``: the master and
+    mixed modes keep fp32 parameters, so DDP's buckets stay valid and training runs; the pure modes cast the
+    parameters DDP registered, so ``setup`` says in one line to come first."""
+    run_ranks(_ddp_first, str(tmp_path))
+    out = torch.load(f"{tmp_path}/out.pt", weights_only=False)
+    assert out["bf16-pure"] == out["fp16-pure"] == "refused"
+    assert all(isinstance(out[m], dict) for m in ("bf16-master", "fp16-master", "bf16-mixed"))

@@ -42,11 +42,16 @@ class PurePrecision(CastParams):
 
     def _convert_model(self, model):
         from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
 
         if any(isinstance(m, FSDPModule) for m in model.modules()):
             raise ValueError(f"precision={self.name!r} casts the parameters, which fully_shard already sharded: "
                              "call precision.setup(model) before fully_shard (or shard with "
                              "ampkit.train.distributed.shard_fsdp(model, precision) after setup).")
+        if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+            raise ValueError(f"precision={self.name!r} casts the parameters, which DistributedDataParallel already "
+                             "registered for its gradient buckets: call precision.setup(model, optimizer) before "
+                             "wrapping in DDP (Ray Train: before prepare_model; accelerate: before prepare).")
         self._cast(model)
         return model
 
