@@ -79,6 +79,30 @@ def lr_of(group: Dict[str, Any], device: torch.device) -> Any:
     return lr
 
 
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch without torch.distributed
+    _DTensor = None
+
+
+class _LocalState(dict):
+    """A parameter's state as the local shards of its DTensor entries (FSDP2): the update runs on plain tensors
+    (in place, so the DTensors see it); an entry the update sets anew is written to the parameter's state
+    (as a plain tensor where the state had none, wrapped like its old DTensor otherwise)."""
+
+    def __init__(self, state: Dict[str, Any]) -> None:
+        super().__init__({k: v.to_local() if isinstance(v, _DTensor) else v for k, v in state.items()})
+        self.owner = state
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        old = self.owner.get(key)
+        if isinstance(old, _DTensor) and torch.is_tensor(value) and not isinstance(value, _DTensor):
+            value = _DTensor.from_local(value, old.device_mesh, old.placements, run_check=False,
+                                        shape=old.shape, stride=old.stride())
+        self.owner[key] = value
+
 class CompensatedOptimizer(torch.optim.Optimizer):
     """Base class: a ``torch.optim.Optimizer`` whose updates survive 16-bit params.
 
@@ -166,9 +190,14 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             if kahan and p.dtype in LOW_PRECISION and "compensation" not in state:
                 state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params, grads, states = buckets.setdefault((p.device, p.dtype), ([], [], []))
-            params.append(p)
-            grads.append(p.grad)
-            states.append(state)
+            if _DTensor is not None and isinstance(p, _DTensor):  # an FSDP2 shard: its local part, state sharded
+                params.append(p.to_local())
+                grads.append(p.grad.to_local() if isinstance(p.grad, _DTensor) else p.grad)
+                states.append(_LocalState(state))
+            else:
+                params.append(p)
+                grads.append(p.grad)
+                states.append(state)
         return buckets
 
     # ------------------------------------------------------------------ step

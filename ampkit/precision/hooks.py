@@ -17,7 +17,29 @@ from ..optim.state import with_state_precision
 from . import checks
 from .options import PrecisionOptions
 
-__all__ = ["KindHooks"]
+__all__ = ["KindHooks", "engine_wrapper", "unwrapped"]
+
+#: the attribute an engine's optimizer wrapper keeps the real optimizer in: accelerate's AcceleratedOptimizer
+#: (``optimizer``), Lightning's LightningOptimizer (``_optimizer``)
+_WRAPPED_IN = ("optimizer", "_optimizer")
+_ENGINES = ("accelerate", "lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def engine_wrapper(optimizer: Any):
+    """(wrapper, attribute) when ``optimizer`` is an engine's wrapper around a torch optimizer, else (None, None)."""
+    if type(optimizer).__module__.split(".")[0] not in _ENGINES:  # ampkit's own wrappers hold theirs too
+        return None, None
+    for attr in _WRAPPED_IN:
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return optimizer, attr
+    return None, None
+
+
+def unwrapped(optimizer: Any) -> Any:
+    """The optimizer inside accelerate's / Lightning's wrappers (itself when not wrapped)."""
+    holder, attr = engine_wrapper(optimizer)
+    return unwrapped(getattr(holder, attr)) if holder is not None else optimizer
 
 
 def _fused_sgd_on_dtensors(optimizer: torch.optim.Optimizer) -> bool:
@@ -156,6 +178,10 @@ class KindHooks:
         Adam ``eps`` check, then the kind's own treatment (masters, started from ``fp32_params`` =
         ``fp32_copies``, which they consume; bf16-pure's compensated optimizer; as given elsewhere), with its
         moments in ``optimizer_state``. ``setup(model, optimizer)`` is ``convert_module`` then this."""
+        holder, attr = engine_wrapper(optimizer)
+        if holder is not None:  # accelerate's / Lightning's wrapper: the optimizer inside is made this kind's
+            setattr(holder, attr, self.wrap_optimizer(getattr(holder, attr), fp32_params))
+            return holder
         optimizer = self._convert_optimizer(self._with_state(optimizer))
         self.check_optimizer_eps(optimizer)
         return self._wrap_optimizer(optimizer)

@@ -54,7 +54,11 @@ def clip_grad_norm(precision: Any, optimizer, max_norm: float, norm_type: float 
 
 def step(precision: Any, optimizer, max_norm: Optional[float], norm_type: float) -> StepResult:
     """``Precision.step``: refuses an optimizer the kind cannot step and a step no backward reached, then
-    unscale/clip, step or skip, update."""
+    unscale/clip, step or skip, update. An optimizer wrapped by accelerate inside ``accelerator.accumulate``
+    on a micro-batch that does not sync (its ``step`` does nothing there) is left alone: no unscale, no count."""
+    gradient_state = getattr(optimizer, "gradient_state", None)
+    if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
+        return StepResult(stepped=False)
     precision.check_step_optimizer(optimizer)
     if not precision.has_grads(optimizer):
         raise RuntimeError(

@@ -227,3 +227,44 @@ def test_setup_on_a_model_already_in_ddp_works_or_says_the_order(tmp_path):
     out = torch.load(f"{tmp_path}/out.pt", weights_only=False)
     assert out["bf16-pure"] == out["fp16-pure"] == "refused"
     assert all(isinstance(out[m], dict) for m in ("bf16-master", "fp16-master", "bf16-mixed"))
+
+
+def _trainer_ranks(rank, tmp):
+    import torch.distributed as dist
+    from torch.utils.data import TensorDataset
+
+    from ampkit import Trainer
+    from ampkit.optim import CompensatedOptimizer
+
+    init_rank(rank, tmp)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    data = TensorDataset(x, (x @ torch.randn(8, 4, generator=g)).argmax(1))
+    out = {}
+    for mode, state in (("bf16-master", "bf16"), ("bf16-pure", None)):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = Trainer(_Net(), data, out=f"{tmp}/{mode}", progress=False, device="cpu", epochs=1, batch_size=8,
+                        optimizer="adamw", lr=1e-2, precision=mode, optimizer_state=state, strategy="fsdp")
+            summary = t.fit()
+        opt = t.optimizer
+        out[mode] = {"steps": summary["optimizer_steps"], "compensated": isinstance(opt, CompensatedOptimizer),
+                     "moments": sorted({str(v.dtype) for st in opt.state.values() for k, v in st.items()
+                                        if k.startswith("exp_avg")}),
+                     "params": _full(t.raw_model)}
+    torch.save(out, f"{tmp}/out{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_trainer_strategy_fsdp_runs_the_master_and_pure_modes(tmp_path):
+    """``--strategy fsdp`` (the Trainer's wiring): bf16-master with ``optimizer_state="bf16"`` keeps bf16
+    moments over the fp32 shards, bf16-pure steps the compensated optimizer over the bf16 shards; ranks end
+    with the same full parameters."""
+    run_ranks(_trainer_ranks, str(tmp_path), timeout=240)
+    r0, r1 = (torch.load(f"{tmp_path}/out{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["bf16-master"]["moments"] == ["torch.bfloat16"]  # optimizer_state honoured under --strategy fsdp
+    assert r0["bf16-pure"]["compensated"]
+    for mode in r0:
+        assert r0[mode]["steps"] == 4
+        assert all(torch.equal(r0[mode]["params"][k], r1[mode]["params"][k]) for k in r0[mode]["params"])

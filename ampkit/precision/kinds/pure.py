@@ -10,6 +10,7 @@ from ...optim import CompensatedOptimizer, compensated_from
 from ...optim.state import with_state_precision
 from ..checks import FP16_STATE_MIN_EPS
 from ..options import PrecisionOptions
+from ..hooks import unwrapped
 from .cast import CastParams
 
 __all__ = ["PurePrecision"]
@@ -97,6 +98,7 @@ class PurePrecision(CastParams):
             if not torch.compiler.is_compiling():
                 self.check_optimizer_eps(optimizer)
             return
+        optimizer = unwrapped(optimizer)
         if not isinstance(optimizer, CompensatedOptimizer) \
                 and not getattr(optimizer, "_ampkit_compensated", False):
             raise TypeError(
