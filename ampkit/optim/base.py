@@ -142,11 +142,17 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         self.seed = seed
         self._noise_seed = (seed if seed is not None else torch.initial_seed() ^ 0x5EED5EED) % (1 << 64)
         self._noise: Dict[str, RoundingNoise] = {}
+        self._shard_rank: Optional[int] = None  # the rank, where the params are DTensor shards (FSDP2)
         super().__init__(params, {**defaults, "compensation": compensation})
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         check_compensation(param_group.get("compensation", self.defaults.get("compensation")))
         super().add_param_group(param_group)
+        if self._shard_rank is None and _DTensor is not None and not self._noise \
+                and any(isinstance(p, _DTensor) for p in self.param_groups[-1]["params"]):
+            import torch.distributed as dist
+
+            self._shard_rank = dist.get_rank() if dist.is_initialized() else 0
         for p in self.param_groups[-1]["params"]:  # counters made here, not inside a compiled step
             self.noise(p.device)
 
@@ -172,7 +178,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         """The stochastic-rounding noise of ``device`` (one counter per device, one seed)."""
         key = str(device)
         if key not in self._noise:
-            self._noise[key] = RoundingNoise(self._noise_seed, device)
+            self._noise[key] = RoundingNoise(self._stream_seed(), device)
         return self._noise[key]
 
     def _buckets(self, group: Dict[str, Any]) -> Dict[Tuple[torch.device, torch.dtype], tuple]:
@@ -272,7 +278,15 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         self._noise_seed = int(saved["seed"]) % (1 << 64)
         positions = saved.get("positions", {})
         for key in set(self._noise) | set(positions):
-            self.noise(torch.device(key)).load(self._noise_seed, positions.get(key, 0))
+            self.noise(torch.device(key)).load(self._stream_seed(), positions.get(key, 0))
+
+    def _stream_seed(self) -> int:
+        """The noise stream's seed: the optimizer's, mixed with the rank where the params are FSDP2 shards, so
+        each shard draws its own bits (reproducible: the same seed and rank give the same stream). Under DDP
+        (whole params on every rank) every rank draws the same bits and the replicas stay identical."""
+        if self._shard_rank is None:
+            return self._noise_seed
+        return (self._noise_seed ^ ((self._shard_rank + 1) * 0x9E3779B97F4A7C15)) % (1 << 64)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)

@@ -268,3 +268,31 @@ def test_trainer_strategy_fsdp_runs_the_master_and_pure_modes(tmp_path):
     for mode in r0:
         assert r0[mode]["steps"] == 4
         assert all(torch.equal(r0[mode]["params"][k], r1[mode]["params"][k]) for k in r0[mode]["params"])
+
+
+def _noise_ranks(rank, tmp):
+    import torch.distributed as dist
+
+    from ampkit.train.distributed import shard_fsdp
+
+    init_rank(rank, tmp)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        prec = _precision("bf16-pure", compensation="stochastic")
+        prec.prepare_fsdp()
+        model = shard_fsdp(prec.setup(_Net())[0], prec)
+        opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        x, y = _data()
+        _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        runs.append((opt.noise(torch.device("cpu")).seed, _full(model)))
+    torch.save(runs, f"{tmp}/noise{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_stochastic_rounding_noise_is_distinct_per_shard_and_reproducible(tmp_path):
+    run_ranks(_noise_ranks, str(tmp_path))
+    r0, r1 = (torch.load(f"{tmp_path}/noise{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0[0][0] != r1[0][0]  # each shard its own stream
+    for runs in (r0, r1):  # the same seed, the same run
+        assert runs[0][0] == runs[1][0] and all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
