@@ -70,7 +70,7 @@ def test_masters_are_the_kinds_decision():
 
 def test_fsdp_policies_come_from_the_kind():
     """Master modes: fp32 shards gathered in 16 bits, reduced in fp32; pure modes: 16-bit shards gathered and
-    reduced as they are; kept-fp32 modules: fp32 throughout; fp8 still refused in one line."""
+    reduced as they are; kept-fp32 modules: fp32 throughout; fp8-delayed refused in one line."""
     pytest.importorskip("torch.distributed.fsdp")
     master = _precision("fp16-master").prepare_fsdp()
     assert (master.param_dtype, master.reduce_dtype) == (torch.float16, torch.float32)
@@ -78,8 +78,9 @@ def test_fsdp_policies_come_from_the_kind():
     assert (pure.param_dtype, pure.reduce_dtype) == (None, None)
     kept = _precision("bf16-master").fp32_policy()
     assert (kept.param_dtype, kept.reduce_dtype) == (None, torch.float32)
-    with pytest.raises(ValueError, match="fp8.*--strategy ddp"):
-        _precision("fp8-rowwise").prepare_fsdp()
+    assert _precision("fp8-rowwise").prepare_fsdp().param_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="fp8-delayed.*--strategy ddp"):
+        _precision("fp8-delayed").prepare_fsdp()
 
 
 def test_prepare_fsdp_turns_the_layout_off_or_refuses_it():

@@ -51,6 +51,12 @@ class Fp8Precision(AutocastPrecision):
         return super()._details() + [self.fp8.describe()]
 
     def fsdp_policy(self):
-        raise ValueError(
-            f"precision={self.name!r} under --strategy fsdp is not supported yet (fp8 Linears with sharded "
-            "weights and their amax state are untested under FSDP2): use --strategy ddp, or bf16-mixed with fsdp.")
+        """fp8-tensorwise/rowwise: fp32 shards gathered in bf16 (torchao's Float8Linear casts them to fp8 per
+        forward), gradients reduced in fp32. fp8-delayed is refused: its amax histories are reduced across ranks
+        layer by layer and its recipe buffers do not go through FSDP's state dict yet."""
+        if self.mode.name == "fp8-delayed":
+            raise ValueError(
+                "precision='fp8-delayed' under --strategy fsdp is not supported yet (its amax histories are reduced "
+                "layer by layer and do not go through FSDP's state dict): use fp8-tensorwise or fp8-rowwise with "
+                "fsdp, or --strategy ddp.")
+        return super().fsdp_policy()
