@@ -70,7 +70,9 @@ class _Core:
     """The shared part: one ampkit Precision, the module conversion and the once-per-optimizer change."""
 
     def _init_core(self, precision: Any, device: Any, kwargs: Dict[str, Any]) -> None:
-        self.ampkit = Precision(lightning_precision_name(precision), device, **kwargs)
+        # Lightning builds and steps the optimizer: its kernel stays the one the user chose (as Lightning's own
+        # plugins leave it) unless fused_optimizer=True is given
+        self.ampkit = Precision(lightning_precision_name(precision), device, **{"fused_optimizer": False, **kwargs})
         self.precision = _LIGHTNING_NAME.get(self.ampkit.name, "bf16-mixed" if self.ampkit.fp8 is not None
                                              else "32-true")  # fp8 modes: fp32 params, bf16-mixed around fp8 GEMMs
         self._fp32_copies: Dict[int, torch.Tensor] = {}

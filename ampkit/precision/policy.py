@@ -201,10 +201,7 @@ class Precision(KindHooks, metaclass=_ByKind):
         modes also the norms and Hugging Face's ``_keep_in_fp32_modules`` (``ampkit.precision.keep_fp32``)."""
         return dict(getattr(self, "_kept_fp32", None) or dict.fromkeys(self.fp32_modules, "fp32_modules"))
 
-    @property
-    def is_setup(self) -> bool:
-        """True once ``setup`` ran (then the mode and layout are fixed)."""
-        return self._setup_done
+    is_setup = property(lambda self: self._setup_done, doc="True once ``setup`` ran (mode and layout fixed).")
 
     # ------------------------------------------------------------------ properties
     @property
@@ -232,11 +229,8 @@ class Precision(KindHooks, metaclass=_ByKind):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None):
-        """Prepare model (device, dtype, memory format, islands) and optimizer: exactly ``convert_module(model)``
-        then ``wrap_optimizer(optimizer)``, so every option acts the same either way.
-
-        Returns ``(model, optimizer)``; build the optimizer over ``model.parameters()`` first.
-        """
+        """Prepare model (device, dtype, memory format, islands) and optimizer, exactly ``convert_module(model)`` then
+        ``wrap_optimizer(optimizer)``; build the optimizer over ``model.parameters()`` first. Returns both."""
         if self.fp32_modules:  # a wrong name fails before the model or the optimizer is changed
             resolve_module_names(model, self.fp32_modules)
         model = self._convert_model(model.to(self.device))

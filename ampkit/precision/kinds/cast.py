@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, List
 
-import torch
 from torch import nn
 
 from ..convert import cast_floating, convert_model, hook_io

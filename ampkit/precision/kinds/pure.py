@@ -42,10 +42,13 @@ class PurePrecision(CastParams):
                 "not Kahan compensation: drop compensation='kahan' (or use optimizer_state='bf16').")
 
     def _convert_model(self, model):
-        from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
 
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # torch built without distributed
+            FSDPModule = ()
+        if FSDPModule and any(isinstance(m, FSDPModule) for m in model.modules()):
             raise ValueError(f"precision={self.name!r} casts the parameters, which fully_shard already sharded: "
                              "call precision.setup(model) before fully_shard (or shard with "
                              "ampkit.train.distributed.shard_fsdp(model, precision) after setup).")
