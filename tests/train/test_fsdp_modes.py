@@ -48,7 +48,7 @@ def _precision(mode, **kwargs):
         warnings.simplefilter("ignore")
         # fp16: a start scale the tiny model's gradients do not overflow at (the one-process and per-rank
         # batches differ in size, so the first overflow step could differ)
-        return ampkit.Precision(mode, "cpu", **({"init_scale": 1024.0} if "fp16" in mode else {}), **kwargs)
+        return ampkit.Precision(mode, "cpu", **{**({"init_scale": 1024.0} if "fp16" in mode else {}), **kwargs})
 
 
 def _train(model, opt, prec, x, y):
@@ -85,9 +85,9 @@ def _ranks(rank, tmp, modes, order):
     init_rank(rank, tmp)
     out = {}
     x, y = _data()
-    for mode in modes:
+    for mode in modes + ("fp16-master-overflow",):
         torch.manual_seed(0)
-        prec = _precision(mode)
+        prec = _precision(mode) if mode in modes else _precision("fp16-master", init_scale=2.0**30)
         model = _Net()
         if order == "setup-first":
             prec.prepare_fsdp()
@@ -100,10 +100,9 @@ def _ranks(rank, tmp, modes, order):
             model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         assert not any(g.get("fused") for g in opt.param_groups)  # no aten._fused_sgd_ on DTensors
         _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
-        out[mode] = {"params": _full(model), "skipped": prec.skipped_steps,
+        out[mode] = {"params": _full(model), "skipped": prec.skipped_steps, "scale": prec.loss_scale,
                      "dtypes": {n: p.dtype for n, p in model.named_parameters()}}
-    if rank == 0:
-        torch.save(out, f"{tmp}/out.pt")
+    torch.save(out, f"{tmp}/out{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -115,7 +114,7 @@ def _max_diff(a, b):
 def sharded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_modes")
     run_ranks(_ranks, str(tmp), MODES, "setup-first")
-    return torch.load(f"{tmp}/out.pt", weights_only=False)
+    return [torch.load(f"{tmp}/out{r}.pt", weights_only=False) for r in (0, 1)]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -125,7 +124,7 @@ def test_two_processes_match_one_process_within_the_modes_noise(sharded, mode):
     of effect). Twice that bounds the sharded run; a wrong average or a lost update moves it far more."""
     one, ref = _one_process(mode), _one_process("fp32")
     noise = _max_diff(one, ref)
-    two = sharded[mode]
+    two = sharded[0][mode]
     assert two["skipped"] == 0
     assert _max_diff(two["params"], one) <= 2 * noise + 1e-6
     untrained = _full(_Net()) if torch.manual_seed(0) is not None else None
@@ -296,3 +295,11 @@ def test_stochastic_rounding_noise_is_distinct_per_shard_and_reproducible(tmp_pa
     assert r0[0][0] != r1[0][0]  # each shard its own stream
     for runs in (r0, r1):  # the same seed, the same run
         assert runs[0][0] == runs[1][0] and all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+def test_loss_scaling_on_sharded_gradients_agrees_across_ranks(sharded):
+    """fp16-master started at a scale that overflows: each rank checks only its own shard, the found-inf flag
+    is all-reduced, so both ranks skip the same steps and back off to the same scale."""
+    r0, r1 = (sharded[r]["fp16-master-overflow"] for r in (0, 1))
+    assert r0["skipped"] >= 1 and (r0["skipped"], r0["scale"]) == (r1["skipped"], r1["scale"])
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
