@@ -140,7 +140,8 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
     """Refuse a checkpoint that cannot continue this run (incomplete, other options or model); say what
     other schedule options change (``steps_per_epoch`` None: the schedule is the user's own). Returns
     ``cfg`` with the checkpoint's lr, which continues in its optimizer and scheduler state."""
-    missing = [k for k in ("model", "optimizer", "precision", "progress", "rng") if k not in ck]
+    needed = ("precision", "progress", "rng") + (() if "sharded" in ck else ("model", "optimizer"))
+    missing = [k for k in needed if k not in ck]
     if missing:
         raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
                                    "incomplete or was not written by the ampkit Trainer.")
@@ -231,7 +232,7 @@ def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], Non
         if out is None and os.path.basename(parent) == "checkpoints":
             out = os.path.dirname(parent)
     if not out:  # a checkpoint outside a run directory: its own copy of the options, into a new --out
-        if not path or not os.path.isfile(path):
+        if not path or not os.path.exists(path):
             return None, None
         saved = dict(plan.load(path).get("config") or {})
         saved.pop("resume", None)
@@ -247,7 +248,7 @@ def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], Non
                 note(f"{e}; using the checkpoint's copy of the run's options")
     if saved is None:
         path = path or checkpoint_to_resume("auto", out)
-        if not path or not os.path.isfile(path):
+        if not path or not os.path.exists(path):
             return out, None
         saved = dict(plan.load(path).get("config") or {})
     saved.pop("resume", None)

@@ -30,7 +30,7 @@ from ..precision import NonFiniteGradientsError
 from ..utils.tree import to_device
 from . import checkpoint as ckpt
 from . import distributed as _dist
-from . import resume, setup
+from . import resume, setup, sharded
 from .batches import Batches, unwrap_loaders
 from .config import TrainConfig
 from .evaluate import default_loss, evaluate_shards
@@ -171,10 +171,13 @@ class Trainer:
         return self.raw_model.state_dict(), self.optimizer.state_dict()
 
     def state_dict(self) -> Dict[str, Any]:
+        """The run's whole state, model and optimizer unsharded (under FSDP gathered on rank 0: a collective)."""
         model_state, optim_state = self._model_optim_state()
+        return {"model": model_state, "optimizer": optim_state, **self._run_state()}
+
+    def _run_state(self) -> Dict[str, Any]:
+        """Everything of a checkpoint but the model and the optimizer."""
         return {
-            "model": model_state,
-            "optimizer": optim_state,
             "precision": self.precision.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "progress": {"epoch": self.epoch, "batch": self.batch_in_epoch, "global_step": self.global_step,
@@ -188,8 +191,18 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Optional[str]:
-        """Write a checkpoint of the run's state (every rank calls it); its path on the rank that wrote it."""
+        """Write a checkpoint of the run's state (every rank calls it); its path on the ranks that wrote it.
+        Under FSDP each rank writes its own shard (a sharded checkpoint directory, `ampkit.train.sharded`);
+        otherwise rank 0 writes one file."""
         directory = checkpoint_dir(self.run_dir)
+        if directory is not None and self._fsdp:
+            path = sharded.save_sharded(self.raw_model, self.optimizer, self._run_state(),
+                                        ckpt.sharded_path(directory, self.attempted_steps))
+            if _dist.is_main_process():
+                ckpt.prune_checkpoints(directory, self.config.keep_last)
+            self.last_checkpoint = path
+            _dist.barrier()
+            return path
         if directory is None or not _dist.is_main_process():
             if directory is not None and self._fsdp:
                 self._model_optim_state()  # rank 0 gathers the shards: take part
@@ -214,7 +227,9 @@ class Trainer:
             ck = to_device(ck, self.device)  # a plan reads on the CPU: where map_location would have put it
         try:
             self.precision.load_state_dict(ck["precision"])
-            if self._fsdp:
+            if "sharded" in ck:  # each rank reads the slices of its own shards
+                sharded.load_sharded(self.raw_model, self.optimizer, ck["sharded"])
+            elif self._fsdp:  # a single-file checkpoint: every rank reads it whole, then keeps its shard
                 _dist.load_full_state(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
             else:
                 self.raw_model.load_state_dict(ck["model"])

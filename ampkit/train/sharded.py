@@ -1,0 +1,386 @@
+"""Sharded checkpoints: ``torch.distributed.checkpoint`` (DCP), each rank writing its own shard.
+
+A sharded checkpoint is a directory, written under a temporary name and renamed when complete::
+
+    checkpoints/step-NNNNNNNN/
+        __0_0.distcp, __1_0.distcp, ...   model and optimizer shards, one file per rank (DCP)
+        .metadata                         DCP's index: which slice of which tensor lies where
+        state.pt                          the rest of the checkpoint (precision, scheduler, progress, rng,
+                                          config, model_signature): a single-file checkpoint without
+                                          "model" and "optimizer", loaded with weights_only=True
+        manifest.json                     format, version, layout, world size, size and CRC-32 of every file
+
+Saving is a collective (every rank calls `save_sharded`): each rank writes and fsyncs its shard into
+``.tmp-step-NNNNNNNN-*/``; rank 0 adds ``.metadata``, ``state.pt`` and the manifest (every file's CRC-32,
+each rank checksumming its own), then renames the directory to ``step-NNNNNNNN``. A crash before the
+rename leaves a ``.tmp-*`` directory that the loaders ignore and a resume deletes; the previous
+checkpoints are untouched.
+
+Loading reads only what this rank's shards need (DCP's load plan), resharded to any world size (a
+checkpoint of N ranks loads into M ranks, or one process). Nothing in it runs code: ``.metadata``, a
+pickle, is read with an unpickler that knows only DCP's metadata classes, torch sizes and dtypes;
+DCP's non-tensor entries (the optimizer's hyperparameters) with ``torch.load(weights_only=True)``;
+every file's bytes are checked against the manifest's CRC-32 first (the ranks share the reading), so
+a damaged shard is named in one line instead of trained on.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import warnings
+import zlib
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+
+__all__ = ["MANIFEST", "STATE", "is_sharded", "save_sharded", "read_sharded", "load_sharded", "module_state"]
+
+MANIFEST = "manifest.json"
+STATE = "state.pt"
+LAYOUT = "sharded"
+_CHUNK = 1 << 20
+
+
+def is_sharded(path: Optional[str]) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (it has a manifest)."""
+    return bool(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _crc32(path: str) -> Tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_CHUNK)
+            if not block:
+                return size, crc
+            crc, size = zlib.crc32(block, crc), size + len(block)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _rank_world() -> Tuple[int, int]:
+    from .distributed import rank_and_world
+
+    return rank_and_world()
+
+
+def _first_error(mine: Optional[Tuple[str, str, bool]]) -> Optional[Tuple[str, str, bool]]:
+    """Every rank's error (type name, message, damaged), the first one found on any rank (one collective)."""
+    rank, world = _rank_world()
+    if world == 1:
+        return mine
+    import torch.distributed as dist
+
+    errors: List[Any] = [None] * world
+    dist.all_gather_object(errors, mine)
+    return next((e for e in errors if e is not None), None)
+
+
+@contextlib.contextmanager
+def _one_process_is_meant():
+    """DCP warns when no process group is up; a single process is a use ampkit means (a resharded resume)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def module_state(model: nn.Module, optimizer) -> Dict[str, Any]:
+    """{"model", "optimizer"} as ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives them:
+    this rank's shards under FSDP, full tensors otherwise, the optimizer's keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optimizer": osd}
+
+
+# ---------------------------------------------------------------------- saving
+def save_sharded(model: nn.Module, optimizer, state: Dict[str, Any], path: str) -> str:
+    """Write the sharded checkpoint ``path`` (a directory): model and optimizer shards from every rank,
+    ``state`` (the rest; rank 0's is written) beside them. Collective: every rank calls it. A failed
+    write (any rank) removes the temporary directory and raises the same CheckpointError on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _rank_world()
+    directory = os.path.dirname(os.path.abspath(path))
+    name = os.path.basename(path)
+    tmp, err = None, None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=directory)
+        except OSError as e:
+            err = ("OSError", e.strerror or str(e), False)
+    if world > 1:
+        from .distributed import broadcast_object
+
+        tmp, err = broadcast_object((tmp, err))
+    if err is None:
+        try:
+            writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+            with _one_process_is_meant():
+                dcp.save(module_state(model, optimizer), storage_writer=writer)
+            mine = {f: _crc32(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))
+                    if f.startswith(f"__{rank}_") and f.endswith(".distcp")}
+        except Exception as e:  # DCP raises on every rank when one rank's write failed
+            err, mine = (type(e).__name__, _os_reason(e), False), {}
+    files = _gather_files(mine, err)
+    if rank == 0 and err is None:
+        try:
+            _finish(tmp, path, state, files, world)
+        except Exception as e:
+            err = (type(e).__name__, _os_reason(e), False)
+    if err is None:
+        err = _first_error(None) if world > 1 else None
+    elif world > 1:
+        err = _first_error(err)
+    if err is not None:
+        if rank == 0 and tmp and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ckpt.CheckpointError(
+            f"could not write checkpoint {path!r}: {err[1]}; earlier checkpoints are intact "
+            "(free disk space or fix permissions, then resume with --resume auto).")
+    return path
+
+
+def _os_reason(e: BaseException) -> str:
+    seen = 0
+    cause: Optional[BaseException] = e
+    while cause is not None and seen < 8:
+        if isinstance(cause, OSError):
+            return cause.strerror or str(cause)
+        failures = getattr(cause, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            cause = inner[0] if isinstance(inner, tuple) else inner
+        else:
+            cause = cause.__cause__ or cause.__context__
+        seen += 1
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def _gather_files(mine: Dict[str, Tuple[int, int]], err) -> Dict[str, Tuple[int, int]]:
+    rank, world = _rank_world()
+    if world == 1:
+        return mine
+    import torch.distributed as dist
+
+    parts: List[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in (part or {}).items()}
+
+
+def _finish(tmp: str, path: str, state: Dict[str, Any], files: Dict[str, Tuple[int, int]], world: int) -> None:
+    """Rank 0: state.pt and the manifest into ``tmp``, then ``tmp`` renamed to ``path``."""
+    state_path = os.path.join(tmp, STATE)
+    with open(state_path, "wb") as f:
+        torch.save({"format": ckpt.FORMAT, "version": ckpt.VERSION, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    files = dict(files)
+    for extra in (".metadata", STATE):
+        files[extra] = _crc32(os.path.join(tmp, extra))
+    manifest = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "layout": LAYOUT, "world_size": world,
+                "files": {k: {"bytes": s, "crc32": c} for k, (s, c) in sorted(files.items())}}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = None
+    if os.path.lexists(path):  # a save of the same step again: the new one replaces it
+        old = tempfile.mkdtemp(prefix=f".tmp-old-{os.path.basename(path)}-", dir=os.path.dirname(path))
+        os.rename(path, os.path.join(old, "ck"))
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- reading
+def read_sharded(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
+    """The checkpoint's small part (``state.pt``) validated, plus ``"sharded"``: {"path", "world_size",
+    "files"}; the shards themselves are read by `load_sharded`. Damage and foreign files: CheckpointError."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        files = {str(k): (int(v["bytes"]), int(v["crc32"])) for k, v in manifest["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ckpt.CheckpointError(f"checkpoint {path!r} is corrupt: its {MANIFEST} cannot be read "
+                                   f"({type(e).__name__}).", damaged=True) from e
+    if not isinstance(manifest, dict) or manifest.get("format") != ckpt.FORMAT or manifest.get("layout") != LAYOUT:
+        raise ckpt.CheckpointError(f"checkpoint {path!r} is not an ampkit sharded checkpoint (its {MANIFEST} has "
+                                   f"no '{ckpt.FORMAT}' format and '{LAYOUT}' layout).")
+    if manifest.get("version") != ckpt.VERSION:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path!r} has format version {manifest.get('version')!r}; this ampkit reads version "
+            f"{ckpt.VERSION}. Use the ampkit release that wrote it, or start a new run.")
+    for name in files:
+        if os.path.basename(name) != name or name.startswith(".tmp"):
+            raise ckpt.CheckpointError(f"checkpoint {path!r} was refused: its {MANIFEST} names the file {name!r} "
+                                       "outside its directory; nothing was read.")
+    problem = _check_files(path, [f for f in (STATE, ".metadata") if f in files] or [STATE], files)
+    if problem:
+        raise ckpt.CheckpointError(problem, damaged=True)
+    ck = ckpt.load_checkpoint(os.path.join(path, STATE), map_location=map_location)
+    ck["sharded"] = {"path": path, "world_size": int(manifest.get("world_size", 1)), "files": files}
+    return ck
+
+
+def _check_files(path: str, names: List[str], files: Dict[str, Tuple[int, int]]) -> Optional[str]:
+    """The first of ``names`` whose size or CRC-32 differs from the manifest's, said in one sentence."""
+    for name in names:
+        full = os.path.join(path, name)
+        if name not in files:
+            return f"checkpoint {path!r} is incomplete: {MANIFEST} does not list {name!r}."
+        if not os.path.isfile(full):
+            return f"checkpoint {path!r} is incomplete: its shard {name!r} is missing."
+        size, crc = _crc32(full)
+        want_size, want_crc = files[name]
+        if size != want_size:
+            return (f"checkpoint {path!r} is corrupt: {name!r} has {size} bytes, {want_size} were written "
+                    "(truncated or overwritten).")
+        if crc != want_crc:
+            return (f"checkpoint {path!r} is corrupt: the bytes of {name!r} do not match their CRC-32 checksum "
+                    "(the file was damaged after it was written).")
+    return None
+
+
+def load_sharded(model: nn.Module, optimizer, info: Dict[str, Any]) -> None:
+    """Load a sharded checkpoint's model and optimizer state (``info``: `read_sharded`'s ``"sharded"``) into
+    ``model`` (FSDP-sharded, DDP-wrapped's module, or plain) and ``optimizer``, resharded to this run's
+    ranks. Collective under a process group. Damage or a refused file: the same CheckpointError on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from .distributed import keep_implementation
+
+    path, files = info["path"], info["files"]
+    rank, world = _rank_world()
+    shards = sorted(f for f in files if f.endswith(".distcp"))
+    problem = _check_files(path, shards[rank::world], files)
+    err = _first_error(("CheckpointError", problem, True) if problem else None)
+    if err is not None:
+        raise ckpt.CheckpointError(err[1], damaged=err[2])
+    target = module_state(model, optimizer)
+    try:
+        with _one_process_is_meant():
+            dcp.load(target, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+    except ckpt.CheckpointError:
+        raise
+    except Exception as e:
+        refused = _refusal(e)
+        if refused is not None:
+            raise ckpt.CheckpointError(refused) from e
+        raise ValueError(_os_reason(e)) from e
+    osd = keep_implementation(target["optimizer"], optimizer)
+    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=osd,
+                   options=StateDictOptions(strict=True))
+
+
+def _refusal(e: BaseException) -> Optional[str]:
+    seen, cause = 0, e
+    while cause is not None and seen < 8:
+        if isinstance(cause, ckpt.CheckpointError):
+            return str(cause)
+        failures = getattr(cause, "failures", None)
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            cause = inner[0] if isinstance(inner, tuple) else inner
+        else:
+            cause = cause.__cause__ or cause.__context__
+        seen += 1
+    return None
+
+
+# ---------------------------------------------------------------------- safe readers
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_DCP_METADATA, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` pickle, with only its own classes, torch sizes, dtypes and layouts allowed."""
+
+    def __init__(self, f, path: str) -> None:
+        super().__init__(f)
+        self._path = path
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise ckpt.CheckpointError(
+            f"checkpoint {self._path!r} was refused: its .metadata names the Python object {module}.{name}, which "
+            "could run code when unpickled; ampkit reads only DCP's metadata classes there. Nothing was executed.")
+
+
+class SafeReader:
+    """``FileSystemReader`` whose ``read_metadata`` uses `_MetadataUnpickler` (built on first use)."""
+
+    def __new__(cls, path: str):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        class _Reader(FileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any):
+                rank = kwargs.get("rank")
+                meta_path = self._get_metadata_path(rank)
+                try:
+                    with self.fs.create_stream(meta_path, "rb") as f:
+                        metadata = _MetadataUnpickler(f, path).load()
+                except ckpt.CheckpointError:
+                    raise
+                except Exception as e:
+                    raise ckpt.CheckpointError(f"checkpoint {path!r} is corrupt: its .metadata cannot be read "
+                                               f"({type(e).__name__}).", damaged=True) from e
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                for info in (getattr(metadata, "storage_data", None) or {}).values():
+                    rel = str(getattr(info, "relative_path", ""))
+                    if os.path.basename(rel) != rel:
+                        raise ckpt.CheckpointError(f"checkpoint {path!r} was refused: its .metadata points outside "
+                                                   f"its directory ({rel!r}); nothing was read.")
+                return metadata
+
+        return _Reader(path)
+
+
+class SafeLoadPlanner:
+    """DCP's ``DefaultLoadPlanner`` with non-tensor entries read by ``torch.load(weights_only=True)``."""
+
+    def __new__(cls):
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
+
+        class _Planner(DefaultLoadPlanner):
+            def load_bytes(self, read_item, value: io.BytesIO) -> None:
+                obj = torch.load(value, weights_only=True)
+                if self.flatten_state_dict:
+                    set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+                else:
+                    self.state_dict[read_item.dest_index.fqn] = obj
+
+        return _Planner()
