@@ -41,7 +41,7 @@ from torch import nn
 
 from . import checkpoint as ckpt
 
-__all__ = ["MANIFEST", "STATE", "is_sharded", "save_sharded", "read_sharded", "load_sharded", "module_state"]
+__all__ = ["MANIFEST", "STATE", "is_sharded", "save_sharded", "read_sharded", "read_metadata", "load_sharded", "consolidate", "module_state"]
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
@@ -278,10 +278,17 @@ def load_sharded(model: nn.Module, optimizer, info: Dict[str, Any]) -> None:
     err = _first_error(("CheckpointError", problem, True) if problem else None)
     if err is not None:
         raise ckpt.CheckpointError(err[1], damaged=err[2])
+    try:
+        metadata, problem = read_metadata(path), None
+    except ckpt.CheckpointError as e:
+        metadata, problem = None, (str(e), e.damaged)
+    err = _first_error(("CheckpointError",) + problem if problem else None)
+    if err is not None:
+        raise ckpt.CheckpointError(err[1], damaged=err[2])
     target = module_state(model, optimizer)
     try:
         with _one_process_is_meant():
-            dcp.load(target, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+            dcp.load(target, storage_reader=_safe_reader(path, metadata), planner=_safe_planner())
     except ckpt.CheckpointError:
         raise
     except Exception as e:
@@ -336,51 +343,75 @@ class _MetadataUnpickler(pickle.Unpickler):
             "could run code when unpickled; ampkit reads only DCP's metadata classes there. Nothing was executed.")
 
 
-class SafeReader:
-    """``FileSystemReader`` whose ``read_metadata`` uses `_MetadataUnpickler` (built on first use)."""
+def read_metadata(path: str):
+    """The checkpoint's DCP ``.metadata``, unpickled by `_MetadataUnpickler`; refusals and damage: CheckpointError."""
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except ckpt.CheckpointError:
+        raise
+    except Exception as e:
+        raise ckpt.CheckpointError(f"checkpoint {path!r} is corrupt: its .metadata cannot be read "
+                                   f"({type(e).__name__}).", damaged=True) from e
+    from torch.distributed.checkpoint.metadata import Metadata
 
-    def __new__(cls, path: str):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        class _Reader(FileSystemReader):
-            def read_metadata(self, *args: Any, **kwargs: Any):
-                rank = kwargs.get("rank")
-                meta_path = self._get_metadata_path(rank)
-                try:
-                    with self.fs.create_stream(meta_path, "rb") as f:
-                        metadata = _MetadataUnpickler(f, path).load()
-                except ckpt.CheckpointError:
-                    raise
-                except Exception as e:
-                    raise ckpt.CheckpointError(f"checkpoint {path!r} is corrupt: its .metadata cannot be read "
-                                               f"({type(e).__name__}).", damaged=True) from e
-                if getattr(metadata, "storage_meta", None) is None:
-                    metadata.storage_meta = StorageMeta()
-                metadata.storage_meta.load_id = self.load_id
-                for info in (getattr(metadata, "storage_data", None) or {}).values():
-                    rel = str(getattr(info, "relative_path", ""))
-                    if os.path.basename(rel) != rel:
-                        raise ckpt.CheckpointError(f"checkpoint {path!r} was refused: its .metadata points outside "
-                                                   f"its directory ({rel!r}); nothing was read.")
-                return metadata
-
-        return _Reader(path)
+    if not isinstance(metadata, Metadata):
+        raise ckpt.CheckpointError(f"checkpoint {path!r} is corrupt: its .metadata holds a {type(metadata).__name__}, "
+                                   "not DCP's Metadata.", damaged=True)
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        if os.path.basename(rel) != rel:
+            raise ckpt.CheckpointError(f"checkpoint {path!r} was refused: its .metadata points outside its "
+                                       f"directory ({rel!r}); nothing was read.")
+    return metadata
 
 
-class SafeLoadPlanner:
-    """DCP's ``DefaultLoadPlanner`` with non-tensor entries read by ``torch.load(weights_only=True)``."""
+def _safe_reader(path: str, metadata):
+    """A ``FileSystemReader`` of ``path`` that answers `read_metadata`'s checked copy instead of unpickling."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    def __new__(cls):
-        from torch.distributed.checkpoint import DefaultLoadPlanner
-        from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-        class _Planner(DefaultLoadPlanner):
-            def load_bytes(self, read_item, value: io.BytesIO) -> None:
-                obj = torch.load(value, weights_only=True)
-                if self.flatten_state_dict:
-                    set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-                else:
-                    self.state_dict[read_item.dest_index.fqn] = obj
+    return _Reader(path)
 
-        return _Planner()
+
+def _safe_planner(empty: bool = False):
+    """DCP's ``DefaultLoadPlanner`` (``empty``: the one that rebuilds the whole state dict from the metadata)
+    with non-tensor entries read by ``torch.load(weights_only=True)`` instead of a full unpickle."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    class _Planner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Planner()
+
+
+def consolidate(path: str) -> Dict[str, Any]:
+    """A sharded checkpoint gathered whole in this process (no process group needed): its state plus
+    ``"model"`` (full tensors, keyed like ``model.state_dict()``) and ``"optimizer"`` (keyed by parameter
+    name, as ``get_optimizer_state_dict`` gives it). For exporting the weights; a resume never needs it."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # as torch's dcp_to_torch_save
+
+    ck = read_sharded(path)
+    info = ck.pop("sharded")
+    problem = _check_files(path, sorted(f for f in info["files"] if f.endswith(".distcp")), info["files"])
+    if problem:
+        raise ckpt.CheckpointError(problem, damaged=True)
+    whole: Dict[str, Any] = {}
+    reader = _safe_reader(path, read_metadata(path))
+    with _one_process_is_meant():
+        _load_state_dict(whole, storage_reader=reader, planner=_safe_planner(empty=True), no_dist=True)
+    return {**ck, **whole}

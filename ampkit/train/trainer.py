@@ -236,6 +236,8 @@ class Trainer:
                 self.optimizer.load_state_dict(_dist.keep_implementation(ck["optimizer"], self.optimizer))
             if self.scheduler is not None and ck.get("scheduler"):
                 self.scheduler.load_state_dict(ck["scheduler"])
+        except ckpt.CheckpointError:  # a damaged or refused shard: said as it is
+            raise
         except (KeyError, RuntimeError, ValueError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
         self.epoch, self.batch_in_epoch, self.global_step, self.attempted_steps = resume.saved_position(
