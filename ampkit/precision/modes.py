@@ -100,6 +100,7 @@ ALIASES = {
     # fp16 autocast (Lightning, Keras, apex O1, accelerate, torch); a bare dtype name means autocast in it
     "16-mixed": "fp16-mixed", "16": "fp16-mixed", "mixed_float16": "fp16-mixed", "o1": "fp16-mixed",
     "fp16": "fp16-mixed", "amp": "fp16-mixed", "float16-mixed": "fp16-mixed", "float16": "fp16-mixed",
+    "half": "fp16-mixed",  # torch.half is float16's other name: a bare dtype name (torch's .half() model: fp16-pure)
     # bf16 autocast
     "bf16-mixed": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "bf16": "bf16-mixed",
     "bfloat16-mixed": "bf16-mixed", "bfloat16": "bf16-mixed",
@@ -146,4 +147,14 @@ def resolve(name: str, dialect: str = "ampkit") -> str:
             return k
         if k in ALIASES:
             return ALIASES[k]
-    raise ValueError(f"Unknown precision {name!r}. Valid names ({valid_names()})")
+    raise ValueError(f"Unknown precision {name!r}{_nearest(key)} The modes: {', '.join(list(MODES) + [AUTO])}; "
+                     "or an alias (O0-O3, 16-mixed, bf16-true, mixed_bfloat16, ...: ampkit.precision.ALIASES).")
+
+
+def _nearest(key: str) -> str:
+    """': did you mean a, b?' for the names closest to ``key`` (those it begins, else spelled alike), else '.'."""
+    import difflib
+
+    names = list(MODES) + [AUTO] + [a for a in ALIASES if a not in MODES]
+    found = [n for n in MODES if key and n.startswith(key)] or difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    return f": did you mean {', '.join(found)}?" if found else "."

@@ -129,10 +129,11 @@ def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: B
                  saved_mode: Optional[str], single_process: bool) -> Precision:
     """Measure what the run left open on this model and its first batch (``ampkit.tune``; cached
     per machine): the mode for precision auto, the memory format of a conv model, attention kernels.
-    A resumed auto run keeps its checkpoint's mode (``saved_mode``). Several processes keep the defaults
+    A resumed auto run keeps its checkpoint's mode (``saved_mode``); with no checkpoint yet, auto
+    chooses as a fresh start does. Several processes keep the defaults
     (every rank must run the same mode and layout, and timings differ per rank)."""
     modes = prec.requested == AUTO
-    if modes and cfg.resume:
+    if modes and saved_mode:  # a checkpoint to continue (a run that stopped before its first: chosen afresh)
         if saved_mode and saved_mode != prec.name and saved_mode in MODES:
             prec = prec.retuned(Tuned(mode=saved_mode, mode_reason="the resumed run's precision"))
         modes = False
