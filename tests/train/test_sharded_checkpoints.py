@@ -2,6 +2,8 @@
 shard per rank; the checkpoint resumes bitwise on 2 ranks (each rank reading only its half), continues on
 1 process, and a single-file checkpoint still resumes under FSDP. A damaged shard is one line (exit 2); a
 .metadata that would run code is refused; a kill mid-save leaves the previous checkpoint loadable.
+``get_state_dict``/``set_state_dict`` continue every mode bitwise under DDP (one process:
+tests/precision/test_dcp_state_dict.py).
 """
 import contextlib
 import io
@@ -22,6 +24,7 @@ from ampkit.cli import main
 from ampkit.train import sharded
 from ampkit.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, remove_partial_writes,
                                      sharded_path)
+from dcp_state_helpers import CASES, IDS, continued, equal
 from distributed_helpers import init_rank, run_ranks
 
 ARGS = ["train", "--data", "digits", "--model", "mlp", "--precision", "fp32", "--save-every", "3", "--keep-last", "5",
@@ -70,6 +73,16 @@ def _worker(rank, tmp):
         _flip(f"{tmp}/damaged/checkpoints/step-00000006/__1_0.distcp")
     dist.barrier()
     out["damaged"] = _quiet(["train", "--out", f"{tmp}/damaged", "--resume", "auto", "--max-steps", "9"])
+    # get_state_dict / set_state_dict under DDP, every mode
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out["ddp_state_dict"] = {}
+    for case, (mode, kw) in zip(IDS, CASES):
+        try:
+            (ref_model, ref_optim), (model, optim) = continued(mode, kw, wrap=DDP)
+            out["ddp_state_dict"][case] = equal(model, ref_model) and equal(optim, ref_optim) or "not bitwise"
+        except Exception as e:
+            out["ddp_state_dict"][case] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
 
 
@@ -86,14 +99,7 @@ def _ck(tmp, run, step):
     return sharded_path(os.path.join(tmp, run, "checkpoints"), step)
 
 
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
+_equal = equal
 
 
 def test_each_rank_writes_its_shard_and_a_resume_on_two_ranks_is_bitwise(runs):
@@ -237,3 +243,9 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, point
     assert _equal(model.state_dict(), model2.state_dict()) and ck["progress"] == {"epoch": 1}
     remove_partial_writes(directory)
     assert os.listdir(directory) == ["step-00000001"]
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_get_and_set_state_dict_under_ddp_continue_bitwise(runs, case):
+    assert runs["ranks"][0]["ddp_state_dict"][case] is True
+    assert runs["ranks"][1]["ddp_state_dict"][case] is True
