@@ -138,7 +138,7 @@ def save_sharded(model: nn.Module, optimizer, state: Dict[str, Any], path: str) 
                 dcp.save(module_state(model, optimizer), storage_writer=writer)
             mine = {f: _crc32(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))
                     if f.startswith(f"__{rank}_") and f.endswith(".distcp")}
-        except Exception as e:  # DCP raises on every rank when one rank's write failed
+        except _dcp_errors() as e:  # DCP raises on every rank when one rank's write failed
             err, mine = (type(e).__name__, _os_reason(e), False), {}
     files = _gather_files(mine, err)
     if rank == 0 and err is None:
@@ -157,6 +157,13 @@ def save_sharded(model: nn.Module, optimizer, state: Dict[str, Any], path: str) 
             f"could not write checkpoint {path!r}: {err[1]}; earlier checkpoints are intact "
             "(free disk space or fix permissions, then resume with --resume auto).")
     return path
+
+
+def _dcp_errors() -> tuple:
+    """What a failed DCP save or load raises: its CheckpointException (a BaseException) and ordinary errors."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def _os_reason(e: BaseException) -> str:
@@ -291,7 +298,7 @@ def load_sharded(model: nn.Module, optimizer, info: Dict[str, Any]) -> None:
             dcp.load(target, storage_reader=_safe_reader(path, metadata), planner=_safe_planner())
     except ckpt.CheckpointError:
         raise
-    except Exception as e:
+    except _dcp_errors() as e:
         refused = _refusal(e)
         if refused is not None:
             raise ckpt.CheckpointError(refused) from e

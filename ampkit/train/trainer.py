@@ -197,24 +197,21 @@ class Trainer:
         Under FSDP each rank writes its own shard (a sharded checkpoint directory, `ampkit.train.sharded`);
         otherwise rank 0 writes one file."""
         directory = checkpoint_dir(self.run_dir)
-        if directory is not None and self._fsdp:
-            path = sharded.save_sharded(self.raw_model, self.optimizer, self._run_state(),
-                                        ckpt.sharded_path(directory, self.attempted_steps))
-            if _dist.is_main_process():
-                ckpt.prune_checkpoints(directory, self.config.keep_last)
-            self.last_checkpoint = path
-            _dist.barrier()
-            return path
-        if directory is None or not _dist.is_main_process():
-            if directory is not None and self._fsdp:
-                self._model_optim_state()  # rank 0 gathers the shards: take part
+        if directory is None or not (self._fsdp or _dist.is_main_process()):
             _dist.barrier()
             return None
-        path = ckpt.checkpoint_path(directory, self.attempted_steps)
-        state = self.state_dict()
-        with self.stop.writing():  # a second Ctrl-C here lets the write finish, then stops
-            ckpt.save_checkpoint(state, path)
-            ckpt.prune_checkpoints(directory, self.config.keep_last)
+        if self._fsdp:
+            with self.stop.writing():  # a second Ctrl-C here lets the write finish, then stops
+                path = sharded.save_sharded(self.raw_model, self.optimizer, self._run_state(),
+                                            ckpt.sharded_path(directory, self.attempted_steps))
+                if _dist.is_main_process():
+                    ckpt.prune_checkpoints(directory, self.config.keep_last)
+        else:
+            path = ckpt.checkpoint_path(directory, self.attempted_steps)
+            state = self.state_dict()
+            with self.stop.writing():
+                ckpt.save_checkpoint(state, path)
+                ckpt.prune_checkpoints(directory, self.config.keep_last)
         self.last_checkpoint = path
         _dist.barrier()
         if self.stop.forced:

@@ -249,3 +249,19 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, point
 def test_get_and_set_state_dict_under_ddp_continue_bitwise(runs, case):
     assert runs["ranks"][0]["ddp_state_dict"][case] is True
     assert runs["ranks"][1]["ddp_state_dict"][case] is True
+
+
+def test_a_failed_write_changes_nothing(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, opt = _tiny()
+    first = sharded.save_sharded(model, opt, {}, sharded_path(str(tmp_path), 1))
+
+    def full_disk(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step-00000002'?: No space left on device; "
+                                              "earlier checkpoints are intact"):
+        sharded.save_sharded(model, opt, {}, sharded_path(str(tmp_path), 2))
+    assert os.listdir(tmp_path) == ["step-00000001"] and list_checkpoints(str(tmp_path)) == [first]
