@@ -143,13 +143,12 @@ def _os_error(e: BaseException) -> Optional[OSError]:
 
 
 def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
-    """Load and validate a checkpoint; never unpickles code (weights_only=True). A sharded checkpoint (a
-    directory): its state without the model and optimizer, which `sharded.load_sharded` reads per rank."""
-    from .sharded import is_sharded, read_sharded
-
-    if is_sharded(path):
-        return read_sharded(path, map_location=map_location)
+    """Load and validate a single-file checkpoint; never unpickles code (weights_only=True). Either layout
+    (a sharded checkpoint is a directory): ``ampkit.train.sharded.read_checkpoint``."""
     if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "manifest.json")):
+            raise CheckpointError(f"checkpoint {path!r} is sharded (a directory): read it with "
+                                  "ampkit.train.sharded.read_checkpoint (or consolidate, for the whole state).")
         raise CheckpointError(f"checkpoint {path!r} is a directory: pass one of its step-*.pt files, "
                               "or --out RUN_DIR --resume auto to continue from the latest one.")
     if not os.path.isfile(path):

@@ -15,6 +15,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import checkpoint as ckpt
+from . import sharded
 from .config import TrainConfig, load_config_file
 from .distributed import rescale_position
 from .rundir import RunDirError, checkpoint_dir
@@ -68,7 +69,7 @@ class ResumePlan:
         path = path or self.path
         if self._read is None or self._read[0] != path:
             try:
-                self._read = (path, ckpt.load_checkpoint(path, map_location="cpu"))
+                self._read = (path, sharded.read_checkpoint(path, map_location="cpu"))
             except Exception as e:  # kept: raised where the checkpoint is needed, as a fresh read would
                 self._read = (path, e)
         got = self._read[1]

@@ -26,10 +26,8 @@ a damaged shard is named in one line instead of trained on.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
-import pickle
 import shutil
 import tempfile
 import warnings
@@ -40,8 +38,10 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
+from .safe_dcp import read_metadata, safe_planner, safe_reader
 
-__all__ = ["MANIFEST", "STATE", "is_sharded", "save_sharded", "read_sharded", "read_metadata", "load_sharded", "consolidate", "module_state"]
+__all__ = ["MANIFEST", "STATE", "is_sharded", "save_sharded", "read_sharded", "read_checkpoint", "load_sharded", "load_model_and_optimizer",
+           "consolidate", "module_state"]
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
@@ -81,16 +81,21 @@ def _rank_world() -> Tuple[int, int]:
     return rank_and_world()
 
 
-def _first_error(mine: Optional[Tuple[str, str, bool]]) -> Optional[Tuple[str, str, bool]]:
-    """Every rank's error (type name, message, damaged), the first one found on any rank (one collective)."""
-    rank, world = _rank_world()
+def _all_gather(obj: Any) -> List[Any]:
+    """Every rank's ``obj`` (one collective; ``[obj]`` in one process)."""
+    world = _rank_world()[1]
     if world == 1:
-        return mine
+        return [obj]
     import torch.distributed as dist
 
-    errors: List[Any] = [None] * world
-    dist.all_gather_object(errors, mine)
-    return next((e for e in errors if e is not None), None)
+    out: List[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _first_error(mine: Optional[Tuple[str, str, bool]]) -> Optional[Tuple[str, str, bool]]:
+    """The first error (type name, message, damaged) any rank found, on every rank."""
+    return next((e for e in _all_gather(mine) if e is not None), None)
 
 
 @contextlib.contextmanager
@@ -140,16 +145,13 @@ def save_sharded(model: nn.Module, optimizer, state: Dict[str, Any], path: str) 
                     if f.startswith(f"__{rank}_") and f.endswith(".distcp")}
         except _dcp_errors() as e:  # DCP raises on every rank when one rank's write failed
             err, mine = (type(e).__name__, _os_reason(e), False), {}
-    files = _gather_files(mine, err)
+    files = {k: v for part in _all_gather(mine) for k, v in part.items()}
     if rank == 0 and err is None:
         try:
             _finish(tmp, path, state, files, world)
         except Exception as e:
             err = (type(e).__name__, _os_reason(e), False)
-    if err is None:
-        err = _first_error(None) if world > 1 else None
-    elif world > 1:
-        err = _first_error(err)
+    err = _first_error(err)
     if err is not None:
         if rank == 0 and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -166,31 +168,26 @@ def _dcp_errors() -> tuple:
     return (Exception, CheckpointException)
 
 
-def _os_reason(e: BaseException) -> str:
-    seen = 0
+def _causes(e: BaseException):
+    """``e`` and what it wraps: ``__cause__``/``__context__``, and DCP's CheckpointException's per-rank failures."""
     cause: Optional[BaseException] = e
-    while cause is not None and seen < 8:
-        if isinstance(cause, OSError):
-            return cause.strerror or str(cause)
+    for _ in range(8):
+        if cause is None:
+            return
+        yield cause
         failures = getattr(cause, "failures", None)  # DCP's CheckpointException: {rank: exception}
         if isinstance(failures, dict) and failures:
             inner = next(iter(failures.values()))
             cause = inner[0] if isinstance(inner, tuple) else inner
         else:
             cause = cause.__cause__ or cause.__context__
-        seen += 1
+
+
+def _os_reason(e: BaseException) -> str:
+    for cause in _causes(e):
+        if isinstance(cause, OSError):
+            return cause.strerror or str(cause)
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-
-
-def _gather_files(mine: Dict[str, Tuple[int, int]], err) -> Dict[str, Tuple[int, int]]:
-    rank, world = _rank_world()
-    if world == 1:
-        return mine
-    import torch.distributed as dist
-
-    parts: List[Any] = [None] * world
-    dist.all_gather_object(parts, mine)
-    return {k: v for part in parts for k, v in (part or {}).items()}
 
 
 def _finish(tmp: str, path: str, state: Dict[str, Any], files: Dict[str, Tuple[int, int]], world: int) -> None:
@@ -250,6 +247,27 @@ def read_sharded(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     return ck
 
 
+def read_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
+    """Either layout: a sharded checkpoint's `read_sharded`, a single file's ``checkpoint.load_checkpoint``."""
+    if is_sharded(path):
+        return read_sharded(path, map_location=map_location)
+    return ckpt.load_checkpoint(path, map_location=map_location)
+
+
+def load_model_and_optimizer(model: nn.Module, optimizer, ck: Dict[str, Any], fsdp: bool) -> None:
+    """A checkpoint's model and optimizer state into this run: a sharded one each rank reading its slices; a
+    single file under FSDP read whole by every rank, each keeping its shard; else loaded as it is."""
+    from .distributed import keep_implementation, load_full_state
+
+    if "sharded" in ck:
+        load_sharded(model, optimizer, ck["sharded"])
+    elif fsdp:
+        load_full_state(model, optimizer, ck["model"], ck["optimizer"])
+    else:
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(keep_implementation(ck["optimizer"], optimizer))
+
+
 def _check_files(path: str, names: List[str], files: Dict[str, Tuple[int, int]]) -> Optional[str]:
     """The first of ``names`` whose size or CRC-32 differs from the manifest's, said in one sentence."""
     for name in names:
@@ -295,7 +313,7 @@ def load_sharded(model: nn.Module, optimizer, info: Dict[str, Any]) -> None:
     target = module_state(model, optimizer)
     try:
         with _one_process_is_meant():
-            dcp.load(target, storage_reader=_safe_reader(path, metadata), planner=_safe_planner())
+            dcp.load(target, storage_reader=safe_reader(path, metadata), planner=safe_planner())
     except ckpt.CheckpointError:
         raise
     except _dcp_errors() as e:
@@ -309,101 +327,7 @@ def load_sharded(model: nn.Module, optimizer, info: Dict[str, Any]) -> None:
 
 
 def _refusal(e: BaseException) -> Optional[str]:
-    seen, cause = 0, e
-    while cause is not None and seen < 8:
-        if isinstance(cause, ckpt.CheckpointError):
-            return str(cause)
-        failures = getattr(cause, "failures", None)
-        if isinstance(failures, dict) and failures:
-            inner = next(iter(failures.values()))
-            cause = inner[0] if isinstance(inner, tuple) else inner
-        else:
-            cause = cause.__cause__ or cause.__context__
-        seen += 1
-    return None
-
-
-# ---------------------------------------------------------------------- safe readers
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    (_DCP_METADATA, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` pickle, with only its own classes, torch sizes, dtypes and layouts allowed."""
-
-    def __init__(self, f, path: str) -> None:
-        super().__init__(f)
-        self._path = path
-
-    def find_class(self, module: str, name: str):
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        raise ckpt.CheckpointError(
-            f"checkpoint {self._path!r} was refused: its .metadata names the Python object {module}.{name}, which "
-            "could run code when unpickled; ampkit reads only DCP's metadata classes there. Nothing was executed.")
-
-
-def read_metadata(path: str):
-    """The checkpoint's DCP ``.metadata``, unpickled by `_MetadataUnpickler`; refusals and damage: CheckpointError."""
-    try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
-    except ckpt.CheckpointError:
-        raise
-    except Exception as e:
-        raise ckpt.CheckpointError(f"checkpoint {path!r} is corrupt: its .metadata cannot be read "
-                                   f"({type(e).__name__}).", damaged=True) from e
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    if not isinstance(metadata, Metadata):
-        raise ckpt.CheckpointError(f"checkpoint {path!r} is corrupt: its .metadata holds a {type(metadata).__name__}, "
-                                   "not DCP's Metadata.", damaged=True)
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        rel = str(getattr(info, "relative_path", ""))
-        if os.path.basename(rel) != rel:
-            raise ckpt.CheckpointError(f"checkpoint {path!r} was refused: its .metadata points outside its "
-                                       f"directory ({rel!r}); nothing was read.")
-    return metadata
-
-
-def _safe_reader(path: str, metadata):
-    """A ``FileSystemReader`` of ``path`` that answers `read_metadata`'s checked copy instead of unpickling."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class _Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return _Reader(path)
-
-
-def _safe_planner(empty: bool = False):
-    """DCP's ``DefaultLoadPlanner`` (``empty``: the one that rebuilds the whole state dict from the metadata)
-    with non-tensor entries read by ``torch.load(weights_only=True)`` instead of a full unpickle."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-
-    class _Planner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return _Planner()
+    return next((str(c) for c in _causes(e) if isinstance(c, ckpt.CheckpointError)), None)
 
 
 def consolidate(path: str) -> Dict[str, Any]:
@@ -418,7 +342,7 @@ def consolidate(path: str) -> Dict[str, Any]:
     if problem:
         raise ckpt.CheckpointError(problem, damaged=True)
     whole: Dict[str, Any] = {}
-    reader = _safe_reader(path, read_metadata(path))
+    reader = safe_reader(path, read_metadata(path))
     with _one_process_is_meant():
-        _load_state_dict(whole, storage_reader=reader, planner=_safe_planner(empty=True), no_dist=True)
+        _load_state_dict(whole, storage_reader=reader, planner=safe_planner(empty=True), no_dist=True)
     return {**ck, **whole}

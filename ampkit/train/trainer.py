@@ -173,7 +173,6 @@ class Trainer:
         return self.raw_model.state_dict(), self.optimizer.state_dict()
 
     def state_dict(self) -> Dict[str, Any]:
-        """The run's whole state, model and optimizer unsharded (under FSDP gathered on rank 0: a collective)."""
         model_state, optim_state = self._model_optim_state()
         return {"model": model_state, "optimizer": optim_state, **self._run_state()}
 
@@ -193,24 +192,20 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Optional[str]:
-        """Write a checkpoint of the run's state (every rank calls it); its path on the ranks that wrote it.
-        Under FSDP each rank writes its own shard (a sharded checkpoint directory, `ampkit.train.sharded`);
-        otherwise rank 0 writes one file."""
+        """Write a checkpoint of the run's state (every rank calls it); its path on the ranks that wrote it
+        (under FSDP each rank writes its shard: `ampkit.train.sharded`; otherwise rank 0 writes one file)."""
         directory = checkpoint_dir(self.run_dir)
         if directory is None or not (self._fsdp or _dist.is_main_process()):
             _dist.barrier()
             return None
-        if self._fsdp:
-            with self.stop.writing():  # a second Ctrl-C here lets the write finish, then stops
-                path = sharded.save_sharded(self.raw_model, self.optimizer, self._run_state(),
-                                            ckpt.sharded_path(directory, self.attempted_steps))
-                if _dist.is_main_process():
-                    ckpt.prune_checkpoints(directory, self.config.keep_last)
-        else:
-            path = ckpt.checkpoint_path(directory, self.attempted_steps)
-            state = self.state_dict()
-            with self.stop.writing():
+        path = (ckpt.sharded_path if self._fsdp else ckpt.checkpoint_path)(directory, self.attempted_steps)
+        state = self._run_state() if self._fsdp else self.state_dict()
+        with self.stop.writing():  # a second Ctrl-C here lets the write finish, then stops
+            if self._fsdp:  # a collective: each rank writes its shard
+                sharded.save_sharded(self.raw_model, self.optimizer, state, path)
+            else:
                 ckpt.save_checkpoint(state, path)
+            if _dist.is_main_process():
                 ckpt.prune_checkpoints(directory, self.config.keep_last)
         self.last_checkpoint = path
         _dist.barrier()
@@ -220,7 +215,7 @@ class Trainer:
 
     def load_checkpoint(self, path: str) -> None:
         """Continue from the checkpoint at ``path``: its options and model checked, every state loaded."""
-        self._apply_checkpoint(ckpt.load_checkpoint(path, map_location=self.device), path)
+        self._apply_checkpoint(sharded.read_checkpoint(path, map_location=self.device), path)
 
     def _apply_checkpoint(self, ck: Dict[str, Any], path: str, options_checked: bool = False) -> None:
         self.config = resume.check_checkpoint(ck, path, self.config, self.world_size,
@@ -231,13 +226,7 @@ class Trainer:
         built = [g["weight_decay"] for g in self.optimizer.param_groups] if self._own_optimizer else []
         try:
             self.precision.load_state_dict(ck["precision"])
-            if "sharded" in ck:  # each rank reads the slices of its own shards
-                sharded.load_sharded(self.raw_model, self.optimizer, ck["sharded"])
-            elif self._fsdp:  # a single-file checkpoint: every rank reads it whole, then keeps its shard
-                _dist.load_full_state(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
-            else:
-                self.raw_model.load_state_dict(ck["model"])
-                self.optimizer.load_state_dict(_dist.keep_implementation(ck["optimizer"], self.optimizer))
+            sharded.load_model_and_optimizer(self.raw_model, self.optimizer, ck, self._fsdp)
             if self.scheduler is not None and ck.get("scheduler"):
                 self.scheduler.load_state_dict(ck["scheduler"])
         except ckpt.CheckpointError:  # a damaged or refused shard: said as it is

@@ -15,9 +15,9 @@ from torch.utils.data import TensorDataset
 
 from ampkit import Trainer
 from ampkit.train import RunDirError, TrainingInterrupted
-from ampkit.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from ampkit.train.checkpoint import CheckpointError, list_checkpoints
 from ampkit.train.distributed import rescale_position, shard_indices
-from ampkit.train.sharded import consolidate
+from ampkit.train.sharded import consolidate, read_checkpoint
 from distributed_helpers import init_rank, run_ranks
 
 BASE = dict(progress=False, lr_schedule="constant", optimizer="sgd", lr=0.1, weight_decay=0.0, device="cpu",
@@ -151,7 +151,7 @@ def test_two_process_resume_is_exact(runs, strategy):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_one_process_resumes_a_two_process_checkpoint(runs, strategy, tmp_path):
     path = runs["ranks"][0][strategy]["stopped"][2]
-    ck = load_checkpoint(path)
+    ck = read_checkpoint(path)
     assert ck["progress"]["world_size"] == 2
     if strategy == "ddp":
         assert all(not hasattr(v, "device_mesh") for v in ck["model"].values())  # full tensors

@@ -166,7 +166,7 @@ def _tiny(seed=0):
 def test_round_trip_in_one_process_is_bitwise(tmp_path):
     model, opt = _tiny()
     path = sharded.save_sharded(model, opt, {"progress": {"epoch": 1}}, sharded_path(str(tmp_path), 7))
-    ck = load_checkpoint(path)
+    ck = sharded.read_checkpoint(path)
     assert ck["progress"] == {"epoch": 1} and "model" not in ck
     model2, opt2 = _tiny(seed=1)
     sharded.load_sharded(model2, opt2, ck["sharded"])
@@ -185,7 +185,7 @@ def test_damage_to_any_file_is_named(tmp_path, damage, said):
     path = sharded.save_sharded(model, opt, {}, sharded_path(str(tmp_path), 1))
     damage(path)
     with pytest.raises(CheckpointError, match=said) as e:
-        sharded.load_sharded(*_tiny(seed=1), load_checkpoint(path)["sharded"])
+        sharded.load_sharded(*_tiny(seed=1), sharded.read_checkpoint(path)["sharded"])
     assert e.value.damaged
 
 
@@ -207,7 +207,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path, monkeypatch):
     manifest["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
     json.dump(manifest, open(os.path.join(path, "manifest.json"), "w"))
     with pytest.raises(CheckpointError, match=r"was refused: its .metadata names the Python object builtins.exec"):
-        sharded.load_sharded(*_tiny(seed=1), load_checkpoint(path)["sharded"])
+        sharded.load_sharded(*_tiny(seed=1), sharded.read_checkpoint(path)["sharded"])
     assert not marker.exists()
 
 
@@ -217,9 +217,7 @@ def _killed_save(directory, point):
 
     model, opt = _tiny()
     if point == "mid-shard":
-        real = _os.fsync
         _os.fsync = lambda fd: _os.kill(_os.getpid(), signal.SIGKILL)  # the shard written, not yet synced
-        del real
     else:
         _os.rename = lambda *a: _os.kill(_os.getpid(), signal.SIGKILL)  # everything written, before the rename
     sharded.save_sharded(model, opt, {"progress": {"epoch": 2}}, sharded_path(directory, 2))
@@ -237,7 +235,7 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, point
     assert p.exitcode == -signal.SIGKILL
     assert list_checkpoints(directory) == [first]  # the torn save is no checkpoint
     assert [n for n in os.listdir(directory) if n.startswith(".tmp-")]
-    ck = load_checkpoint(first)
+    ck = sharded.read_checkpoint(first)
     model2, opt2 = _tiny(seed=1)
     sharded.load_sharded(model2, opt2, ck["sharded"])
     assert _equal(model.state_dict(), model2.state_dict()) and ck["progress"] == {"epoch": 1}
