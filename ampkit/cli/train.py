@@ -7,7 +7,7 @@ import sys
 
 from . import UsageError
 
-_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune"}
+_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune", "retune"}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="TOML/YAML/JSON file of train options (flags given here override it)")
     g = p.add_argument_group("precision")
     g.add_argument("--precision", help="auto (default) | fp32 | fp16-mixed | bf16-mixed | fp16-master | "
-                   "bf16-master | bf16-pure | fp16-pure | fp8-tensorwise | fp8-rowwise | fp8-delayed, "
+                   "bf16-master | bf16-pure | fp16-pure | fp8-tensorwise | fp8-rowwise | fp8-delayed | mxfp8, "
                    "or an alias (O0-O3, 16-mixed, mixed_bfloat16, ...)")
     g.add_argument("--no-amp", "--unamp", dest="no_amp", action="store_true", default=None,
                    help="train in fp32 (AMP is on by default)")
@@ -30,6 +30,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-scale", type=float, help="initial dynamic loss scale (default 65536)")
     g.add_argument("--fp32-modules", type=lambda s: [x for x in s.split(",") if x],
                    help="comma-separated module names kept in fp32 (e.g. head,blocks.3.attn)")
+    g.add_argument("--fp8-filter", choices=["ends", "auto", "all"],
+                   help="fp8 modes: which Linears convert: ends (default: dims multiples of 16, not first/last), "
+                   "auto (and the per-layer roofline on the target GPU predicts a gain), all")
+    g.add_argument("--fp8-gpu", help="fp8 modes: the GPU class --fp8-filter auto judges for (h100, h200, b200, l40s, "
+                   "a100, mi300x; default: this GPU's, h100 on a CPU)")
     g.add_argument("--max-consecutive-skips", type=int,
                    help="stop with a report after this many non-finite steps in a row (default 50)")
     g.add_argument("--memory-format", choices=["auto", "channels_last", "contiguous"],
@@ -39,6 +44,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="take the defaults instead of timing on this model: the device's default mode for "
                    "precision auto (not the fastest of e.g. bf16-mixed / bf16-master / fp32), the rule for "
                    "the memory format")
+    g.add_argument("--retune", action="store_true", default=None,
+                   help="measure again what is cached per machine (the 16-bit speed probe, auto's step timings, "
+                   "the memory format) instead of reading it: after a hardware, driver or torch change")
     g.add_argument("--compensation", choices=["kahan", "stochastic", "none"],
                    help="bf16-pure only: how updates land in the bf16 weights: kahan (default, a bf16 buffer "
                    "per weight), stochastic (stochastic rounding, no extra state) or none; see docs/BF16_PURE.md")

@@ -28,7 +28,7 @@ class Mode:
     #: pure low-precision update with a compensation buffer (Kahan) instead of masters
     compensated: bool = False
     summary: str = ""
-    #: fp8 recipe name ("tensorwise", "rowwise", "delayed"): Linears run fp8 GEMMs (ampkit.precision.fp8)
+    #: fp8 recipe name ("tensorwise", "rowwise", "delayed", "mxfp8"): Linears run fp8 GEMMs (ampkit.precision.fp8)
     fp8: Optional[str] = None
 
     @property
@@ -87,6 +87,9 @@ MODES = {
         Mode("fp8-delayed", _f32, _bf16, False, fp8="delayed",
              summary="bf16-mixed with Linears in fp8, scales from an amax history (Transformer Engine's "
                      "delayed scaling, E4M3 forward / E5M2 backward)"),
+        Mode("mxfp8", _f32, _bf16, False, fp8="mxfp8",
+             summary="bf16-mixed with Linears in MXFP8, one power-of-two scale per 32 elements (torchao MX "
+                     "training; emulated off Blackwell)"),
     ]
 }
 
@@ -111,6 +114,8 @@ ALIASES = {
     # fp8 (torchao recipe names, Transformer Engine's recipe)
     "float8-tensorwise": "fp8-tensorwise", "float8-rowwise": "fp8-rowwise",
     "fp8-hybrid": "fp8-delayed",
+    # MXFP8 (Transformer Engine's recipe, torchao's recipe name)
+    "mxfp8blockscaling": "mxfp8", "mxfp8-rceil": "mxfp8", "mx-fp8": "mxfp8",
 }
 
 # The only names whose meaning depends on the entry point. In Keras a policy named after a plain dtype

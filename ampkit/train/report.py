@@ -52,7 +52,7 @@ def recorded_config(config: TrainConfig, precision: Precision) -> TrainConfig:
     data = config.data
     if isinstance(data, str) and ":" not in data and data.endswith(".npz") and os.path.isfile(data):
         data = os.path.abspath(data)
-    return config.updated(resume=None, precision=precision.name, data=data)
+    return config.updated(resume=None, retune=False, precision=precision.name, data=data)
 
 
 def recorded_notes(config: TrainConfig, precision: Precision) -> Dict[str, str]:
@@ -62,7 +62,7 @@ def recorded_notes(config: TrainConfig, precision: Precision) -> Dict[str, str]:
         from ..tuning.autotune import autotune_cache_path
 
         timed = (f" Its timings are cached per machine in {autotune_cache_path()} (a changed model or machine "
-                 "is timed afresh; delete that file to time this one again)." if precision.tuned.mode_ms else "")
+                 "is timed afresh; --retune times this one again)." if precision.tuned.mode_ms else "")
         notes["precision asked"] = (f"auto; it chose {precision.name} ({precision.reason}), recorded above so "
                                     f"a reload runs the same mode; pass --precision auto to choose again.{timed}")
     return notes

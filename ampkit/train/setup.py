@@ -122,6 +122,7 @@ def make_precision(precision: Any, cfg: TrainConfig) -> Precision:
         loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
         max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
         compensation=cfg.compensation, optimizer_state=cfg.optimizer_state, channels_last=MEMORY_FORMATS[cfg.memory_format],
+        **{k: getattr(cfg, k) for k in ("fp8_filter", "fp8_gpu") if getattr(cfg, k, None) is not None},
     )
 
 
@@ -140,7 +141,7 @@ def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: B
     if not needs_tuning(prec, model, modes) or not cfg.autotune or not single_process:
         return prec
     x, y = batches.first(cfg.batch_size)
-    return tune(prec, model, x, y, loss_fn, grad_accum=cfg.grad_accum, modes=modes,
+    return tune(prec, model, x, y, loss_fn, grad_accum=cfg.grad_accum, modes=modes, refresh=cfg.retune,
                 log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
 
 

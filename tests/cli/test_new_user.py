@@ -266,6 +266,7 @@ def _ampkit(args, cwd):
                           timeout=300)
 
 
+@pytest.mark.cpu_caps("amx")  # bf16 measured fast: no slow-mode warning line beside the error
 def test_plan_with_a_model_that_does_not_fit_the_data_is_one_line(work):
     (work / "planmod.py").write_text(_PLAN_MODULE)
     r = _ampkit(["plan", "--data", "good.npz", "--model", "planmod:wrong", "--precision", "fp32,bf16-mixed"], work)

@@ -232,7 +232,7 @@ def test_describe_and_state_mismatch():
 
 def test_mode_table_complete():
     assert set(modes.MODES) == {"fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure",
-                                "fp8-tensorwise", "fp8-rowwise", "fp8-delayed"}
+                                "fp8-tensorwise", "fp8-rowwise", "fp8-delayed", "mxfp8"}
 
 
 def test_fp16_state_needs_a_larger_adam_eps():
