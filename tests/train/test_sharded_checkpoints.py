@@ -73,6 +73,21 @@ def _worker(rank, tmp):
         _flip(f"{tmp}/damaged/checkpoints/step-00000006/__1_0.distcp")
     dist.barrier()
     out["damaged"] = _quiet(["train", "--out", f"{tmp}/damaged", "--resume", "auto", "--max-steps", "9"])
+    # a full disk on rank 1 alone: the same one line on both ranks, nothing left behind, no rank left waiting
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real_write = FileSystemWriter.write_data
+    if rank == 1:
+        def full_disk(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+        FileSystemWriter.write_data = full_disk
+    try:
+        sharded.save_sharded(*_tiny(), {}, sharded_path(f"{tmp}/full-disk", 1))
+        out["full_disk"] = "written"
+    except CheckpointError as e:
+        out["full_disk"] = str(e)
+    FileSystemWriter.write_data = real_write
     # get_state_dict / set_state_dict under DDP, every mode
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -141,6 +156,12 @@ def test_a_single_file_checkpoint_resumes_under_fsdp(runs):
     ref = sharded.consolidate(_ck(runs["tmp"], "full", 6))
     for k, v in ref["model"].items():  # 3 of the 6 steps summed in one process: Adam's 1/sqrt(v) amplifies the order
         torch.testing.assert_close(got["model"][k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_a_write_failing_on_one_rank_fails_on_every_rank_and_leaves_nothing(runs):
+    errors = [runs["ranks"][r]["full_disk"] for r in (0, 1)]
+    assert errors[0] == errors[1] and "No space left on device; earlier checkpoints are intact" in errors[0], errors
+    assert os.listdir(os.path.join(runs["tmp"], "full-disk")) == []
 
 
 def test_a_damaged_shard_is_one_line_exit_2_naming_the_earlier_checkpoint(runs):
