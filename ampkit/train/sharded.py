@@ -239,7 +239,7 @@ def read_sharded(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
         if os.path.basename(name) != name or name.startswith(".tmp"):
             raise ckpt.CheckpointError(f"checkpoint {path!r} was refused: its {MANIFEST} names the file {name!r} "
                                        "outside its directory; nothing was read.")
-    problem = _check_files(path, [f for f in (STATE, ".metadata") if f in files] or [STATE], files)
+    problem = _check_files(path, [STATE, ".metadata"], files)
     if problem:
         raise ckpt.CheckpointError(problem, damaged=True)
     ck = ckpt.load_checkpoint(os.path.join(path, STATE), map_location=map_location)
@@ -275,7 +275,7 @@ def _check_files(path: str, names: List[str], files: Dict[str, Tuple[int, int]])
         if name not in files:
             return f"checkpoint {path!r} is incomplete: {MANIFEST} does not list {name!r}."
         if not os.path.isfile(full):
-            return f"checkpoint {path!r} is incomplete: its shard {name!r} is missing."
+            return f"checkpoint {path!r} is incomplete: its file {name!r} is missing."
         size, crc = _crc32(full)
         want_size, want_crc = files[name]
         if size != want_size:

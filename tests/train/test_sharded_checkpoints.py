@@ -197,7 +197,7 @@ def test_round_trip_in_one_process_is_bitwise(tmp_path):
 @pytest.mark.parametrize("damage, said", [
     (lambda p: _flip(os.path.join(p, "__0_0.distcp")), "'__0_0.distcp' do not match their CRC-32"),
     (lambda p: os.truncate(os.path.join(p, "__0_0.distcp"), 10), "'__0_0.distcp' has 10 bytes"),
-    (lambda p: os.unlink(os.path.join(p, "__0_0.distcp")), "shard '__0_0.distcp' is missing"),
+    (lambda p: os.unlink(os.path.join(p, "__0_0.distcp")), "file '__0_0.distcp' is missing"),
     (lambda p: _flip(os.path.join(p, ".metadata")), "'.metadata' do not match"),
     (lambda p: open(os.path.join(p, "manifest.json"), "w").write("{"), "manifest.json cannot be read"),
 ])
