@@ -2,6 +2,7 @@
 #   make run    - create .venv if needed, install, train the embedded default (digits CNN)
 #   make test   - create .venv if needed, install with dev deps, run the test suite
 #   make dist-run - the default training on 2 CPU processes (torchrun, gloo, DDP); NPROC=N for more
+#   make docs   - the docs/ pages and the API reference (mkdocs + mkdocstrings, the `docs` extra) into site/
 # TORCH_SPEC selects the torch build; the default is the CPU wheel that lies on this
 # machine's disk. CUDA users: make test TORCH_SPEC='torch>=2.4'
 PYTHON ?= python3
@@ -10,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ampkit-installed
 
-.PHONY: run test install bench bench-quick dist-run clean gpu-check
+.PHONY: run test install bench bench-quick dist-run clean gpu-check docs docs-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,8 +40,20 @@ bench-quick: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/ampkit bench
 
+DOCS_STAMP := $(VENV)/.ampkit-docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) -m mkdocs build --clean
+
+docs-serve: $(DOCS_STAMP)
+	$(PY) -m mkdocs serve
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
 
 # On a CUDA machine: install a CUDA torch first, e.g.
 #   make gpu-check TORCH_SPEC='torch --index-url https://download.pytorch.org/whl/cu126'

@@ -1,7 +1,8 @@
 """Suite-wide options: ``--slow`` (or AMPKIT_SLOW=1) turns on the long variants of tests; shared fixtures.
 
-CPU kinds: every ampkit decision that depends on the CPU's bf16 support reads
-``ampkit.precision.device``'s detection, which ``$AMPKIT_CPU_CAPS`` (amx | avx512_bf16 | avx2) overrides.
+CPU kinds: every ampkit decision that depends on what 16-bit math buys on this CPU reads
+``ampkit.precision.capability``'s measurement, which ``$AMPKIT_CPU_CAPS`` (a kind: amx | avx512_bf16 |
+avx512_fp16 | avx512 | avx2, or ratios: bf16=0.55,fp16=1.0) overrides.
 A test whose assertions depend on that pins it: ``@pytest.mark.cpu_caps("avx2")`` (subprocesses the test
 starts inherit it), or takes the ``any_cpu_kind`` fixture to run once per kind. ``AMPKIT_CPU_CAPS=amx
 pytest`` runs the rest of the suite as that kind would.

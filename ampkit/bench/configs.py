@@ -70,6 +70,7 @@ class Settings:
     timeout_s: float = 900.0  # per worker process
     quick: bool = False
     paired: bool = False  # also time each ampkit mode against its plain loop in one process, alternating
+    data: Optional[str] = None  # --data as ampkit train reads it: the models' batches (None: each model's own)
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -77,8 +78,8 @@ class Settings:
 
 DEFAULTS = Settings()
 #: --quick: two models, fp32 vs bf16 autocast, both runners, few steps; still interleaved + repeated.
-#: The GPT runs 4x256 tokens (not 16x256) so the whole preset fits 2 minutes on a 2-core CPU; on a CPU
-#: that emulates bf16 it times the fp32 rows only (:func:`quick_skips`, with a note saying so).
+#: The GPT runs 4x256 tokens (not 16x256) so the whole preset fits 2 minutes on a 2-core CPU; where bf16
+#: measured slow (emulated) it times the fp32 rows only (:func:`quick_skips`, with a note saying so).
 QUICK = Settings(models=["cnn", "gpt"], precisions=["fp32", "bf16-mixed"], steps=3, warmup=2, repeats=2,
                  batch_sizes={"gpt": 4}, timeout_s=300.0, quick=True)
 
@@ -98,7 +99,7 @@ def baseline_precision(mode: str) -> str:
 
 def default_precisions(device: torch.device) -> Tuple[List[str], List[str]]:
     """(modes worth measuring on this device, notes on the ones left out and why)."""
-    from ..precision.device import device_info
+    from ..precision.capability import device_info
 
     info = device_info(device)
     modes, notes = ["fp32"], []
@@ -110,10 +111,16 @@ def default_precisions(device: torch.device) -> Tuple[List[str], List[str]]:
         else:
             notes.append(f"bf16 modes skipped: {info.name} does not support bf16.")
     else:
+        from ..precision.capability import capability
+
+        cap = capability(device)
         slow = _slow_low_precision(device)
         modes += ["bf16-mixed"] if slow else ["bf16-mixed", "bf16-master"]
-        notes.append("fp16 modes skipped on CPU: torch's CPU fp16 kernels run far slower than fp32 "
-                     "(ask for them with --precisions fp16-mixed to measure it).")
+        if cap.fast("fp16"):
+            modes += ["fp16-mixed"]
+        else:
+            notes.append(f"fp16 modes skipped: {cap.phrase('fp16')} (ask for them with --precisions fp16-mixed "
+                         "to measure it).")
         if slow:
             notes.append(f"bf16-master and bf16-pure skipped: {slow}, so only bf16-mixed is measured, to show "
                          "the cost (ask for the others with --precisions).")
@@ -128,30 +135,41 @@ def default_precisions(device: torch.device) -> Tuple[List[str], List[str]]:
     return modes, notes
 
 
-def _slow_low_precision(device: torch.device) -> Optional[str]:
-    """Why 16-bit steps are far slower than fp32 here, or None: a CPU without bf16 units (AMX/AVX512-BF16)
-    emulates bf16 (an AVX2 EPYC ran a bf16 GEMM at ~1 GFLOP/s against ~60 in fp32: a GPT step 12 s vs 0.44 s)."""
-    from ..precision.device import device_info
+#: a 16-bit dtype measured below this ratio to fp32 makes a step several times an fp32 one: --quick leaves
+#: its rows out (an AVX2 EPYC, bf16 ~0.01x: the CNN's 2.3 s against 0.25 s, the GPT's 12 s against 0.44 s)
+QUICK_MIN_RATIO = 0.5
 
-    info = device_info(device)
-    if device.type == "cpu" and not info.bf16_fast:
-        return "this CPU has no bf16 units (AMX/AVX512-BF16): torch emulates bf16 and fp16 there"
+
+def _slow_low_precision(device: torch.device, dtype: str = "bf16") -> Optional[str]:
+    """Why ``dtype``'s steps are several times slower than fp32 here, or None: its matmuls/convs measured
+    below :data:`QUICK_MIN_RATIO` of fp32's speed on this machine (emulated, or no fast kernels)."""
+    from ..precision.capability import capability
+
+    cap = capability(device)
+    if device.type == "cpu" and cap.ratio(dtype) < QUICK_MIN_RATIO:
+        return cap.phrase(dtype)
     return None
 
 
-def quick_skips(device: torch.device, modes: List[str]) -> Optional[str]:
-    """Why ``--quick`` leaves these modes' 16-bit rows out on this device, or None (it times them all).
+def _dtype(mode: str) -> Optional[str]:
+    low = MODES[mode].low_dtype
+    return None if low is None else ("bf16" if low == torch.bfloat16 else "fp16")
 
-    Quick must stay quick on every CPU: where bf16 is emulated a 16-bit step takes ~10x an fp32 one
-    (an AVX2 EPYC: the CNN's 2.3 s against 0.25 s, the GPT's 12 s against 0.44 s), and those rows made
-    ``--quick`` take 4-5 minutes there. So on such a CPU it times fp32 only, and says so."""
-    slow = _slow_low_precision(device)
-    low = [m for m in modes if MODES[m].low_dtype is not None]
-    if not slow or not low:
-        return None
-    return (f"--quick left out {', '.join(low)} (every 16-bit row): {slow}, a 16-bit step takes ~10x an fp32 one. "
-            "Time them without --quick, e.g. `ampkit bench --models cnn --precisions bf16-mixed` "
-            "(minutes per row here).")
+
+def quick_skips(device: torch.device, modes: List[str]) -> Tuple[Optional[str], List[str]]:
+    """(why ``--quick`` leaves some 16-bit rows out on this device, their 16-bit dtypes), or (None, []).
+
+    Quick must stay quick on every CPU: where a 16-bit dtype measured below :data:`QUICK_MIN_RATIO` of
+    fp32, its rows take several times an fp32 one (minutes where bf16 is emulated), so ``--quick`` times
+    them only where they can be fast, and says what it left out."""
+    slow = {d: _slow_low_precision(device, d) for d in {_dtype(m) for m in modes} - {None}}
+    slow = {d: r for d, r in slow.items() if r}
+    left = [m for m in modes if _dtype(m) in slow]
+    if not left:
+        return None, []
+    return (f"--quick left out {', '.join(left)}: {'; '.join(slow.values())}, so a step takes several times an "
+            f"fp32 one. Time them without --quick, e.g. `ampkit bench --models cnn --precisions {left[0]}` "
+            "(minutes per row here).", sorted(slow))
 
 
 def _check_model(spec: str) -> str:
@@ -193,7 +211,8 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
     bad = [r for r in s.runners if r not in RUNNERS]
     if bad or not s.runners:
         raise ValueError(f"Unknown runner {bad[0] if bad else ''!r}: use {', '.join(RUNNERS)} (comma-separated).")
-    from ..precision import auto_mode, resolve_device
+    from ..precision import resolve_device
+    from ..precision.auto import canonical
 
     device = resolve_device(s.device)
     notes: List[str] = []
@@ -211,16 +230,16 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
         if "fp32" not in precisions:
             precisions.insert(0, "fp32")
             notes.append("fp32 added: every speedup and loss delta is against fp32 of the same model and runner.")
-        if device.type == "cpu" and any(MODES[p].low_dtype == torch.float16 for p in precisions if p != AUTO):
-            notes.append("fp16 on CPU asked for: torch's CPU fp16 kernels are far slower than fp32; "
-                         "expect long steps (each worker stops after its timeout).")
-    resolved = {p: (auto_mode(device)[0] if p == AUTO else p) for p in precisions}
+        slow16 = _slow_low_precision(device, "fp16")
+        if slow16 and any(_dtype(p) == "fp16" for p in precisions if p != AUTO):
+            notes.append(f"fp16 asked for: {slow16}; expect long steps (each worker stops after its timeout).")
+    resolved = {p: canonical(p, device) for p in precisions}
     models = []
     for m in s.models:
         key = _check_model(m)
         if key not in models:
             models.append(key)
-    skipped = quick_skips(device, [resolved[p] for p in precisions]) if s.quick else None
+    skipped, slow_dtypes = quick_skips(device, [resolved[p] for p in precisions]) if s.quick else (None, [])
     if skipped:
         notes.append(skipped)
     configs = []
@@ -234,12 +253,12 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
             else:  # the plain loop: autocast in each asked-for dtype (bf16-master -> bf16-mixed)
                 modes = list(dict.fromkeys(baseline_precision(resolved[p]) for p in precisions))
             for p in modes:
-                if skipped and MODES[resolved.get(p, p)].low_dtype is not None:
+                if _dtype(resolved.get(p, p)) in slow_dtypes:
                     continue
                 configs.append({
                     "model": model, "precision": p, "resolved_precision": resolved.get(p, p), "runner": runner,
                     "batch_size": batch, "steps": s.steps, "warmup": s.warmup, "device": str(device),
-                    "compile": bool(s.compile), "lr": s.lr, "seed": s.seed,
+                    "compile": bool(s.compile), "lr": s.lr, "seed": s.seed, **({"data": s.data} if s.data else {}),
                 })
     if s.paired:
         if set(s.runners) != set(RUNNERS):

@@ -56,10 +56,10 @@ def explain(row: Dict, fp32: Optional[Dict], device: Dict) -> Optional[str]:
     if peaks.get(low) and peaks.get("fp32") and peaks[low] < PEAK_GAIN * peaks["fp32"]:
         return (f"no {low} units here: a large {low} GEMM measured {_rate(peaks[low])} against "
                 f"fp32's {_rate(peaks['fp32'])}, so 16-bit math cannot be faster")
-    if device.get("type") == "cpu" and low == "fp16" and not peaks.get("fp16"):
-        return "torch's CPU fp16 kernels are not accelerated (no fp16 matrix units used): fp16 runs slower than fp32"
-    if device.get("type") == "cpu" and low == "bf16" and device.get("bf16_fast") is False and not peaks.get("bf16"):
-        return "this CPU has no bf16 units (AMX/AVX512-BF16): bf16 is emulated"
+    ratio = (device.get("speed") or {}).get(low)
+    if ratio is not None and ratio < PEAK_GAIN and not peaks.get(low):
+        return (f"{low} matmuls/convs run {ratio:.2f}x fp32's speed on this machine "
+                f"({device.get('speed_source') or 'measured'}), so 16-bit math cannot be faster")
     noisy = [(name, r["rep_ms"]) for name, r in ((row["precision"], row), ("fp32", fp32 or {})) if r.get("noisy")]
     if noisy:
         spans = ", ".join(f"{n} {min(ms):.0f}-{max(ms):.0f} ms" for n, ms in noisy)

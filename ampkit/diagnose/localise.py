@@ -28,7 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..precision import MODES, Precision, auto_mode, resolve
+from ..precision import MODES, Precision
+from ..precision.auto import canonical
 from .hooks import FP16_MAX, HookSet, display_name, iter_tensors, state_snapshot, tensor_range
 from .runner import to_device
 
@@ -51,9 +52,7 @@ def _resolve_precision(precision, model: nn.Module, loss_scale: Optional[float])
         return model, precision.autocast, float(scale), precision.name
     if precision is None:
         return model, contextlib.nullcontext, float(loss_scale or 1.0), "fp32"
-    name = resolve(precision)
-    if name == "auto":
-        name = auto_mode(device)[0]
+    name = canonical(precision, device)
     mode = MODES[name]
     scale = float(loss_scale) if loss_scale is not None else (2.0**16 if mode.scaled else 1.0)
     params_fp32 = all(p.dtype == torch.float32 for p in model.parameters())

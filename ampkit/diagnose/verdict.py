@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..precision import MODES, resolve, resolve_device
-from ..precision.auto import auto_mode, mode_family, preference_order, why
+from ..precision import MODES, resolve_device
+from ..precision.auto import auto_mode, canonical, mode_family, preference_order, why
 from ..precision.fp8 import RECIPES, has_fp8_gemm
 from .fp8 import FP8_ORDER
 from .hooks import finite_number
@@ -149,7 +149,7 @@ def amp_verdicts(
     batch = to_device(batch, device)
     forward_fn = forward_fn or default_forward
     loss_fn = as_loss_fn(loss_fn)
-    names = list(dict.fromkeys(_canonical(p, device) for p in precisions))
+    names = list(dict.fromkeys(canonical(p, device) for p in precisions))
     ref = _reference
     if ref is None:
         ref_model, ref_prec = prepare(model, "fp32", device)
@@ -175,11 +175,6 @@ def amp_verdicts(
                 m, batch, step_fn(forward_fn, loss_fn), prec, loss_scale=run.loss_scale)
         results[name] = rec
     return results
-
-
-def _canonical(name: str, device: torch.device) -> str:
-    c = resolve(name)
-    return auto_mode(device)[0] if c == "auto" else c
 
 
 def _verdict_level(v: Any) -> str:
@@ -237,7 +232,6 @@ def safe_modes(verdicts: Dict[str, Any], device: Any = None, grad_accum: int = 1
             if not unchecked_ok:
                 continue
             v = "ok"
-        note = "" if name == dev_choice else "fastest checked mode that is ok"
         if _verdict_level(v) == "ok":
             modes += [{"mode": m, "fp32_modules": [], "note": "AMP check ok"} for m in mode_family(name, device, grad_accum)]
             break

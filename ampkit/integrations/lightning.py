@@ -17,15 +17,24 @@ update the scale. Modes that change the optimizer get it changed once: fp32 mast
 (fp16/bf16-master; the masters start from the fp32 weights the module had before conversion) or the
 compensated optimizer of bf16-pure. Skip telemetry: ``plugin.skipped_steps``, ``plugin.loss_scale``,
 ``plugin.optimizer_steps``; the Trainer plugin saves the scaler (and counters) in checkpoints.
+
+Fabric: outputs come back in fp32 (``torch.get_default_dtype()``) in every 16-bit mode, as Lightning's own
+plugins return them, so a loss computed after the forward is fp32. The optimizers given to ``fabric.setup``
+are prepared there, and what their ``state_dict()`` returns (so what ``fabric.save`` writes) is the state of
+the optimizer ampkit steps (fp32 masters, moments, Kahan buffers, rounding noise) plus the precision's own
+(mode, loss scale and its counters) under ``"ampkit_precision"``; ``fabric.load`` (their ``load_state_dict``)
+restores both. ``plugin.fp32_state_dict(model)`` is the full-precision export (masters, Kahan-folded weights).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+import sys
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
 try:
+    from lightning.fabric import Fabric as _Fabric
     from lightning.fabric.plugins.precision import Precision as _FabricPrecision
     from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
 except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -35,7 +44,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..precision import Precision, resolve
 from ..utils.tree import cast_floating
 
-__all__ = ["AmpkitPrecision", "AmpkitFabricPrecision", "lightning_precision_name"]
+__all__ = ["AmpkitPrecision", "AmpkitFabricPrecision", "lightning_precision_name", "PRECISION_KEY"]
+
+#: where the precision's own state (mode, loss scale, counters) travels in a Fabric optimizer's ``state_dict``
+PRECISION_KEY = "ampkit_precision"
 
 # Lightning's short spellings (its _PRECISION_INPUT_STR_ALIAS_CONVERSION) -> the strings ampkit resolves
 _SHORT = {"16": "16-mixed", "32": "32-true", "bf16": "bf16-mixed"}
@@ -59,7 +71,7 @@ class _Core:
 
     def _init_core(self, precision: Any, device: Any, kwargs: Dict[str, Any]) -> None:
         self.ampkit = Precision(lightning_precision_name(precision), device, **kwargs)
-        self.precision = _LIGHTNING_NAME.get(self.ampkit.name, "bf16-mixed" if self.ampkit.name.startswith("fp8")
+        self.precision = _LIGHTNING_NAME.get(self.ampkit.name, "bf16-mixed" if self.ampkit.fp8 is not None
                                              else "32-true")  # fp8 modes: fp32 params, bf16-mixed around fp8 GEMMs
         self._fp32_copies: Dict[int, torch.Tensor] = {}
         self._prepared: Dict[int, torch.optim.Optimizer] = {}
@@ -89,7 +101,9 @@ class _Core:
         return self.ampkit.convert_input(data)
 
     def convert_output(self, data: Any) -> Any:
-        if self.ampkit.param_dtype == torch.float32:
+        """Floating outputs in ``torch.get_default_dtype()`` (fp32) in every 16-bit mode, autocast ones included,
+        as Lightning's MixedPrecision returns them: the loss computed after the forward is then fp32."""
+        if self.ampkit.mode.low_dtype is None:
             return data
         return cast_floating(data, torch.get_default_dtype())
 
@@ -103,7 +117,25 @@ class _Core:
             return optimizer  # already the one ampkit steps
         made = self.ampkit.wrap_optimizer(optimizer, fp32_params=self._fp32_copies)
         self._prepared[id(optimizer)] = made
+        if made is not optimizer and getattr(made, "optimizer", None) is not optimizer:
+            _share_groups(optimizer, made)
+        if len({id(o) for o in self._prepared.values()}) == 1:  # precision.fp32_state_dict(model) finds it
+            self.ampkit._optimizer = made
         return made
+
+    def fp32_state_dict(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """The module's full-precision weights (:meth:`ampkit.Precision.fp32_state_dict`): the fp32 masters or the
+        Kahan-folded weights of the optimizer prepared for it (the only one; pass ``optimizer`` when several)."""
+        module = getattr(module, "_original_module", None) or module  # Fabric's wrapper: the user's module
+        if optimizer is None:
+            made = {id(o): o for o in self._prepared.values()}
+            if len(made) > 1:
+                raise ValueError("fp32_state_dict: several optimizers were prepared: pass optimizer=... (the one "
+                                 "that updates this module).")
+            optimizer = next(iter(made.values()), None)
+        else:
+            optimizer = self.prepare_optimizer(getattr(optimizer, "optimizer", optimizer))
+        return self.ampkit.fp32_state_dict(module, optimizer)
 
     def main_params(self, optimizer):
         for group in self.prepare_optimizer(optimizer).param_groups:
@@ -132,6 +164,19 @@ class AmpkitFabricPrecision(_Core, _FabricPrecision):
     def __init__(self, precision: Any = "auto", device: Any = None, **kwargs: Any) -> None:
         self._init_core(precision, device, kwargs)
 
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        module = super().convert_module(module)
+        for optimizer in _optimizers_of_fabric_setup():  # prepared now, before a fabric.load can reach them
+            self.prepare_optimizer(optimizer)
+        return module
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        known = id(optimizer) in self._prepared or any(o is optimizer for o in self._prepared.values())
+        made = super().prepare_optimizer(optimizer)
+        if not known:
+            _StateRoute(self, optimizer, made)
+        return made
+
     def backward(self, tensor: torch.Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         if args:  # torch.Tensor.backward's positional gradient / retain_graph
             kwargs = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args), **kwargs)
@@ -142,6 +187,81 @@ class AmpkitFabricPrecision(_Core, _FabricPrecision):
             raise ValueError("ampkit's precision plugin steps without a closure: call fabric.backward(loss) and "
                              "then optimizer.step().")
         return self.ampkit.step(self.prepare_optimizer(optimizer))
+
+
+class _Relink:
+    """A replacement optimizer (bf16-pure's compensated one) steps with the groups a scheduler built on the
+    original changes: the original's ``param_groups`` is the replacement's list, also after a
+    ``load_state_dict`` gives the replacement new group dicts (a load post-hook)."""
+
+    def __init__(self, original: torch.optim.Optimizer, made: torch.optim.Optimizer) -> None:
+        self.original, self.made = original, made
+
+    def __call__(self, _optimizer: Any = None) -> None:
+        self.original.param_groups = self.made.param_groups
+
+
+def _share_groups(original: torch.optim.Optimizer, made: torch.optim.Optimizer) -> None:
+    relink = _Relink(original, made)
+    relink()
+    made.register_load_state_dict_post_hook(relink)
+
+
+def _optimizers_of_fabric_setup() -> List[torch.optim.Optimizer]:
+    """The optimizers being passed to ``Fabric.setup``, which calls ``convert_module`` (our caller's caller):
+    Fabric gives a precision plugin no hook with the optimizers, and a ``fabric.load`` before the first step
+    must already find the state routed to the optimizer ampkit steps. Empty elsewhere (``setup_module``, a
+    Lightning version that calls it differently): the optimizers are then prepared at their first use."""
+    frame = sys._getframe(1)
+    for _ in range(4):  # convert_module (a subclass's too), then Fabric.setup
+        frame = frame.f_back
+        if frame is None:
+            return []
+        if frame.f_code.co_name == "setup" and isinstance(frame.f_locals.get("self"), _Fabric):
+            return [o for o in frame.f_locals.get("optimizers", ()) if isinstance(o, torch.optim.Optimizer)]
+    return []
+
+
+class _StateRoute:
+    """Makes ``original.state_dict()`` / ``load_state_dict()`` (what ``fabric.save`` / ``fabric.load`` call on the
+    optimizer the user holds) carry the state of ``made``, the optimizer ampkit steps, and the precision's own
+    state under :data:`PRECISION_KEY`, through torch's optimizer state-dict hooks. ``made`` may wrap
+    ``original`` (fp32 masters: its state dict calls the original's), so a nested call runs torch's own."""
+
+    def __init__(self, plugin: "AmpkitFabricPrecision", original: torch.optim.Optimizer,
+                 made: torch.optim.Optimizer) -> None:
+        self.plugin, self.original, self.made = plugin, original, made
+        self.busy = False
+        original.register_state_dict_post_hook(self.saved)
+        original.register_load_state_dict_pre_hook(self.loading)
+        if getattr(made, "optimizer", made) is not original:  # a replacement, not a wrapper
+            original.register_load_state_dict_post_hook(_Relink(original, made))
+
+    def saved(self, _optimizer: Any, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        if self.busy:
+            return None
+        self.busy = True
+        try:
+            out = self.made.state_dict() if self.made is not self.original else state_dict
+        finally:
+            self.busy = False
+        return {**out, PRECISION_KEY: self.plugin.state_dict()}
+
+    def loading(self, _optimizer: Any, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        if self.busy:
+            return None
+        state_dict = dict(state_dict)
+        own = state_dict.pop(PRECISION_KEY, None)
+        if own:
+            self.plugin.load_state_dict(own)
+        if self.made is self.original:
+            return state_dict
+        self.busy = True
+        try:
+            self.made.load_state_dict(state_dict)
+            return self.original.state_dict()  # torch then loads the original's own state back: a no-op
+        finally:
+            self.busy = False
 
 
 class AmpkitPrecision(_Core, _TrainerPrecision):

@@ -2,7 +2,8 @@
 from .compiled import compile_model, compile_step, repeated_blocks, takes_tensor_lr, tensor_lr_
 from .convert import cast_floating, convert_model, is_norm
 from .auto import auto_mode
-from .device import device_info, resolve_device
+from .capability import capability, device_info
+from .device import resolve_device
 from .islands import apply_fp32_islands
 from ..optim.master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names

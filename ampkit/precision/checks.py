@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .device import DeviceInfo
+from .capability import FAST, SLOW, DeviceInfo, capability
 from .modes import Mode
 
 __all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_eps", "use_fused_kernel", "channels_last_rule"]
@@ -24,8 +24,8 @@ __all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_eps", "use_fused_kerne
 FP16_STATE_MIN_EPS = 1e-4
 
 def check_hardware(mode: Mode, device: torch.device, info: DeviceInfo) -> None:
-    """Raise where the device (``info``: ``device_info(device)``) cannot run the mode's 16-bit dtype;
-    warn where it runs it slowly."""
+    """Raise where the device (``info``: ``device_info(device)``) cannot run the mode's 16-bit dtype; warn,
+    in one line with the measured ratio and what is faster here, where it runs it slower than fp32."""
     low = mode.low_dtype
     if low is None:
         return
@@ -34,18 +34,19 @@ def check_hardware(mode: Mode, device: torch.device, info: DeviceInfo) -> None:
             f"precision={mode.name!r} needs bf16, which {info.name} does not support: "
             "use 'fp16-mixed' (with loss scaling) or 'fp32'."
         )
-    if low == torch.bfloat16 and device.type == "cpu" and not info.bf16_fast:
-        warnings.warn(
-            f"precision={mode.name!r}: this CPU has no bf16 units (AMX/AVX512-BF16); bf16 is "
-            "emulated and likely slower than fp32.",
-            stacklevel=3,
-        )
-    if low == torch.float16 and device.type == "cpu":
-        warnings.warn(
-            f"precision={mode.name!r} on CPU: torch's CPU fp16 kernels are far slower than fp32 "
-            "(measured 0.76x on an MLP, far worse on convs). Use 'bf16-mixed' or 'auto' on CPU.",
-            stacklevel=3,
-        )
+    name = "bf16" if low == torch.bfloat16 else "fp16"
+    ratio = info.speed.get(name)
+    if ratio is None or ratio >= SLOW:
+        return
+    best = max(("bf16", "fp16"), key=lambda n: info.speed.get(n, 0.0))
+    faster = (f"'{best}-mixed' ({info.speed[best]:.2f}x) or 'fp32'" if info.speed.get(best, 0.0) >= FAST
+              else "'fp32' (or 'auto', which measures)")
+    where = "CPU" if device.type == "cpu" else info.name
+    warnings.warn(
+        f"precision={mode.name!r} on {where}: {name} matmuls/convs run {ratio:.2f}x fp32's speed on this machine "
+        f"({info.speed_source}), so this mode is likely slower than fp32; faster here: {faster}.",
+        stacklevel=3,
+    )
 
 
 def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:
@@ -94,10 +95,11 @@ def use_fused_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> 
 
 
 def channels_last_rule(device: torch.device, compute_dtype: torch.dtype, model: nn.Module) -> bool:
-    """The untuned memory-format rule: channels_last on CPU with bf16 compute and 2-D convolutions."""
+    """The untuned memory-format rule: channels_last on CPU with 2-D convolutions where this CPU's bf16
+    convolutions measured fast (oneDNN's bf16 kernels run NHWC; emulated bf16 gains nothing from it)."""
     return (
         device.type == "cpu"
         and compute_dtype == torch.bfloat16
+        and capability(device).conv_fast("bf16")
         and any(isinstance(m, nn.Conv2d) for m in model.modules())
     )
-

@@ -75,7 +75,7 @@ def compile_step(precision: Any, optimizer: Any = None, *, backend: Union[str, C
     The compiled function guards on the optimizer and the precision (by identity): one optimizer per
     compiled step; a second optimizer compiles a second graph. Results equal the eager step's
     (bitwise with ``backend="eager"``/``"aot_eager"``; inductor may fuse the clipping arithmetic and
-    differ in the last bit: see README "Compiled steps")."""
+    differ in the last bit: see docs/STEPS.md, "Compiled steps")."""
     if optimizer is not None and tensor_lr:
         tensor_lr_(optimizer)
 

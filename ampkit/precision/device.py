@@ -1,29 +1,44 @@
-"""What the device can do in 16 bits (the choice `auto` makes from it: ``ampkit.precision.auto``)."""
+"""Which device this is: its name, its CPU flags and kind, the key every cached measurement is filed under,
+and what ``$AMPKIT_CPU_CAPS`` forces. What the device does fast is measured, not read from here:
+``ampkit.precision.capability``."""
 from __future__ import annotations
 
 import functools
 import os
 import platform
-from dataclasses import asdict, dataclass, field
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
-__all__ = ["DeviceInfo", "device_info", "resolve_device", "cpu_name", "measured_on", "machine_key",
-           "CPU_CAPS_ENV", "CPU_KINDS", "forced_cpu_kind", "cpu_kind"]
+__all__ = ["resolve_device", "cpu_name", "measured_on", "machine_key", "CPU_CAPS_ENV", "CPU_KINDS",
+           "CPU_KIND_SPEED", "forced_cpu_kind", "forced_cpu_caps", "cpu_kind", "cpu_flags"]
 
-#: Run as another CPU kind would (CI, tests, "what would ampkit do on an AMX Xeon?"): every decision that
-#: depends on the CPU's bf16 support reads the flags below instead of /proc/cpuinfo. Only ampkit's
-#: decisions change (auto's mode, the emulated-bf16 warning, bench's plan, check's verdicts); torch's
-#: kernels still run at this CPU's speed.
+#: Run as another CPU would (CI, tests, "what would ampkit do on an AMX Xeon?"): a CPU kind below, or the
+#: measured ratios themselves (``bf16=0.55,fp16=1.0``). Every decision that depends on what 16-bit math
+#: buys here (auto's mode, the slow-mode warnings, bench's plan, check's verdicts) reads the forced answer
+#: instead of this machine's measurement; torch's kernels still run at this CPU's speed.
 CPU_CAPS_ENV = "AMPKIT_CPU_CAPS"
-#: the CPU kinds ampkit tells apart, fastest bf16 first, each with the /proc/cpuinfo flags it stands for
+#: the CPU kinds seen under this project, each with the /proc/cpuinfo flags it stands for ...
 CPU_KINDS = {
     "amx": frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx512bw", "avx2"}),
     "avx512_bf16": frozenset({"avx512_bf16", "avx512f", "avx512bw", "avx2"}),
+    "avx512_fp16": frozenset({"avx512_bf16", "avx512_fp16", "avx512f", "avx512bw", "avx2"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx2"}),
     "avx2": frozenset({"avx2"}),
 }
-_KIND_ALIASES = {"amx_bf16": "amx", "avx512bf16": "avx512_bf16", "avx512-bf16": "avx512_bf16"}
+#: ... and what its 16-bit GEMMs/convs measured against fp32 there (2 cores, torch 2.13 CPU): an Intel Xeon
+#: with AMX-BF16 ~2x; an AMD EPYC with AVX512-BF16 2.3-2.6x; an Intel Xeon listing AVX512-BF16 and
+#: AVX512-FP16 but no AMX: bf16 0.51-0.62x, fp16 0.88-1.07x; an Intel Xeon with AVX512 but no bf16
+#: instructions (oneDNN emulates bf16): bf16 ~0.25x, fp16 ~0.01x; an AMD EPYC with AVX2 only: ~0.01x.
+CPU_KIND_SPEED = {
+    "amx": {"bf16": 2.0, "fp16": 0.1},
+    "avx512_bf16": {"bf16": 2.4, "fp16": 0.1},
+    "avx512_fp16": {"bf16": 0.55, "fp16": 1.0},
+    "avx512": {"bf16": 0.25, "fp16": 0.01},
+    "avx2": {"bf16": 0.01, "fp16": 0.01},
+}
+_KIND_ALIASES = {"amx_bf16": "amx", "avx512bf16": "avx512_bf16", "avx512-bf16": "avx512_bf16",
+                 "avx512fp16": "avx512_fp16", "avx512-fp16": "avx512_fp16", "avx512f": "avx512"}
 
 
 def resolve_device(device: Union[str, torch.device, None] = None) -> torch.device:
@@ -52,33 +67,60 @@ def _cpuinfo(field: str) -> str:
     return ""
 
 
-def forced_cpu_kind() -> Optional[str]:
-    """The CPU kind ``$AMPKIT_CPU_CAPS`` forces (``amx``, ``avx512_bf16`` or ``avx2``), or None (detect).
-    A value that names no kind is a ValueError naming the valid ones."""
-    raw = os.environ.get(CPU_CAPS_ENV, "")
+def _parse_caps(raw: str) -> Optional[Tuple[Optional[str], Tuple[Tuple[str, float], ...]]]:
+    """``$AMPKIT_CPU_CAPS`` -> (kind or None, ((dtype, ratio), ...)), None where unset; a value that is
+    neither a kind nor ``bf16=R,fp16=R`` is a ValueError naming both forms."""
     value = raw.strip().lower()
     if not value:
         return None
     kind = _KIND_ALIASES.get(value, value)
-    if kind not in CPU_KINDS:
-        raise ValueError(f"{CPU_CAPS_ENV}={raw!r} names no CPU kind: use {', '.join(CPU_KINDS)}, "
-                         "or unset it to use this CPU's own flags.")
-    return kind
+    if kind in CPU_KINDS:
+        return kind, tuple(sorted(CPU_KIND_SPEED[kind].items()))
+    ratios = {}
+    for part in value.split(","):
+        name, _, num = part.partition("=")
+        try:
+            r = float(num)
+        except ValueError:
+            r = -1.0
+        if name.strip() not in ("bf16", "fp16") or not (r >= 0 and r == r):
+            raise ValueError(f"{CPU_CAPS_ENV}={raw!r} names no CPU kind: use {', '.join(CPU_KINDS)}, or the "
+                             "measured ratios to fp32 (e.g. 'bf16=0.55,fp16=1.0'), or unset it to measure this CPU.")
+        ratios[name.strip()] = r
+    return None, tuple(sorted({"bf16": 0.0, "fp16": 0.0, **ratios}.items()))
 
 
-def _cpu_flags() -> frozenset:
-    """The CPU's flags, or the forced kind's (``$AMPKIT_CPU_CAPS``): the one source of every bf16 decision."""
+def forced_cpu_kind() -> Optional[str]:
+    """The CPU kind ``$AMPKIT_CPU_CAPS`` forces (a key of :data:`CPU_KINDS`), ``"custom"`` for forced
+    ratios, or None (this CPU is measured). A value that names no kind is a ValueError naming the valid ones."""
+    parsed = _parse_caps(os.environ.get(CPU_CAPS_ENV, ""))
+    return None if parsed is None else (parsed[0] or "custom")
+
+
+def forced_cpu_caps() -> Optional[Tuple[Tuple[str, float], ...]]:
+    """The 16-bit speed ratios ``$AMPKIT_CPU_CAPS`` forces (``(("bf16", 2.0), ("fp16", 0.1))``), or None."""
+    parsed = _parse_caps(os.environ.get(CPU_CAPS_ENV, ""))
+    return None if parsed is None else parsed[1]
+
+
+def cpu_flags() -> frozenset:
+    """The CPU's flags, or the forced kind's (``$AMPKIT_CPU_CAPS``). They name the units a report shows
+    and decide what is worth measuring; they decide nothing about speed."""
     kind = forced_cpu_kind()
-    return CPU_KINDS[kind] if kind else frozenset(_cpuinfo("flags").split())
+    return CPU_KINDS.get(kind, frozenset()) if kind else frozenset(_cpuinfo("flags").split())
 
 
 def cpu_kind() -> str:
-    """This CPU's kind as ampkit sees it (forced by ``$AMPKIT_CPU_CAPS`` or detected): ``amx``,
-    ``avx512_bf16``, ``avx2``, or the widest other ISA found (``avx512f``, ``asimd``, the machine name)."""
-    flags = _cpu_flags()
+    """This CPU's kind by its flags (forced by ``$AMPKIT_CPU_CAPS``, ``custom`` for forced ratios): ``amx``,
+    ``avx512_fp16``, ``avx512_bf16``, ``avx512``, ``avx2``, or the widest other ISA (``asimd``, the machine name)."""
+    forced = forced_cpu_kind()
+    if forced:
+        return forced
+    flags = cpu_flags()
     if "amx_bf16" in flags:
         return "amx"
-    return next((f for f in ("avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), platform.machine())
+    kind = next((f for f in ("avx512_fp16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), platform.machine())
+    return _KIND_ALIASES.get(kind, kind)
 
 
 def cpu_name() -> str:
@@ -91,69 +133,25 @@ def measured_on(device: torch.device) -> str:
     GPU's name. Model names alone are not enough ("AMD EPYC" has named both an AVX2-only and an
     AVX512-BF16 machine here, where bf16 speeds differ by ~100x). A forced kind says so: its verdicts
     are kept apart from the CPU's own."""
-    return _measured_on(device, forced_cpu_kind())
+    forced = forced_cpu_kind()
+    if forced == "custom":  # forced ratios: verdicts kept apart per ratio set
+        forced = ",".join(f"{k}={v:g}" for k, v in forced_cpu_caps() or ())
+    return _measured_on(device, forced)
 
 
 @functools.lru_cache(maxsize=None)
 def _measured_on(device: torch.device, forced: Optional[str]) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    flags = _cpu_flags()
-    isa = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), platform.machine())
-    return f"{cpu_name()} [{isa}{', forced' if forced else ''}]"
+    if forced:
+        return f"{cpu_name()} [{forced}, forced]"
+    flags = cpu_flags()
+    isa = next((f for f in ("amx_bf16", "avx512_fp16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in flags),
+               platform.machine())
+    return f"{cpu_name()} [{isa}]"
 
 
 def machine_key(device: torch.device) -> str:
     """The prefix of every cached speed verdict: where it was measured, with which torch, on how many
     threads (``"AMD EPYC [avx2]|torch2.13.0+cpu|threads2"``)."""
     return f"{measured_on(device)}|torch{torch.__version__}|threads{torch.get_num_threads()}"
-
-
-@dataclass
-class DeviceInfo:
-    type: str
-    name: str
-    bf16_supported: bool
-    bf16_fast: bool
-    fp16_fast: bool
-    matrix_units: str
-    notes: list = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_info(dev_type: str, index: Optional[int], forced: Optional[str]) -> DeviceInfo:
-    if dev_type == "cuda":
-        idx = index or 0
-        major, minor = torch.cuda.get_device_capability(idx)
-        name = torch.cuda.get_device_name(idx)
-        bf16 = torch.cuda.is_bf16_supported()
-        units = "tensor cores" if major >= 7 else "none"
-        notes = [f"compute capability {major}.{minor}"]
-        return DeviceInfo("cuda", name, bf16, bf16 and major >= 8, major >= 7, units, notes)
-    flags = _cpu_flags()
-    amx = "amx_bf16" in flags
-    avx512_bf16 = "avx512_bf16" in flags
-    mkldnn_bf16 = False
-    try:  # oneDNN's own verdict (AVX512 without bf16 instructions counts): for the real CPU only
-        mkldnn_bf16 = forced is None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        pass
-    units = "AMX-BF16" if amx else ("AVX512-BF16" if avx512_bf16 else "none")
-    units += f" (forced by ${CPU_CAPS_ENV})" if forced else ""  # every report that names the units says so
-    notes = [f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"]
-    if forced:
-        notes.append(f"CPU kind forced to {forced} by ${CPU_CAPS_ENV}: decisions as on such a CPU, speed as on this one")
-    if "avx512_fp16" in flags or "amx_fp16" in flags:
-        notes.append("fp16 instructions present, but torch's CPU fp16 kernels are far slower than fp32")
-    return DeviceInfo(
-        "cpu", cpu_name(), True,
-        amx or avx512_bf16 or mkldnn_bf16, False, units, notes,
-    )
-
-
-def device_info(device: Union[str, torch.device, None] = None) -> DeviceInfo:
-    dev = resolve_device(device)
-    return _device_info(dev.type, dev.index, forced_cpu_kind() if dev.type == "cpu" else None)

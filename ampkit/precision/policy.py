@@ -1,21 +1,10 @@
 """`Precision`: one object per run that owns every precision decision; the base class of the kinds.
 
-A training loop written against its hooks has no precision branches::
-
-    precision = ampkit.Precision("auto")            # or "bf16-mixed", "O2", "mixed_float16", ...
-    model, optimizer = precision.setup(model, optimizer)
-    for x, y in loader:
-        with precision.autocast():
-            loss = loss_fn(model(x), y)
-        precision.backward(loss)
-        result = precision.step(optimizer, max_norm=1.0)    # unscale, clip, check, step/skip, update
-        optimizer.zero_grad(set_to_none=True)
-
-Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and counted), so
-training never applies a non-finite update, in bf16 and fp32 too (there the check rides on the
-clipping norm, or one read-only pass; no scale, no unscale). With an optimizer that takes
-``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a
-step makes no host sync: ``result`` (a ``StepResult``) reads the skip flag only if asked.
+Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and counted), so training never
+applies a non-finite update, in bf16 and fp32 too (there the check rides on the clipping norm, or one
+read-only pass; no scale, no unscale). With an optimizer that takes ``found_inf`` into its kernel (torch's
+fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host sync: ``step`` returns a
+``StepResult`` that reads the skip flag only if asked. The loop itself: the class docstring.
 
 Here: construction (the options, ``options.py``; the mode, ``choice.py``), ``setup``'s order, and the
 state. The kind hooks and their defaults are ``hooks.py``; the kinds (``kinds/``, one module each, the
@@ -32,7 +21,7 @@ from torch import nn
 from . import checks
 from . import step as stepping
 from .choice import Choice, choose_mode, global_policy, set_global_policy
-from .device import device_info
+from .capability import device_info
 from .hooks import KindHooks
 from .export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
 from .islands import apply_fp32_islands, resolve_module_names
@@ -68,9 +57,25 @@ class _ByKind(type):
 
 
 class Precision(KindHooks, metaclass=_ByKind):
-    """A precision policy built from the mode table (``ampkit.precision.modes``): ``Precision(name)``
-    returns the class of the mode's kind (``ampkit.precision.kinds``: fp32, autocast, cast with fp32
-    masters, pure with compensation, fp8), each overriding only the hooks its kind needs.
+    """One object per run that owns every precision decision: ``Precision(name=None, device=None, **options)``.
+
+    ``name`` is a mode or an alias (``"auto"``, ``"bf16-mixed"``, ``"fp16-master"``, ``"O2"``, ``"16-mixed"``...:
+    docs/MODES.md); the object built is the class of the mode's kind (``ampkit.precision.kinds``). A loop::
+
+        precision = ampkit.Precision("bf16-master", max_consecutive_skips=100)
+        model, optimizer = precision.setup(model, optimizer)  # casts, fp32 masters or compensation, layout
+        for x, y in loader:
+            with precision.autocast():                       # build it once and re-enter it, or not
+                loss = loss_fn(model(x), y)
+            precision.backward(loss)                         # the loss scaled where the mode scales
+            precision.step(optimizer, max_norm=1.0)          # unscale, clip, inf/NaN check, step or skip
+            optimizer.zero_grad(set_to_none=True)
+        checkpoint = {"precision": precision.state_dict(), "model": ..., "optimizer": ...}  # load_state_dict
+
+    Also: ``unscale_(optimizer)`` (to clip yourself before ``step``), ``fp32_state_dict(model)`` (export),
+    ``describe()``, ``skipped_steps``, ``optimizer_steps``, ``loss_scale``. Integrations that set up in two
+    halves (Lightning, Fabric, FSDP, apex compat) call hooks instead of ``setup`` (``convert_module``,
+    ``wrap_optimizer``...: :class:`~ampkit.precision.hooks.KindHooks`, docs/api.md); a loop needs none.
 
     Args:
         name: canonical name or alias (``fp32``, ``fp16-mixed``, ``bf16-mixed``, ``fp16-master``,
@@ -140,11 +145,17 @@ class Precision(KindHooks, metaclass=_ByKind):
         for group in OPTION_GROUPS:  # the mode takes some option groups; the others are refused by their owner
             if group not in self.own_options() and options.given(group):
                 owner = next((k for k in _KINDS.values() if group in k.owns), Precision)
-                raise ValueError(owner.refusal(group, self.mode, options))
+                text = owner.refusal(group, self.mode, options)
+                if self.requested == AUTO:  # the user asked for auto: say what it chose before what that refuses
+                    text = f"precision auto chose {self.mode.name} here ({self.reason}), and " + text.replace(
+                        f"precision={self.mode.name!r} ", f"{self.mode.name} ", 1)
+                raise ValueError(text)
         self.compensation = options.compensation
         self.optimizer_state = options.optimizer_state
         self.take_options(options)
         self.scaler = options.scaler if options.scaler is not None else self._make_scaler(options)
+        if hasattr(self.scaler, "counters"):  # the skip limit's advice fits the mode
+            self.scaler.counters.low_dtype = self.mode.low_dtype
         self.scales_loss = self.mode.scaled
         self._setup_done = False
 
@@ -211,10 +222,12 @@ class Precision(KindHooks, metaclass=_ByKind):
 
     @property
     def skipped_steps(self) -> int:
+        """Steps skipped so far for inf/NaN gradients; counted on the device, a read syncs once; checkpointed."""
         return self.scaler.skipped_steps
 
     @property
     def optimizer_steps(self) -> int:
+        """Steps applied so far (``step`` calls less the skipped ones); a read syncs once; checkpointed."""
         return self.scaler.optimizer_steps
 
     # ------------------------------------------------------------------ hooks
@@ -296,9 +309,13 @@ class Precision(KindHooks, metaclass=_ByKind):
         return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
 
     def state_dict(self) -> Dict[str, Any]:
+        """The precision's part of a checkpoint: the mode's name, the scaler's state (loss scale, skip counters,
+        hysteresis; docs/CHECKPOINTS.md) and ``optimizer_state``; the fp32 masters are in the optimizer's."""
         return {"name": self.name, "scaler": self.scaler.state_dict(), "optimizer_state": self.optimizer_state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s loss scale and counters; another mode or ``optimizer_state`` is a
+        ValueError naming the flag to resume with, and nothing is changed."""
         saved = state.get("name")
         if saved is not None and saved != self.name:
             raise ValueError(

@@ -32,11 +32,11 @@ from torch import nn
 
 from ..diagnose import verdict
 from ..precision import Precision
-from ..precision.auto import auto_candidates, auto_mode, probe, why
+from ..precision.auto import auto_candidates, auto_mode, pick, probe, why
 from ..precision.device import machine_key, resolve_device
 from ..utils.batch import call_model
 from ..utils.tree import iter_tensors, to_device
-from .cache import cache_file, load_entries, store_entry
+from ..utils.cache import cache_file, load_entries, store_entry
 
 __all__ = ["CannotTime", "auto_candidates", "time_modes", "time_precisions", "fastest_mode", "autotune_cache_path", "signature"]
 
@@ -61,25 +61,26 @@ def _sync(device: torch.device) -> None:
 
 def time_modes(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, modes: Sequence[str],
                device: Any = None, steps: int = 1, warmup: int = 2, rounds: int = 6,
-               make_optimizer: Optional[Callable] = None) -> Dict[str, float]:
+               make_optimizer: Optional[Callable] = None, noise: Optional[Dict[str, float]] = None) -> Dict[str, float]:
     """Median ms per optimizer step of each mode, on deep copies of ``model`` (left untouched).
 
     Rounds alternate the order of the modes (A B C | C B A | ...), one step each by default, so a
     drifting machine or a burst of other work hits all alike.
     """
     return time_precisions(model, inputs, target, loss_fn, {m: {"name": m} for m in modes}, device,
-                           steps=steps, warmup=warmup, rounds=rounds, make_optimizer=make_optimizer)
+                           steps=steps, warmup=warmup, rounds=rounds, make_optimizer=make_optimizer, noise=noise)
 
 
 def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
                     candidates: Dict[str, Dict[str, Any]], device: Any = None, steps: int = 1, warmup: int = 2,
                     rounds: int = 6, make_optimizer: Optional[Callable] = None,
-                    budget_s: Optional[float] = 30.0) -> Dict[str, float]:
+                    budget_s: Optional[float] = 30.0, noise: Optional[Dict[str, float]] = None) -> Dict[str, float]:
     """:func:`time_modes` for any ``Precision`` settings: ``{label: Precision kwargs (name included)}``
     -> ``{label: median ms per optimizer step}``, each on its own deep copy of ``model``.
 
     ``budget_s``: where the warm-up steps say the rounds would take longer than this, fewer rounds
-    are timed (never fewer than 2), so a big model on a CPU waits seconds, not minutes."""
+    are timed (never fewer than 2), so a big model on a CPU waits seconds, not minutes.
+    ``noise``: a dict that receives each label's :func:`spread` (how far its steps wandered)."""
     dev = resolve_device(device)
     inputs, target = to_device(inputs, dev), to_device(target, dev)
     args = inputs if isinstance(inputs, (list, tuple, Mapping)) else (inputs,)  # call_model: a Mapping is kwargs
@@ -88,7 +89,17 @@ def time_precisions(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         times = _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds, make_optimizer,
                              budget_s)
+    if noise is not None:
+        noise.update({label: spread(t) for label, t in times.items()})
     return {label: sorted(t)[len(t) // 2] for label, t in times.items()}
+
+
+def spread(times: Sequence[float]) -> float:
+    """The timing noise of one candidate: the interquartile range of its steps over their median."""
+    t = sorted(times)
+    if len(t) < 4:
+        return 0.0
+    return (t[(3 * len(t)) // 4] - t[len(t) // 4]) / max(t[len(t) // 2], 1e-12)
 
 
 def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, rounds,
@@ -147,12 +158,14 @@ def signature(model: nn.Module, inputs: Any, target: Any) -> str:
 
 
 def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, device: Any = None,
-                 grad_accum: int = 1, log: Optional[Callable[[str], None]] = None, **kw) -> Dict[str, Any]:
+                 grad_accum: int = 1, log: Optional[Callable[[str], None]] = None, refresh: bool = False,
+                 **kw) -> Dict[str, Any]:
     """``{"mode", "reason", "ms": {mode: ms}, "cached", "checked"}``: the fastest of :func:`auto_candidates`
     whose compute dtype passes the AMP check (``checked``: :func:`amp_check`'s verdicts).
 
-    The device's default mode stays unless another is at least 3% faster (timings on a shared
-    machine wobble by a few percent; a tie keeps the simpler mode).
+    The device's measured choice stays unless another is faster by more than 3% and by more than the
+    timings' own noise (:func:`~ampkit.precision.auto.pick`): a tie keeps what the measured capability
+    favours. ``refresh``: check and time again whatever the cache holds (``ampkit train --retune``).
     """
     dev = resolve_device(device)
     cands = auto_candidates(dev, grad_accum)
@@ -160,7 +173,7 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     if len(cands) == 1:
         return {"mode": cands[0], "reason": dev_reason, "ms": {}, "cached": False, "checked": {}}
     key = f"{machine_key(dev)}|{signature(model, inputs, target)}|{','.join(cands)}"
-    hit = load_entries(autotune_cache_path()).get(key) or {}
+    hit = {} if refresh else (load_entries(autotune_cache_path()).get(key) or {})
     checked = hit.get("checked")
     if checked is None:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # dropout draws: not the user's
@@ -170,26 +183,26 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     dropped = [f"{p} {v}" for p, v in checked.items() if v != "ok"]
     check_note = "AMP check ok" if not dropped else f"AMP check: {', '.join(dropped)}, so not a candidate"
 
-    def remember(ms: Dict[str, float]) -> None:
-        store_entry(autotune_cache_path(), key, {"ms": ms, "checked": checked,
+    def remember(ms: Dict[str, float], noise: Dict[str, float]) -> None:
+        store_entry(autotune_cache_path(), key, {"ms": ms, "noise": noise, "checked": checked,
                                                  "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
 
     if len(passed) == 1:  # nothing left to time
         if not hit:
-            remember({})
+            remember({}, {})
         return {"mode": passed[0], "reason": why(passed[0], check_note, dev), "ms": {}, "cached": bool(hit),
                 "checked": checked}
     cached = set(hit.get("ms", {})) == set(passed)
     if not cached and log:
         log(f"precision auto: timing {', '.join(passed)} on the first batch (once per model on this machine; "
             "--no-autotune skips it)")
-    ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, passed, dev, **kw)
+    noise: Dict[str, float] = dict(hit.get("noise") or {}) if cached else {}
+    ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, passed, dev, noise=noise, **kw)
     if not cached:
-        remember(ms)
-    best = min(passed, key=ms.get)
-    mode = best if ms[best] < 0.97 * ms[passed[0]] else passed[0]
+        remember(ms, noise)
+    mode, verdict_note = pick(ms, passed, noise)
     timing = ", ".join(f"{m} {fmt_ms(ms[m])}" for m in passed)
-    reason = why(mode, f"{check_note}; {mode} fastest here, measured per step ({timing}"
+    reason = why(mode, f"{check_note}; {verdict_note}, measured per step ({timing}"
                        f"{', cached' if cached else ''})", dev)
     return {"mode": mode, "reason": reason, "ms": ms, "cached": cached, "checked": checked}
 

@@ -26,7 +26,7 @@ from ..precision.attention import AttentionPolicy, SdpaCall, bucket, math_fits, 
 from ..precision.device import machine_key
 from ..utils.batch import call_model
 from ..utils.tree import to_device
-from .cache import cache_file, load_entries, store_entry
+from ..utils.cache import cache_file, load_entries, store_entry
 
 __all__ = ["attention_calls", "kernel_verdicts", "measure_sdpa", "cache_path"]
 

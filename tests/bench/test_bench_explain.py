@@ -100,7 +100,7 @@ def test_noisy_rows_claim_no_cause():
 
 
 def test_tiny_model_is_too_small_to_measure_not_0_ms_vs_0_ms():
-    """Issue 20: a tiny model's profile rounds to 0 ms of matmul in both; the line must not read '0 ms vs 0 ms'."""
+    """A tiny model's profile rounds to 0 ms of matmul in both; the line must not read '0 ms vs 0 ms'."""
     tiny = {"precision": "fp32", "profile": prof(gemm=0.3, other=5)}
     msg = explain(row(0.9, gemm=0.3, other=5), tiny, CPU)
     assert msg.startswith("too small to measure") and "0 ms vs 0 ms" not in msg

@@ -1,4 +1,4 @@
-"""Runs lost or misrecorded (issue 23, items 8-10), through the CLI in subprocesses as a user runs it:
+"""Runs lost or misrecorded, through the CLI in subprocesses as a user runs it:
 a run that fails before its first checkpoint keeps what explains the failure; two writers into one
 run directory cannot both write (the second gets one line, exit 2); config.toml records what is in
 effect after a resume with another --lr."""

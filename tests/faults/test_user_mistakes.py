@@ -1,4 +1,4 @@
-"""What a new user gets wrong, through the CLI as they run it (issue 20): every mistake is one line
+"""What a new user gets wrong, through the CLI as they run it: every mistake is one line
 on stderr and a non-zero exit, no traceback, no run directory left behind to block the retry, and no
 file ampkit did not write replaced; a resumed run continues with its own saved options.
 

@@ -135,3 +135,41 @@ def test_trainer_trains_and_checkpoints(tmp_path, mode, kwargs):
     assert ckpt["AmpkitPrecision"]["name"] == plugin.ampkit.name  # the scaler and its counters travel along
     if plugin.ampkit.mode.master_weights:  # the checkpoint's weights are the fp32 masters themselves
         assert all(v.dtype == torch.float32 for v in ckpt["state_dict"].values())
+
+
+class _DecayingModule(_Module):
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-4)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+@pytest.mark.parametrize("mode,kwargs", [("16-mixed", {"init_scale": 2.0**20, "growth_interval": 2}),
+                                         ("bf16-master", {}), ("bf16-true", {}), ("bf16-mixed", {})])
+def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path, mode, kwargs):
+    """Lightning's own checkpoint and fit(ckpt_path=...): the optimizer it saves is the one ampkit steps (masters,
+    Kahan buffers), the plugin's state the loss scale; the resumed run equals the uninterrupted one."""
+    x, y = _data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+    def fit(epochs, root, ckpt=None, seed=0):
+        plugin = AmpkitPrecision(mode, "cpu", **kwargs)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, plugins=plugin, default_root_dir=root,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            gradient_clip_val=1.0)
+        torch.manual_seed(seed)
+        module = _DecayingModule()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, loader, ckpt_path=ckpt)
+        return trainer, module, plugin
+
+    whole_trainer, whole, whole_plugin = fit(2, tmp_path / "whole")
+    fit(1, tmp_path / "first")
+    ckpt = next((tmp_path / "first").rglob("*.ckpt"))
+    trainer, resumed, plugin = fit(2, tmp_path / "resumed", ckpt=str(ckpt), seed=1)
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [1e-2 * 0.5 ** 2]  # the schedule steps it
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
+    assert whole_plugin.ampkit.scaler.state_dict() == plugin.ampkit.scaler.state_dict()
+    if plugin.ampkit.mode.master_weights:
+        assert all(torch.equal(a, b) for a, b in zip(whole_plugin.fp32_state_dict(whole.net).values(),
+                                                      plugin.fp32_state_dict(resumed.net).values()))

@@ -1,4 +1,4 @@
-"""Issue 25: peaks that keep the promise. Peak resident bytes per parameter of 2 training steps, per mode,
+"""Peaks that keep the promise. Peak resident bytes per parameter of 2 training steps, per mode,
 each in a fresh process (``ampkit.bench.peak_bytes``: fixed malloc mmap threshold, peak counter reset after
 a warm-up), compared with plain torch loops measured the same way in the same test, so the allocator and
 machine cancel out. The model is embedding-heavy (2.8M params, 73% in a tied embedding): the shape where

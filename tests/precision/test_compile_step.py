@@ -1,6 +1,6 @@
 """``precision.step`` under torch.compile: no graph break of ampkit's own, no recompiles under an LR
 scheduler, and compiled == eager bitwise over a run whose loss scale grows and backs off and whose
-steps are skipped on overflow (issue 26).
+steps are skipped on overflow.
 
 Breaks are counted with ``torch._dynamo.explain`` and located from dynamo's graph-break log: every
 break must sit in torch's optimizer code (torch's ``Optimizer.step`` wrapper, which breaks on purpose,

@@ -1,4 +1,4 @@
-"""What a new user hit in the library (issue 20): fp16 optimizer state with torch's eps, a zero initial
+"""What a new user hit in the library: fp16 optimizer state with torch's eps, a zero initial
 scale, errors naming parameters by module, a fp32 run with a loss scale, messages that said the wrong thing."""
 import math
 import warnings

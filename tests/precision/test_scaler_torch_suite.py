@@ -464,7 +464,7 @@ def test_grad_scaling_autocast_fused_optimizers(scaler_cls, device, optimizer_ct
 
 
 def test_ampkit_scaler_is_torchs_class():
-    """Issue 17: the class goes wherever torch's goes, with torch's per-optimizer state layout."""
+    """The class goes wherever torch's goes, with torch's per-optimizer state layout."""
     s = LossScaler("cpu")
     assert isinstance(s, torch.amp.GradScaler)
     m = torch.nn.Linear(2, 2)

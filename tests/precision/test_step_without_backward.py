@@ -1,4 +1,4 @@
-"""`precision.step()` with no backward before it (issue 23, item 13): one behaviour in every mode, one
+"""`precision.step()` with no backward before it: one behaviour in every mode, one
 clear error; nothing stepped, nothing counted."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Issue 16: no host syncs per optimizer step. Scalar reads are counted at the dispatcher
+"""No host syncs per optimizer step. Scalar reads are counted at the dispatcher
 (``aten._local_scalar_dense``, which ``.item()``/``float()``/``bool()`` of a tensor go through, and
 ``aten.is_nonzero``) over steady-state steps, for every mode and for the Trainer between log points.
 On CUDA the same loops run under ``torch.cuda.set_sync_debug_mode("error")``.

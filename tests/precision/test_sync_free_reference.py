@@ -1,4 +1,4 @@
-"""Issue 16: the Trainer resolves the skip flag one step late (no host read per step); the lr and
+"""The Trainer resolves the skip flag one step late (no host read per step); the lr and
 params it produces must equal, bit for bit on CPU, a synchronous run that reads the flag after every
 step and advances the schedule only on real steps. The synchronous reference is a hand loop over the
 public API (the Trainer's own model/optimizer/scheduler/precision objects, built but not fitted),

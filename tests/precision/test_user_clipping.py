@@ -1,4 +1,4 @@
-"""Issue 23 item 1: clipping the way torch documents it clips what the step applies, in every mode.
+"""Clipping the way torch documents it clips what the step applies, in every mode.
 
 nanoGPT's loop with the precision lines swapped: ``ctx`` built once and re-entered, ``scaler.unscale_``
 (here ``precision.unscale_``) then ``torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)``, then

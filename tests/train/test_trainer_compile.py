@@ -1,5 +1,5 @@
 """Trainer(compile=True): the model compiled regionally (repeated blocks) or whole, and the optimizer
-step compiled with a tensor lr; a compiled run equals the eager run over overflow skips (issue 26)."""
+step compiled with a tensor lr; a compiled run equals the eager run over overflow skips."""
 import functools
 
 import pytest

@@ -1,4 +1,4 @@
-"""The Trainer's run directory and calls from Python (issue 23, items 8, 9, 13): the run directory's lock,
+"""The Trainer's run directory and calls from Python: the run directory's lock,
 a stale lock left by a killed run, fit() twice."""
 import os
 

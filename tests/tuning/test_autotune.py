@@ -1,5 +1,6 @@
 """`auto`, measured: candidates per device, the fastest kept (with a margin), cached per model,
 the model and the random stream left untouched, and a resumed run keeps its checkpoint's mode."""
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -162,3 +163,57 @@ def test_slow_steps_get_fewer_rounds():
     capped = autotune._time_rounds(Slow(), args, y, nn.functional.cross_entropy, cands, torch.device("cpu"),
                                    1, 1, 6, opt, budget_s=0.05)  # rounds of >= 40 ms: the floor of 2
     assert [len(v) for v in quick.values()] == [6, 6] and [len(v) for v in capped.values()] == [2, 2]
+
+
+def test_a_tie_within_the_timing_noise_keeps_the_measured_favourite():
+    """Two modes the machine cannot tell apart: the capability's choice stays, and the reason says why;
+    a gain beyond both the 3% margin and the candidates' own noise wins."""
+    from ampkit.precision.auto import TIE, pick
+    from ampkit.tuning.autotune import spread
+
+    ranked = ["bf16-mixed", "bf16-master", "fp32"]
+    ms = {"bf16-mixed": 100.0, "bf16-master": 98.0, "fp32": 150.0}
+    mode, why = pick(ms, ranked)
+    assert mode == "bf16-mixed" and "within 3%" in why and "kept bf16-mixed" in why
+    assert pick({**ms, "bf16-master": 90.0}, ranked)[0] == "bf16-master"  # 10% > 3%: measured faster
+    # 10% faster, but each candidate's steps wandered by 20%: not told apart, the favourite stays
+    mode, why = pick({**ms, "bf16-master": 90.0}, ranked, {"bf16-mixed": 0.2, "bf16-master": 0.05})
+    assert mode == "bf16-mixed" and "within 20%" in why
+    assert pick(ms, ["fp32", "bf16-mixed"]) == ("bf16-mixed", "bf16-mixed fastest here")
+    assert TIE == 0.03
+    assert spread([10, 10, 10, 10]) == 0 and spread([8, 10, 10, 12]) == pytest.approx(0.2)
+    assert spread([1.0, 2.0]) == 0.0  # too few steps to say: the margin alone decides
+
+
+@pytest.mark.cpu_caps("amx")
+def test_refresh_times_again_whatever_the_cache_holds(monkeypatch, tmp_path):
+    """``--retune`` / ``refresh=True``: a cached verdict is measured again and replaced."""
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    from ampkit.tuning import autotune
+
+    calls = []
+    monkeypatch.setattr(autotune, "time_modes", lambda model, x, y, loss, modes, dev, **kw:
+                        calls.append(1) or {m: (1.0 if m == "fp32" else 2.0 + len(calls)) for m in modes})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    args = (model, torch.randn(4, 8), torch.randint(0, 2, (4,)), nn.functional.cross_entropy, "cpu")
+    first = autotune.fastest_mode(*args)
+    assert not first["cached"] and autotune.fastest_mode(*args)["cached"] and len(calls) == 1
+    again = autotune.fastest_mode(*args, refresh=True)
+    assert not again["cached"] and len(calls) == 2 and again["ms"] != first["ms"]
+    assert autotune.fastest_mode(*args)["ms"] == again["ms"]  # the cache holds the new timings
+
+
+def test_retune_is_a_flag_that_is_not_recorded(tmp_path):
+    """``ampkit train --retune`` re-measures for this run only: config.toml does not keep it (a resume or a
+    reload with --config reads the cache again)."""
+    import argparse
+
+    from ampkit.cli.train import _config_from_args, add_parser
+    from ampkit.train.report import recorded_config
+
+    p = argparse.ArgumentParser()
+    add_parser(p)
+    cfg, _ = _config_from_args(p.parse_args(["--retune", "--out", str(tmp_path / "r")]))
+    assert cfg.retune is True
+    assert recorded_config(cfg, ampkit.Precision("fp32", "cpu")).retune is False

@@ -45,6 +45,7 @@ __all__ = ["LossScaler"]
 
 class LossScaler(TraceableGradScaler):
     """Gradient scaler; ``LossScaler(...)`` accepts everything ``torch.amp.GradScaler(...)`` does."""
+    state_dict_key = "amp_scaler"  # timm's CheckpointSaver/resume_checkpoint save state_dict() under it
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The on-disk verdict caches (op speed, auto mode).
+"""The on-disk caches of what ampkit measures on a machine (capability, op speed, auto mode, layout).
 
 One JSON object per file under ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), each entry keyed
 by where it was measured. Writes replace the file atomically; a read-only or missing cache only
