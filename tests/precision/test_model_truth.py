@@ -23,7 +23,7 @@ MASTER = ["bf16-master", "fp16-master"]
 
 
 def _precision(mode, **kw):
-    if mode.startswith("fp8"):
+    if mode.startswith(("fp8", "mx")):
         pytest.importorskip("torchao")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 / emulated bf16 on this CPU
