@@ -19,7 +19,7 @@ from .trace import trace_step
 __all__ = ["MemoryPlan", "BatchChoice", "plan", "auto_batch_size", "ORDER"]
 
 #: breakdown keys in the order tables print them
-ORDER = ("weights", "grads", "master_weights", "optimizer_state", "compensation", "activations",
+ORDER = ("weights", "grads", "master_weights", "compute_copies", "optimizer_state", "compensation", "activations",
          "temporaries", "workspace", "fp8_casts", "inputs", "other")
 
 DEFAULT_MARGIN = 0.1
