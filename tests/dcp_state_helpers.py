@@ -7,10 +7,7 @@ from torch import nn
 import ampkit
 from ampkit.precision.modes import MODES
 
-# fp16/bf16-master keep their fp32 masters in the optimizer's param groups (not the model's parameters),
-# which get_optimizer_state_dict cannot map to parameter names (KeyError): not covered until the masters
-# are the model's parameters
-CASES = [(m, {}) for m in MODES if not m.endswith("-master")] + [("bf16-pure", {"compensation": "stochastic"})]
+CASES = [(m, {}) for m in MODES] + [("bf16-pure", {"compensation": "stochastic"})]
 IDS = [m + ("-stochastic" if kw else "") for m, kw in CASES]
 
 
