@@ -10,9 +10,10 @@ from typing import List
 from . import UsageError
 
 _LABELS = {"weights": "weights", "grads": "gradients", "master_weights": "fp32 masters",
-           "optimizer_state": "optimizer state", "compensation": "Kahan buffers", "activations": "activations",
-           "temporaries": "temporaries",
-           "workspace": "kernel workspace", "fp8_casts": "fp8 casts", "inputs": "batch", "other": "other"}
+           "optimizer_state": "optimizer state", "compensation": "Kahan buffers",
+           "unsharded": "all-gathered params", "activations": "activations", "temporaries": "temporaries",
+           "workspace": "kernel workspace", "fp8_casts": "fp8 casts", "comm_buffers": "comm buffers",
+           "ddp_buckets": "DDP buckets", "inputs": "batch", "other": "other"}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin", type=float, default=0.1, help="fraction of the budget kept free (default 0.1)")
     p.add_argument("--max-batch", type=int, default=4096, help="cap on the batch search (default 4096)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="plan one rank of this many processes (default 1); --batch-size is then per rank")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"],
+                   help="with --world-size > 1: ddp (default; gradient buckets) or fsdp (fully_shard per block "
+                        "and the root, traced under a fake process group)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -79,6 +85,11 @@ def _run(args) -> int:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}.")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}.")
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}.")
+    if args.strategy and args.world_size == 1:
+        raise ValueError(f"--strategy {args.strategy} plans one rank of several: add --world-size N (N > 1).")
+    strategy = args.strategy or ("ddp" if args.world_size > 1 else None)
     budget = parse_bytes(args.memory) if args.memory else None
     modes = _modes(args.precision)
     device = resolve_device(args.device)
@@ -98,14 +109,16 @@ def _run(args) -> int:
     for mode in modes:
         try:
             prec = Precision(mode, device, optimizer_state=args.optimizer_state) if args.optimizer_state else mode
-            p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device, batch_size=args.batch_size)
+            p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device, batch_size=args.batch_size,
+                     world_size=args.world_size, strategy=strategy)
             choice = p.max_batch_size(budget, margin=args.margin, cap=args.max_batch)
         except (ValueError, RuntimeError, TypeError, ImportError) as e:  # a mode this device or install cannot run
             failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
             continue
         rows.append((mode, p, choice))
     if args.json:
-        out = {"model": spec, "data": args.data, "device": str(device), "budget_bytes": budget, "budget_from": source,
+        out = {"model": spec, "data": args.data, "device": str(device), "world_size": args.world_size,
+               "strategy": strategy, "budget_bytes": budget, "budget_from": source,
                "margin": args.margin, "cap": args.max_batch,
                "modes": [{**p.as_dict(), "max_batch_size": c.batch_size, "max_batch_peak_bytes": c.peak_bytes,
                           "max_batch_reason": c.reason} for _, p, c in rows],
@@ -113,7 +126,9 @@ def _run(args) -> int:
         print(json.dumps(out, indent=1))
         return 0 if rows else 2
     n_params = rows[0][1].num_params if rows else 0
-    print(f"ampkit plan: {spec} ({n_params / 1e6:.2f}M params) on {args.data}, batch {args.batch_size}, "
+    ranks = (f" per rank of {args.world_size} ({strategy}{', fake process group' if strategy == 'fsdp' else ''})"
+             if strategy else "")
+    print(f"ampkit plan: {spec} ({n_params / 1e6:.2f}M params) on {args.data}, batch {args.batch_size}{ranks}, "
           f"{args.optimizer}, {device}; traced on fake tensors")
     if rows:
         cats = [k for k in _LABELS if any(p.breakdown.get(k) for _, p, _ in rows)]
