@@ -154,11 +154,12 @@ class _NoTracker:
 
 def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[str, Callable] = "adamw",
               loss_fn: Optional[Callable] = None, live: Optional[LiveBytes] = None, steps: int = STEPS,
-              sharded: bool = False):
+              sharded: bool = False, wrap: Optional[Callable[[nn.Module], nn.Module]] = None):
     """The Trainer's steps (ampkit/train/loop.py, one micro-batch per step): optimizer built, model and
     optimizer set up by the precision, then forward under autocast, loss, backward, step, zero_grad.
     ``sharded``: the model is already set up and sharded with ``fully_shard`` (as ``ampkit train
-    --strategy fsdp`` does it): the optimizer is built over its shards.
+    --strategy fsdp`` does it): the optimizer is built over its shards. ``wrap``: applied to the model once
+    set up (DDP, as ``ampkit train`` wraps it), for the measured calibration on real process groups.
     The same code runs on fake tensors (traced) and on real ones (``benchmarks/plan_calibration.py``)."""
     live = live if live is not None else _NoTracker()
     loss_fn = loss_fn or default_loss
@@ -170,10 +171,11 @@ def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[st
         model, opt = prec.setup(model, opt)
     model.train()
     _tag_state(live, model, opt)
+    runner = wrap(model) if wrap is not None else model
     for _ in range(steps):
         live.phase = "forward"
         with prec.autocast():
-            out = call_model(model, inputs)
+            out = call_model(runner, inputs)
             loss = loss_fn(out, targets)
         del out
         live.phase = "backward"
