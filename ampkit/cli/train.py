@@ -236,15 +236,25 @@ def _run(args, env, cfg, plan) -> int:
 
 
 def _auto_batch(args, cfg, model, data):
-    """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once."""
+    """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once.
+
+    Under torchrun the batch is per rank, planned for one rank of the run's strategy against this rank's
+    share of the memory; rank 0's answer is every rank's. At most half the epoch's samples per rank and
+    optimizer step, so an epoch is never a single step."""
     from ..cli.plan import sample_batch
     from ..memory import auto_batch_size
-    from ..train.distributed import run_device
+    from ..train.distributed import broadcast_object, rank_and_world, run_device
 
-    cap = min(4096, len(data.train))
+    _, world = rank_and_world()
+    accum = max(1, int(getattr(cfg, "grad_accum", 1) or 1))
+    cap = max(1, min(4096, len(data.train) // (2 * world * accum)))
     choice = auto_batch_size(model, sample_batch(data, 2), precision=cfg.precision, optimizer=cfg.optimizer,
-                             device=run_device(cfg.device), cap=cap)
+                             device=run_device(cfg.device), cap=cap, world_size=world,
+                             strategy=cfg.strategy if world > 1 else None)
+    choice = broadcast_object(choice)
     if not env_is_secondary():
+        data_bound = choice.batch_size == cap < 4096
         print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}"
-              f"{' (the dataset size)' if choice.batch_size == cap == len(data.train) else ''}", file=sys.stderr)
+              f"{f' (capped: {len(data.train)} samples make at least 2 steps per epoch)' if data_bound else ''}",
+              file=sys.stderr)
     return choice

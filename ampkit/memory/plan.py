@@ -223,19 +223,35 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
 
 def auto_batch_size(model: nn.Module, batch: Any, *, precision: Any = "auto", optimizer: Any = "adamw",
                     loss_fn: Optional[Callable] = None, device: Any = None, budget_bytes: Optional[int] = None,
-                    margin: float = DEFAULT_MARGIN, cap: int = DEFAULT_CAP) -> BatchChoice:
+                    margin: float = DEFAULT_MARGIN, cap: int = DEFAULT_CAP, world_size: int = 1,
+                    strategy: Optional[str] = None) -> BatchChoice:
     """``--batch-size auto``: the largest batch that fits ``budget_bytes`` (default: the device's free
-    memory) less ``margin``, at most ``cap``; at least 1 (a run that cannot fit one sample is told so)."""
+    memory) less ``margin``, at most ``cap``; at least 1 (a run that cannot fit one sample is told so).
+
+    With ``world_size`` > 1 the batch is per rank, planned for one rank of ``strategy``; on CPU the ranks
+    of one host share its RAM, so the default budget is this rank's share: the free memory divided by the
+    processes on this host (torchrun's ``LOCAL_WORLD_SIZE``, else ``world_size``). A GPU is one rank's."""
+    import os
+
     from .budget import available_memory, format_bytes
 
     p = plan(model, batch, precision=precision, optimizer=optimizer, loss_fn=loss_fn, device=device,
-             batch_size=min(cap, 32))
-    source = "" if budget_bytes is not None else f" (free memory of {p.device})"
-    budget = budget_bytes if budget_bytes is not None else available_memory(p.device)
+             batch_size=min(cap, 32), world_size=world_size, strategy=strategy)
+    if budget_bytes is not None:
+        budget, source = budget_bytes, ""
+    else:
+        free = available_memory(p.device)
+        share = 1
+        if world_size > 1 and not p.device.startswith("cuda"):
+            share = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        budget = free // share
+        source = (f" (free memory of {p.device}" +
+                  (f" / {share} ranks on this host: {_gib(free)} in all)" if share > 1 else ")"))
     c = p.max_batch_size(budget, margin=margin, cap=cap)
     if c.batch_size < 1:
         raise ValueError(f"--batch-size auto: even one sample needs more than {format_bytes(budget)}{source} less a "
                          f"{margin:.0%} margin in {p.mode}; pick a mode that holds less (ampkit plan --precision all).")
     reason = c.reason.replace(f"fits {_gib(budget)}", f"fits {_gib(budget)}{source}")
+    where = f" per rank of {world_size} ({p.strategy})" if p.strategy else ""
     return BatchChoice(c.batch_size, c.peak_bytes, c.budget_bytes, margin, cap, c.bytes_per_sample,
-                       c.fixed_bytes, f"{reason} in {p.mode}")
+                       c.fixed_bytes, f"{reason} in {p.mode}{where}")

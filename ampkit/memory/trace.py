@@ -117,7 +117,9 @@ def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision]
         with fake_group(world_size) as group:
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = DeviceMesh.from_group(group, dev.type)
+            # a name of its own: DTensor caches its plans per mesh, and an unnamed mesh of the same ranks
+            # would equal the run's own (a cached plan would then name the fake group, gone by then)
+            mesh = DeviceMesh.from_group(group, dev.type, mesh_dim_names=("ampkit_plan",))
             with mode:  # set up and sharded before the count: the rank's step, not the model's loading
                 fmodel = shard_fake(prec.setup(fmodel, None)[0], policy, mesh)
             with mode, live, fsdp_storage_counted(live):

@@ -2,6 +2,9 @@
 peaks measured on 2 gloo processes running the same steps."""
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -148,3 +151,26 @@ def test_plan_within_15_percent_of_the_measured_peak_per_rank(tmp_path):
                               strategy=strategy).peak_bytes
         for m in measured:
             assert abs(planned - m[strategy]) <= 0.15 * m[strategy], (strategy, planned, m[strategy])
+
+
+# ---------------------------------------------------------------------- --batch-size auto under torchrun
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed next to this Python")
+def test_auto_batch_under_torchrun_plans_one_rank_against_its_share(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = ROOT
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "ampkit", "train", "--batch-size", "auto",
+           "--strategy", "fsdp", "--precision", "fp32", "--no-autotune", "--no-progress", "--max-steps", "1",
+           "--epochs", "1", "--num-threads", "1", "--device", "cpu", "--out", "run"]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stderr.splitlines() if "--batch-size auto ->" in ln]
+    assert len(line) == 1, r.stderr[-3000:]  # said once, by rank 0
+    assert "per rank of 2 (fsdp)" in line[0] and "/ 2 ranks on this host" in line[0]
+    chosen = int(line[0].split("->")[1].split(":")[0])
+    # digits: 1437 training samples over 2 ranks; never one step per epoch
+    assert 1 <= chosen <= 1437 // 4
+    assert "batch_size = %d" % chosen in (tmp_path / "run" / "config.toml").read_text()
