@@ -64,6 +64,21 @@ def sample_batch(data, n: int):
     return batch  # a dict batch: the model's keyword inputs (its labels the target)
 
 
+def _target_device(name):
+    """The device to plan for: as ``resolve_device``, except that a CUDA target is accepted on a machine
+    without CUDA (planned on fake tensors; the plan says what it cannot see there)."""
+    import torch
+
+    from ..precision import resolve_device
+
+    if name and str(name).strip().lower().startswith("cuda") and not torch.cuda.is_available():
+        try:
+            return torch.device(str(name).strip().lower())
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"Unknown device {name!r}: use 'cpu', 'cuda' or 'cuda:N'.") from e
+    return resolve_device(name)
+
+
 def run(args) -> int:
     try:
         return _run(args)
@@ -77,7 +92,7 @@ def _run(args) -> int:
     from ..data import load_data
     from ..memory import available_memory, format_bytes, parse_bytes, plan
     from ..models import build_model
-    from ..precision import Precision, resolve_device
+    from ..precision import Precision
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
@@ -92,7 +107,11 @@ def _run(args) -> int:
     strategy = args.strategy or ("ddp" if args.world_size > 1 else None)
     budget = parse_bytes(args.memory) if args.memory else None
     modes = _modes(args.precision)
-    device = resolve_device(args.device)
+    device = _target_device(args.device)
+    remote = device.type == "cuda" and not torch.cuda.is_available()
+    if remote and budget is None:
+        raise ValueError(f"--device {args.device} is planned here without a GPU: give the target's memory with "
+                         "--memory, e.g. --memory 80GB.")
     data = load_data(args.data)
     spec = args.model or data.default_model
     if not spec:
@@ -108,7 +127,8 @@ def _run(args) -> int:
     rows, failed = [], {}
     for mode in modes:
         try:
-            prec = Precision(mode, device, optimizer_state=args.optimizer_state) if args.optimizer_state else mode
+            prec = (Precision(mode, "cpu" if remote else device, optimizer_state=args.optimizer_state)
+                    if args.optimizer_state else mode)
             p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device, batch_size=args.batch_size,
                      world_size=args.world_size, strategy=strategy)
             choice = p.max_batch_size(budget, margin=args.margin, cap=args.max_batch)
@@ -122,7 +142,7 @@ def _run(args) -> int:
                "margin": args.margin, "cap": args.max_batch,
                "modes": [{**p.as_dict(), "max_batch_size": c.batch_size, "max_batch_peak_bytes": c.peak_bytes,
                           "max_batch_reason": c.reason} for _, p, c in rows],
-               "failed": failed}
+               "unseen": rows[0][1].unseen if rows else None, "failed": failed}
         print(json.dumps(out, indent=1))
         return 0 if rows else 2
     n_params = rows[0][1].num_params if rows else 0
@@ -146,6 +166,8 @@ def _run(args) -> int:
         print(f"max batch: the largest batch whose planned peak fits {format_bytes(budget)} ({source}) less a "
               f"{args.margin:.0%} margin for what a trace cannot see (allocator caching, library workspaces), "
               f"at most {args.max_batch}; the breakdown is what is live at the peak.")
+        if rows[0][1].unseen:
+            print(f"{device}: {rows[0][1].unseen}.")
     for mode, why in failed.items():
         print(f"{mode}: not planned: {why}", file=sys.stderr)
     return 0 if rows else 2

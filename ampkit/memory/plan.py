@@ -67,6 +67,7 @@ class MemoryPlan:
     device: str
     world_size: int = 1
     strategy: Optional[str] = None
+    unseen: Optional[str] = None  # what the trace cannot see (a CUDA target planned without a GPU)
     _retrace: Optional[Callable[[int], Dict[str, Any]]] = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -75,7 +76,7 @@ class MemoryPlan:
         return cls(peak_bytes=int(t["peak_bytes"]), breakdown=breakdown, mode=t["mode"],
                    batch_size=int(t["batch_size"]), num_params=t["num_params"], at_rest_bytes=t["at_rest_bytes"],
                    peak_phase=t["peak_phase"], device=t["device"], world_size=int(t.get("world_size", 1)),
-                   strategy=t.get("strategy"), _retrace=retrace)
+                   strategy=t.get("strategy"), unseen=t.get("unseen"), _retrace=retrace)
 
     @property
     def bytes_per_param(self) -> float:
@@ -144,7 +145,7 @@ class MemoryPlan:
                 "breakdown": dict(self.breakdown), "at_rest_bytes": self.at_rest_bytes,
                 "num_params": self.num_params, "bytes_per_param": round(self.bytes_per_param, 2),
                 "peak_phase": self.peak_phase, "device": self.device, "world_size": self.world_size,
-                "strategy": self.strategy}
+                "strategy": self.strategy, "unseen": self.unseen}
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in self.breakdown.items())

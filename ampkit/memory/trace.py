@@ -105,10 +105,15 @@ def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision]
     With ``strategy`` (``ddp`` | ``fsdp``) the step is one rank's of ``world_size`` (``ranks.py``);
     ``batch_size`` is then the batch per rank."""
     strategy = check_strategy(world_size, strategy)
-    prec = make_precision(precision, device)
+    target = torch.device(device) if device is not None else None
+    remote = target is not None and target.type == "cuda" and not torch.cuda.is_available()
+    if remote:  # a CUDA target planned from a machine without one
+        prec = remote_cuda_precision(precision)
+    else:
+        prec = make_precision(precision, device)
     dev = prec.device
     mode = fake_mode()
-    live = LiveBytes(dev)
+    live = LiveBytes(torch.device("cuda", target.index or 0) if remote else dev)  # CUDA's 512-byte blocks
     fmodel = fake_model(model, mode, dev)
     fbatch = fake_batch(batch, mode, dev, batch_size)
     extra: Dict[str, int] = {}
@@ -136,15 +141,31 @@ def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision]
             stepped, _ = run_steps(fmodel, fbatch, prec, optimizer, loss_fn, live)
             at_rest = live.current
         if strategy == "ddp":  # held from the wrap on: on top of every moment of the step
-            extra["ddp_buckets"] = ddp_bucket_bytes(stepped, dev)
+            extra["ddp_buckets"] = ddp_bucket_bytes(stepped, live.device)
     breakdown = live.breakdown()
     breakdown.update(extra)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return {"peak_bytes": int(live.peak) + sum(extra.values()), "peak_phase": live.peak_phase,
             "breakdown": breakdown, "at_rest_bytes": int(at_rest) + sum(extra.values()),
-            "num_params": int(n_params), "mode": prec.name, "device": str(dev),
+            "num_params": int(n_params), "mode": prec.name, "device": str(live.device),
             "batch_size": batch_size if batch_size is not None else batch_size_of(batch),
-            "world_size": world_size, "strategy": strategy}
+            "world_size": world_size, "strategy": strategy, "unseen": REMOTE_CUDA_UNSEEN if remote else None}
+
+
+REMOTE_CUDA_UNSEEN = ("planned without a GPU (CPU fake tensors, CUDA's 512-byte blocks, CPU autocast's op lists): "
+                      "not seen: the CUDA context, the caching allocator's reserved-but-free blocks and "
+                      "fragmentation, cuBLAS/cuDNN workspaces")
+
+
+def remote_cuda_precision(precision: Union[str, Precision]) -> Precision:
+    """The precision of a CUDA target on a machine without CUDA: the mode built for the CPU, whose
+    conversion of model and optimizer is the same code (torch cannot run autograd on fake CUDA tensors
+    in a build without CUDA, so the trace stays on CPU fake tensors)."""
+    name = precision.requested if isinstance(precision, Precision) else str(precision)
+    if name.strip().lower() in ("auto", "none", ""):
+        raise ValueError("precision 'auto' measures the device it runs on: name the mode to plan a CUDA target "
+                         "from a machine without one (e.g. bf16-mixed).")
+    return make_precision(precision, "cpu")
 
 
 class _NoTracker:

@@ -174,3 +174,31 @@ def test_auto_batch_under_torchrun_plans_one_rank_against_its_share(tmp_path):
     # digits: 1437 training samples over 2 ranks; never one step per epoch
     assert 1 <= chosen <= 1437 // 4
     assert "batch_size = %d" % chosen in (tmp_path / "run" / "config.toml").read_text()
+
+
+# ---------------------------------------------------------------------- a CUDA target from a machine without one
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="plans a CUDA target from a machine without CUDA")
+
+
+@no_gpu
+def test_cuda_target_planned_without_a_gpu(llama):
+    model, batch = llama
+    cpu = ampkit.plan(model, batch, precision="bf16-mixed", device="cpu", world_size=8, strategy="fsdp")
+    cuda = ampkit.plan(model, batch, precision="bf16-mixed", device="cuda", world_size=8, strategy="fsdp")
+    assert cuda.device == "cuda:0" and cpu.unseen is None
+    assert "CUDA context" in cuda.unseen and "cuDNN" in cuda.unseen and "caching allocator" in cuda.unseen
+    # the same tensors, each rounded up to the caching allocator's 512-byte blocks
+    assert cpu.peak_bytes <= cuda.peak_bytes < cpu.peak_bytes * 1.1
+    with pytest.raises(ValueError, match="name the mode"):
+        ampkit.plan(model, batch, precision="auto", device="cuda")
+
+
+@no_gpu
+def test_cli_cuda_target_without_a_gpu(capsys):
+    base = ["plan", "--model", "mlp", "--device", "cuda", "--precision", "bf16-mixed", "--max-batch", "16"]
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--memory 80GB" in err and len(err.splitlines()) == 1
+    assert main(base + ["--memory", "80GB", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "not seen: the CUDA context" in out and "DDP buckets" in out
