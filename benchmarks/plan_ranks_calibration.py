@@ -5,7 +5,7 @@
     python benchmarks/plan_ranks_calibration.py --llama8b                # the 7-8B plan over 8 and 64 ranks
 
 Each (world size, strategy, model, mode) starts ``world`` fresh gloo processes that run the very steps
-the planner traces (``ampkit.memory.ranks.measure_rank``: ``Precision.setup``, then DDP's wrap or
+the planner traces (``ampkit.memory.measure.measure_rank``: ``Precision.setup``, then DDP's wrap or
 ``fully_shard`` per block and the root, the optimizer, two steps of forward / loss / backward / step /
 zero_grad) on real tensors, once as a warm-up and once measured; the largest peak over the ranks is set
 beside the plan of one rank, traced on fake tensors under torch's fake process group in this process.
@@ -68,7 +68,7 @@ def _rank(rank: int, world: int, store: str, name: str, mode: str, strategy: str
     import torch
     import torch.distributed as dist
 
-    from ampkit.memory.ranks import measure_rank
+    from ampkit.memory.measure import measure_rank
 
     torch.set_num_threads(1)
     backend = "nccl" if device == "cuda" else "gloo"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import ampkit
 from ampkit.cli import main
-from ampkit.memory.ranks import measure_rank
+from ampkit.memory.measure import measure_rank
 from ampkit.models import GPT
 from distributed_helpers import WORLD, init_rank, run_ranks
 
