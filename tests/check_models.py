@@ -90,3 +90,24 @@ def nan_in_fp32(in_features: int = 8, num_classes: int = 4) -> nn.Module:
     with torch.no_grad():
         m[0].weight[0, 0] = float("nan")
     return m
+
+
+def outlier_transformer(outlier: float = 300.0, seed: int = 0) -> nn.Module:
+    """ampkit's GPT (d 64, 4 blocks): block 1's second LayerNorm scales channel 5 by ``outlier``, so the
+    input of ``blocks.layers.1.linear1`` carries one outlier channel (``outlier=1``: the same model, clean)."""
+    from ampkit.models import GPT
+
+    torch.manual_seed(seed)
+    m = GPT(vocab_size=64, d_model=64, n_layers=4, n_heads=4, block_size=32)
+    with torch.no_grad():
+        m.blocks.layers[1].norm2.weight[5] = outlier
+    return m
+
+
+def lm_batch(n: int = 2, t: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (n, t), generator=g), torch.randint(0, 64, (n, t), generator=g)
+
+
+def lm_loss(output, target):
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))

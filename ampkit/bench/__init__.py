@@ -54,6 +54,11 @@ def check_out_dir(out: str) -> None:
     clash = [f for f in OUTPUTS if os.path.exists(os.path.join(out, f))]
     if clash:
         raise ValueError(f"--out {out!r} already holds {', '.join(clash)}: pass another --out, or move them away.")
+    from ..train.rundir import is_run_dir
+
+    if is_run_dir(out):
+        raise ValueError(f"--out {out!r} is an ampkit training run: pass another --out for the benchmark "
+                         "(nothing was written).")
 
 
 def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]] = None,
@@ -61,12 +66,11 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
     """Plan, measure, report. Returns {"device", "results", "notes", "paths"}."""
     import torch
 
-    from .report import attach_paired, finalize, write_json, write_markdown, write_png
+    from .report import attach_paired, finalize
     from .runner import pretune, run_all, run_worker
 
     check_out_dir(out)
     configs, notes = plan(settings)
-    os.makedirs(out, exist_ok=True)
     threads = torch.get_num_threads()
     if log:
         log(f"ampkit bench: {len(configs)} configurations x {settings.repeats} repeats, {threads} threads; "
@@ -75,7 +79,16 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
     device = device_section(settings.device, precisions, measure_peak)
     if worker is None:  # auto's mode and conv layouts measured first, in processes of their own (cached)
         pretune(configs, settings.timeout_s, threads, log)
-    results = run_all(configs, settings.repeats, settings.timeout_s, threads, log, worker or run_worker)
+    try:
+        results = run_all(configs, settings.repeats, settings.timeout_s, threads, log, worker or run_worker)
+    except KeyboardInterrupt as e:  # Ctrl-C: the rows measured so far are written, marked as partial
+        if getattr(e, "partial", None) is None:
+            raise
+        notes = list(notes) + ["interrupted (Ctrl-C): only the runs done before it are in these results."]
+        results = attach_paired(e.partial)
+        finalize(results, device)
+        e.paths = _write(out, device, results, settings, notes, log)
+        raise
     if measure_peak:  # again at the end: the better of the two, in case other jobs slowed the first
         from ..precision.device import resolve_device
         from .peak import measure_peaks
@@ -86,8 +99,18 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
         device["peak_flops"] = {k: max(start[k], end[k]) for k in start}
     results = attach_paired(results)
     finalize(results, device)
+    paths = _write(out, device, results, settings, notes, log)
+    return {"device": device, "results": results, "notes": notes, "paths": paths}
+
+
+def _write(out: str, device: Dict, results: List[Dict], settings: Settings, notes: List[str],
+           log: Optional[Callable[[str], None]]) -> List[str]:
+    """bench.json, bench.md and (with matplotlib) bench.png into ``out``; their paths."""
+    from .report import write_json, write_markdown, write_png
+
     sdict = settings.as_dict()
     sdict["command"] = settings_command(settings)
+    os.makedirs(out, exist_ok=True)  # only now: a bench stopped before its first result leaves no directory
     paths = [write_json(os.path.join(out, "bench.json"), device, results, sdict, notes),
              write_markdown(os.path.join(out, "bench.md"), device, results, sdict, notes)]
     try:
@@ -95,7 +118,7 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
     except MissingDependency as e:  # the measurements are written; only the chart is missing
         if log:
             log(f"ampkit bench: no bench.png: {e}")
-    return {"device": device, "results": results, "notes": notes, "paths": paths}
+    return paths
 
 
 def settings_command(s: Settings) -> str:
@@ -109,6 +132,8 @@ def settings_command(s: Settings) -> str:
         parts.insert(1, "--quick")
     if s.batch_size:
         parts += ["--batch-size", str(s.batch_size)]
+    if s.data:
+        parts += ["--data", s.data]
     if s.compile:
         parts.append("--compile")
     if s.paired:

@@ -70,6 +70,7 @@ class Settings:
     timeout_s: float = 900.0  # per worker process
     quick: bool = False
     paired: bool = False  # also time each ampkit mode against its plain loop in one process, alternating
+    data: Optional[str] = None  # --data as ampkit train reads it: the models' batches (None: each model's own)
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -257,7 +258,7 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
                 configs.append({
                     "model": model, "precision": p, "resolved_precision": resolved.get(p, p), "runner": runner,
                     "batch_size": batch, "steps": s.steps, "warmup": s.warmup, "device": str(device),
-                    "compile": bool(s.compile), "lr": s.lr, "seed": s.seed,
+                    "compile": bool(s.compile), "lr": s.lr, "seed": s.seed, **({"data": s.data} if s.data else {}),
                 })
     if s.paired:
         if set(s.runners) != set(RUNNERS):

@@ -54,7 +54,8 @@ def planned_peak(cfg: Dict[str, Any], precision: Any, device: torch.device) -> O
     from .workload import build_workload
 
     try:
-        wl = build_workload(cfg["model"], int(cfg["batch_size"]), 1, int(cfg["seed"]), device)
+        wl = build_workload(cfg["model"], int(cfg["batch_size"]), 1, int(cfg["seed"]), device,
+                            data=cfg.get("data"))
         prec = precision if precision is not None else Precision(cfg["precision"], device, channels_last=False)
         p = plan(wl.model, wl.batches[0], precision=prec, loss_fn=wl.loss_fn, device=device)
     except Exception as e:  # reported beside the row, never fails the measurement

@@ -132,11 +132,38 @@ def run_all(configs: List[Dict], repeats: int, timeout_s: float, threads: int,
     """Measure ``configs`` ``repeats`` times in interleaved order; one aggregated record each."""
     reps: List[List[Dict]] = [[] for _ in configs]
     order = schedule(len(configs), repeats)
+    try:
+        _run_order(configs, order, reps, repeats, timeout_s, threads, log, worker)
+    except KeyboardInterrupt as e:  # the rows measured so far are kept: the caller writes them, then stops
+        for cfg, got in zip(configs, reps):
+            if not got:
+                got.append({"model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"],
+                            "error": "not run (interrupted)"})
+        e.partial = [aggregate(x) for x in reps]
+        raise
+    return [aggregate(x) for x in reps]
+
+
+def _run_order(configs, order, reps, repeats, timeout_s, threads, log, worker) -> None:
+    """Run ``order``; a model whose runs fail alike in two configurations (the same error: the model or its
+    inputs, not a mode) is not run again: its remaining runs are recorded with that error."""
+    errors: Dict[str, List[str]] = {}  # model -> the errors of its failed runs so far
     for n, (r, i) in enumerate(order, 1):
         cfg = {**configs[i], "threads": threads, "count_flops": r == 0, "plan": r == 0,
                "profile": r == repeats - 1}
+        seen = errors.get(cfg["model"], [])
+        same = next((e for e in seen if seen.count(e) >= 2), None)
+        if same is not None:
+            reps[i].append({"model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"],
+                            "error": f"not run: the model failed alike in two configurations ({same})"})
+            continue
         rec = worker(cfg, timeout_s)
         reps[i].append(rec)
+        if "error" in rec and not str(rec["error"]).startswith("timed out"):
+            errors.setdefault(cfg["model"], []).append(str(rec["error"]))
+            if errors[cfg["model"]].count(str(rec["error"])) == 2 and log:
+                log(f"ampkit bench: {cfg['model']} failed alike in two configurations: its remaining runs are "
+                    "skipped (fix the model or its inputs, then run again)")
         if log:
             what = f"{cfg['model']} {cfg['precision']} {cfg['runner']}"
             if "error" in rec:
@@ -144,4 +171,3 @@ def run_all(configs: List[Dict], repeats: int, timeout_s: float, threads: int,
             else:
                 msg = f"{statistics.median(rec['step_ms']):.1f} ms/step, loss {rec['final_loss']:.4f}"
             log(f"[{n}/{len(order)}] {what} (round {r + 1}/{repeats}): {msg}")
-    return [aggregate(x) for x in reps]

@@ -67,7 +67,8 @@ def measure(cfg: Dict) -> Dict:
     device = _prepare(cfg)
     rss_base = peak_rss_mb()
     steps, warmup = int(cfg["steps"]), int(cfg["warmup"])
-    wl = build_workload(cfg["model"], int(cfg["batch_size"]), min(8, steps + warmup), int(cfg["seed"]), device)
+    wl = build_workload(cfg["model"], int(cfg["batch_size"]), min(8, steps + warmup), int(cfg["seed"]), device,
+                        data=cfg.get("data"))
     n_params = sum(p.numel() for p in wl.model.parameters())
     step = make_step(cfg["runner"], cfg["precision"], wl, device, float(cfg["lr"]))
     if device.type == "cuda":
@@ -138,7 +139,8 @@ def measure_paired(cfg: Dict) -> Dict:
     other = ("ampkit", cfg["precision"]) if versus_eager else ("torch-loop", cfg["loop_precision"])
     pair = {}
     for key, (runner, mode) in (("ampkit", ("ampkit", cfg["precision"])), ("torch-loop", other)):
-        wl = build_workload(cfg["model"], int(cfg["batch_size"]), n_batches, int(cfg["seed"]), device)
+        wl = build_workload(cfg["model"], int(cfg["batch_size"]), n_batches, int(cfg["seed"]), device,
+                            data=cfg.get("data"))
         pair[key] = (make_step(runner, mode, wl, device, float(cfg["lr"])), wl)
     t_start = time.perf_counter()
     for i in range(max(1, warmup)):
@@ -194,7 +196,8 @@ def tune_only(cfg: Dict) -> Dict:
     from .workload import build_workload
 
     device = _prepare(cfg)
-    wl = build_workload(cfg["model"], int(cfg["batch_size"]), 1, int(cfg["seed"]), device)
+    wl = build_workload(cfg["model"], int(cfg["batch_size"]), 1, int(cfg["seed"]), device,
+                        data=cfg.get("data"))
     inputs, targets = wl.batches[0]
     t0 = time.perf_counter()
     precision = tune(Precision(cfg["precision"], device), wl.model, inputs, targets, wl.loss_fn)

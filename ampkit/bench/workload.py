@@ -143,13 +143,47 @@ def _user_batches(spec: str, model: nn.Module, batch_size: int, n: int, seed: in
     return batches, loss_fn, tokens
 
 
-def build_workload(spec: str, batch_size: int, n_batches: int, seed: int, device: torch.device) -> Workload:
-    """A seeded model and ``n_batches`` distinct batches on ``device`` (fp32 inputs; modes cast them)."""
+def _data_batches(data_spec: str, spec: str, batch_size: int, n: int, seed: int):
+    """``--data`` as ``ampkit train`` reads it: the model built for the data (its input shape, classes,
+    vocabulary), and ``n`` batches of the data's training samples in order (cycled when fewer)."""
+    from torch.utils.data import DataLoader, default_collate
+
+    from ..data import load_data
+    from ..models import build_model
+    from ..utils.batch import batch_target
+
+    data = load_data(data_spec, seed=seed)
+    train = data.train
+    collate = train.collate_fn if isinstance(train, DataLoader) else default_collate
+    train = train.dataset if isinstance(train, DataLoader) else train
+    if len(train) == 0:
+        raise ValueError(f"--data {data_spec}: the training set is empty.")
+    model = build_model(spec, **data.model_kwargs)
+    batches = []
+    for i in range(n):
+        batch = collate([train[(i * batch_size + j) % len(train)] for j in range(batch_size)])
+        if isinstance(batch, Mapping):  # keyword inputs; the model computes its loss from their labels
+            batches.append((batch, batch_target(batch)))
+        else:
+            x, y = batch[0], batch[1]
+            batches.append((tuple(x) if isinstance(x, (tuple, list)) else (x,), y))
+    x0 = first_tensor(batches[0][0])
+    tokens = int(x0.shape[0] * x0.shape[1]) if (x0 is not None and not x0.is_floating_point() and x0.dim() == 2) else None
+    return model, batches, tokens
+
+
+def build_workload(spec: str, batch_size: int, n_batches: int, seed: int, device: torch.device,
+                   data: Optional[str] = None) -> Workload:
+    """A seeded model and ``n_batches`` distinct batches on ``device`` (fp32 inputs; modes cast them);
+    ``data`` (``--data``): the batches are that data's training samples, the model built for it."""
     from ..models import GPT, MLP, ResNet, SimpleCNN, build_model
 
     torch.manual_seed(seed)
     tokens = None
-    if spec in ("cnn", "resnet", "mlp"):
+    if data:
+        model, batches, tokens = _data_batches(data, spec, batch_size, n_batches, seed)
+        loss_fn = default_loss
+    elif spec in ("cnn", "resnet", "mlp"):
         model = {"cnn": SimpleCNN, "resnet": ResNet, "mlp": lambda **kw: MLP(in_features=3 * 32 * 32, **kw)}[spec](
             **({"in_channels": 3} if spec != "mlp" else {}), num_classes=10)
         x, y = _images(batch_size * n_batches, seed)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 from typing import List, Optional
 
 from .._optional import MissingDependency
@@ -51,6 +53,23 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line_warnings(verb: str):
+    """``warnings.showwarning`` as the command shows warnings: ``ampkit VERB: warning: ...`` on one line, no
+    source line, each text once (a Precision built again after tuning, or once per planned mode, repeats
+    its warning from another line of code), none on torchrun ranks other than 0."""
+    seen: set = set()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = " ".join(str(message).split())
+        secondary = int(os.environ.get("RANK", "0")) != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if secondary or text in seen:
+            return
+        seen.add(text)
+        print(f"ampkit {verb}: warning: {text}", file=sys.stderr)
+
+    return show
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     try:  # Ctrl-C while torch and the verbs import: one line, not a traceback
         parser = _build_parser()
@@ -68,7 +87,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             forced_cpu_kind()  # a bad $AMPKIT_CPU_CAPS: one line before any work
         except ValueError as e:
             raise UsageError(str(e)) from None
-        return int(args._run(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line_warnings(args.verb)
+            return int(args._run(args) or 0)
     except UsageError as e:
         print(f"ampkit {args.verb}: error: {e}", file=sys.stderr)
         return 2

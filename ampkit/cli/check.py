@@ -25,12 +25,21 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("how")
     g.add_argument("--precision", default="fp16-mixed,bf16-mixed",
                    help="comma list of precisions to compare with fp32 (names or aliases; 'auto' = the "
-                        "device's choice; default: fp16-mixed,bf16-mixed)")
+                        "device's choice; block-scaled formats mxfp8, mxfp4, nvfp4, fp8-blockwise or their "
+                        "Transformer Engine names add the per-layer what-if; default: fp16-mixed,bf16-mixed)")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--fp32-modules", default="",
                    help="comma list of module names kept in fp32 in every checked precision")
     g.add_argument("--fp8-skip", default="",
                    help="with fp8 precisions: comma list of Linear names kept in bf16 (see docs/FP8.md)")
+    g.add_argument("--fp8-filter", default=None, choices=("ends", "auto", "all"),
+                   help="with fp8 precisions: which Linears convert: 'ends' (default: dims multiples of 16, not "
+                        "first/last), 'auto' (and the per-layer roofline predicts a gain), 'all'")
+    g.add_argument("--fp8-gpu", default=None,
+                   help="GPU class the fp8 roofline judges for (h100, h200, b200, l40s, a100, mi300x; default: "
+                        "this GPU's, h100 on a CPU)")
+    g.add_argument("--fp8-tokens", type=int, default=None,
+                   help="tokens per GEMM of the training run (batch x sequence) for the roofline (default: 8192)")
     g.add_argument("--loss-scale", type=float, default=2.0**16,
                    help="loss scale at which fp16 gradient underflow is measured (default: 65536)")
     g.add_argument("--lr", type=float, default=1e-4,
@@ -100,6 +109,7 @@ def _load(args) -> Tuple[Any, Any, str, str]:
 
 
 def run(args) -> int:
+    from ..diagnose.blockscale import block_only
     from ..diagnose.check import check
     from ..utils.batch import batch_size_of
     from ..precision import resolve, resolve_device
@@ -108,10 +118,19 @@ def run(args) -> int:
     if not precisions:
         raise UsageError("--precision is empty: give e.g. --precision fp16-mixed,bf16-mixed.")
     for p in precisions:
+        if block_only(p):  # a block-scaled format: judged in the what-if, not run as a mode
+            continue
         try:
             resolve(p)
         except ValueError as e:
             raise UsageError(_first_line(e)) from None
+    from ..precision.fp8 import GPUS
+
+    if args.fp8_gpu is not None and args.fp8_gpu not in GPUS:
+        raise UsageError(f"--fp8-gpu {args.fp8_gpu} is not a GPU class the roofline knows: use one of "
+                         f"{', '.join(GPUS)}.")
+    if args.fp8_tokens is not None and args.fp8_tokens < 1:
+        raise UsageError(f"--fp8-tokens must be a positive number of tokens per GEMM (e.g. 8192), got {args.fp8_tokens}.")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}.")
     if not (args.loss_scale > 0 and args.loss_scale != float("inf")):
@@ -127,7 +146,8 @@ def run(args) -> int:
     try:
         report = check(model, batch, precisions=precisions, device=device, loss_scale=args.loss_scale,
                        fp32_modules=_split(args.fp32_modules), lr=args.lr,
-                       fp8_skip=_split(args.fp8_skip))
+                       fp8_skip=_split(args.fp8_skip), fp8_filter=args.fp8_filter, fp8_gpu=args.fp8_gpu,
+                       fp8_tokens=args.fp8_tokens)
     except ValueError as e:
         raise UsageError(_first_line(e)) from None
     n_params = sum(p.numel() for p in model.parameters())

@@ -3,7 +3,9 @@ that fits the device, traced on fake tensors (no compute, no real memory)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
 from typing import List
 
@@ -81,9 +83,28 @@ def _target_device(name):
 
 def run(args) -> int:
     try:
-        return _run(args)
+        with _quiet_fake_tensors():
+            return _run(args)
     except ValueError as e:
         raise UsageError(str(e)) from e
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """torch logs the traceback of an op that fails on fake tensors (a model that does not fit the data)
+    before raising it; the error is ampkit's to report, in one line."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def param_count(n: int) -> str:
+    """1,797 params / 11.2M params: small models are not rounded to 0.00M."""
+    return f"{n:,} params" if n < 1_000_000 else f"{n / 1e6:.1f}M params"
 
 
 def _run(args) -> int:
@@ -136,6 +157,13 @@ def _run(args) -> int:
             failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
             continue
         rows.append((mode, p, choice))
+    errors = set(failed.values())
+    if not rows and not args.json:  # nothing to show: one line
+        why = next(iter(errors))
+        if len(errors) == 1 and why.startswith(("RuntimeError", "TypeError")):  # every mode alike: model vs data
+            raise ValueError(f"the model cannot run on this data ({why}). Use a model that fits the data "
+                             "(--model), or fix the data.")
+        raise ValueError("not planned: " + "; ".join(f"{m}: {w}" for m, w in failed.items()))
     if args.json:
         out = {"model": spec, "data": args.data, "device": str(device), "world_size": args.world_size,
                "strategy": strategy, "budget_bytes": budget, "budget_from": source,
@@ -148,7 +176,7 @@ def _run(args) -> int:
     n_params = rows[0][1].num_params if rows else 0
     ranks = (f" per rank of {args.world_size} ({strategy}{', fake process group' if strategy == 'fsdp' else ''})"
              if strategy else "")
-    print(f"ampkit plan: {spec} ({n_params / 1e6:.2f}M params) on {args.data}, batch {args.batch_size}{ranks}, "
+    print(f"ampkit plan: {spec} ({param_count(n_params)}) on {args.data}, batch {args.batch_size}{ranks}, "
           f"{args.optimizer}, {device}; traced on fake tensors")
     if rows:
         cats = [k for k in _LABELS if any(p.breakdown.get(k) for _, p, _ in rows)]

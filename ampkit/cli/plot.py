@@ -33,5 +33,8 @@ def run(args) -> int:
         path = plot_runs(args.runs, out, smooth=args.smooth, title=args.title)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    except OSError as e:  # a read-only run directory, a full disk: the place, not the plot
+        where = "" if args.out else " (pass --out to a writable place, e.g. --out curves.png)"
+        raise UsageError(f"cannot write {out!r}: {e.strerror or e}{where}.") from e
     print(path, file=sys.stdout)
     return 0

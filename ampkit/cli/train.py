@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from . import UsageError
 
-_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune"}
+_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune", "retune"}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -20,7 +19,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="TOML/YAML/JSON file of train options (flags given here override it)")
     g = p.add_argument_group("precision")
     g.add_argument("--precision", help="auto (default) | fp32 | fp16-mixed | bf16-mixed | fp16-master | "
-                   "bf16-master | bf16-pure | fp16-pure | fp8-tensorwise | fp8-rowwise | fp8-delayed, "
+                   "bf16-master | bf16-pure | fp16-pure | fp8-tensorwise | fp8-rowwise | fp8-delayed | mxfp8, "
                    "or an alias (O0-O3, 16-mixed, mixed_bfloat16, ...)")
     g.add_argument("--no-amp", "--unamp", dest="no_amp", action="store_true", default=None,
                    help="train in fp32 (AMP is on by default)")
@@ -31,6 +30,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-scale", type=float, help="initial dynamic loss scale (default 65536)")
     g.add_argument("--fp32-modules", type=lambda s: [x for x in s.split(",") if x],
                    help="comma-separated module names kept in fp32 (e.g. head,blocks.3.attn)")
+    g.add_argument("--fp8-filter", choices=["ends", "auto", "all"],
+                   help="fp8 modes: which Linears convert: ends (default: dims multiples of 16, not first/last), "
+                   "auto (and the per-layer roofline on the target GPU predicts a gain), all")
+    g.add_argument("--fp8-gpu", help="fp8 modes: the GPU class --fp8-filter auto judges for (h100, h200, b200, l40s, "
+                   "a100, mi300x; default: this GPU's, h100 on a CPU)")
     g.add_argument("--max-consecutive-skips", type=int,
                    help="stop with a report after this many non-finite steps in a row (default 50)")
     g.add_argument("--memory-format", choices=["auto", "channels_last", "contiguous"],
@@ -40,6 +44,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="take the defaults instead of timing on this model: the device's default mode for "
                    "precision auto (not the fastest of e.g. bf16-mixed / bf16-master / fp32), the rule for "
                    "the memory format")
+    g.add_argument("--retune", action="store_true", default=None,
+                   help="measure again what is cached per machine (the 16-bit speed probe, auto's step timings, "
+                   "the memory format) instead of reading it: after a hardware, driver or torch change")
     g.add_argument("--compensation", choices=["kahan", "stochastic", "none"],
                    help="bf16-pure only: how updates land in the bf16 weights: kahan (default, a bf16 buffer "
                    "per weight), stochastic (stochastic rounding, no extra state) or none; see docs/BF16_PURE.md")
@@ -52,7 +59,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     g.add_argument("--batch-size", type=_batch_size, help="samples per micro-batch, or auto: the largest that "
                    "`ampkit plan` finds fits the device's free memory (under torchrun: per rank, this rank's share) "
-                   "less a 10%% margin (at most 4096, and at least 2 steps per epoch)")
+                   "less a 10%% margin (at most 4096, and at most the training set / 16: an epoch keeps 16 "
+                   "optimizer steps)")
     g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     g.add_argument("--max-norm", type=float, help="clip the gradient norm to this value")
     g.add_argument("--lr", type=float)
@@ -125,6 +133,13 @@ def _config_from_args(args, announce: bool = False):
 
     plan = ResumePlan(None)
     _, saved = saved_run_options(values, note, plan)
+    if values.get("resume") == "auto" and values.get("out") and not saved and not (
+            args.config or values.get("data") or values.get("model")):  # nothing says what a new run would train
+        out = values["out"]
+        what = "does not exist" if not os.path.exists(out) else "holds no checkpoint and no saved config.toml"
+        raise ValueError(f"--resume auto: nothing to resume: {out!r} {what}. Check the --out path, or leave "
+                         "out --resume to start a new run there (with --data/--model/--config, --resume auto "
+                         "starts one when there is nothing to continue).")
     if saved:
         changed = {k: (saved[k], v) for k, v in values.items()
                    if k in saved and k not in ("resume", "out") and saved[k] != v}
@@ -134,29 +149,23 @@ def _config_from_args(args, announce: bool = False):
             print(f"ampkit train: resuming {saved.get('out') or values['resume']} with its saved options"
                   + (f"; overridden by what was given here: {', '.join(parts)}" if parts else ""), file=sys.stderr)
         values = {**saved, **values}
+        data = values.get("data")
+        if ("data" in saved and data == saved["data"] and isinstance(data, str) and data.endswith(".npz")
+                and not os.path.isabs(data) and not os.path.exists(data)):
+            raise ValueError(f"data file {data!r}, from the run's saved options ({saved.get('out') or 'its checkpoint'}"
+                             f"/config.toml), is a path relative to where the run started, and {os.getcwd()!r} "
+                             "has no such file: resume from that directory, or pass --data with the file's path.")
+    data = values.get("data")
+    if isinstance(data, str) and data.endswith(".npz") and os.path.isfile(data):
+        values["data"] = os.path.abspath(data)  # recorded so: a resume from another directory finds it
     cfg = TrainConfig(**values).checked()  # every range rule lives in TrainConfig.checked
     return cfg, ResumePlan.locate(cfg.resume, cfg.out, plan)
 
 
 def run(args) -> int:
-    """Under torchrun: set up the process group from its environment first, destroy it at exit."""
-    with warnings.catch_warnings():
-        warnings.showwarning = _one_line_warning(set())
-        return _run_with_group(args)
-
-
-def _one_line_warning(seen: set):
-    """Warnings as the command shows them: one line each, each text once (a Precision built again after
-    tuning repeats its CPU warning from another line of code), none on ranks other than 0."""
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        text = str(message).strip()
-        if env_is_secondary() or text in seen:
-            return
-        seen.add(text)
-        print(f"ampkit train: warning: {' '.join(text.split())}", file=sys.stderr)
-
-    return show
+    """Under torchrun: set up the process group from its environment first, destroy it at exit. (Warnings
+    are one line each, once: `ampkit.cli.one_line_warnings`.)"""
+    return _run_with_group(args)
 
 
 def _run_with_group(args) -> int:
@@ -239,22 +248,29 @@ def _auto_batch(args, cfg, model, data):
     """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once.
 
     Under torchrun the batch is per rank, planned for one rank of the run's strategy against this rank's
-    share of the memory; rank 0's answer is every rank's. At most half the epoch's samples per rank and
-    optimizer step, so an epoch is never a single step."""
+    share of the memory; rank 0's answer is every rank's."""
     from ..cli.plan import sample_batch
     from ..memory import auto_batch_size
     from ..train.distributed import broadcast_object, rank_and_world, run_device
 
     _, world = rank_and_world()
-    accum = max(1, int(getattr(cfg, "grad_accum", 1) or 1))
-    cap = max(1, min(4096, len(data.train) // (2 * world * accum)))
+    # the largest batch that fits, but never so large that an epoch is a step or two: one batch of the whole
+    # training set takes one optimizer step an epoch, and trains little at the default learning rate
+    # (under torchrun every rank takes its batch from the same epoch)
+    per_epoch = max(1, len(data.train) // (MIN_STEPS_PER_EPOCH * cfg.grad_accum * world))
+    cap = min(4096, per_epoch)
     choice = auto_batch_size(model, sample_batch(data, 2), precision=cfg.precision, optimizer=cfg.optimizer,
                              device=run_device(cfg.device), cap=cap, world_size=world,
                              strategy=cfg.strategy if world > 1 else None)
     choice = broadcast_object(choice)
     if not env_is_secondary():
-        data_bound = choice.batch_size == cap < 4096
-        print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}"
-              f"{f' (capped: {len(data.train)} samples make at least 2 steps per epoch)' if data_bound else ''}",
-              file=sys.stderr)
+        ranks = f" x {world} ranks" if world > 1 else ""
+        why = (f" (capped at the training set's {len(data.train)} samples / {MIN_STEPS_PER_EPOCH} optimizer steps "
+               f"an epoch{ranks}; memory would allow more: pass a number to train with larger batches)"
+               if choice.batch_size == cap == per_epoch else "")
+        print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}{why}", file=sys.stderr)
     return choice
+
+
+#: ``--batch-size auto`` keeps at least this many optimizer steps in an epoch
+MIN_STEPS_PER_EPOCH = 16

@@ -24,6 +24,7 @@ from torch import nn
 from ..precision import MODES, device_info, resolve, resolve_device
 from ..precision.islands import resolve_module_names
 from .audit import DtypeAudit
+from .blockscale import block_only, blockscale_check, requested_formats
 from .fp8 import fp8_check, is_fp8
 from .hooks import finite_number
 from .localise import localise_nonfinite
@@ -66,7 +67,7 @@ def _validate(model: nn.Module, precisions: Sequence[str], fp32_modules: Sequenc
         precisions = [p for p in precisions.split(",") if p.strip()]
     if not precisions:
         raise ValueError("no precision to check: pass e.g. precisions=['bf16-mixed', 'fp16-mixed'].")
-    names = [resolve(p) for p in precisions]  # ValueError naming the valid choices
+    names = [resolve(p) for p in precisions if not block_only(p)]  # ValueError naming the valid choices
     resolve_module_names(model, fp32_modules)  # ValueError with close matches
     if not (isinstance(loss_scale, (int, float)) and loss_scale > 0 and loss_scale != float("inf")):
         raise ValueError(f"loss_scale must be a positive finite number (e.g. 65536), got {loss_scale!r}.")
@@ -89,6 +90,9 @@ def check(
     audit: bool = True,
     fp8_skip: Sequence[str] = (),
     fp8_force: Sequence[str] = (),
+    fp8_filter: Optional[str] = None,
+    fp8_gpu: Optional[str] = None,
+    fp8_tokens: Optional[int] = None,
 ) -> CheckReport:
     """Check mixed precision for ``model`` on one ``batch``; returns a :class:`CheckReport` (a dict).
 
@@ -97,7 +101,8 @@ def check(
         batch: a tensor, an ``(inputs, target)`` pair, or a dict of keyword inputs.
         loss_fn: ``loss_fn(output, target)`` or ``loss_fn(output)``; default cross-entropy for
             integer targets, MSE for float targets, mean square of the output without a target.
-        precisions: names or aliases to check against fp32 (``'auto'`` = the device's choice).
+        precisions: names or aliases to check against fp32 (``'auto'`` = the device's choice); block-scaled
+            formats that are not modes (``nvfp4``, ``mxfp4``, ``fp8-blockwise``) are what-if only.
         device: where to run (default cuda if available, else cpu).
         forward_fn: ``forward_fn(model, batch) -> output`` (default ``model(x)``/``model(**batch)``).
         loss_scale: the loss scale the fp16 underflow fractions are measured at (torch's default
@@ -107,12 +112,18 @@ def check(
         audit: record which dtype each module's matmul/conv/softmax/norm ran in.
         fp8_skip, fp8_force: with fp8 precisions, Linear names kept in bf16 / converted although
             first or last (as ``Precision(fp8_skip=..., fp8_force=...)``).
+        fp8_filter, fp8_gpu, fp8_tokens: the fp8 filter (``'ends'``, ``'auto'``: per-layer roofline, ``'all'``),
+            the GPU class it judges for (default: this GPU's, ``'h100'`` on a CPU) and tokens per GEMM.
 
     Keys: ``device``, ``auto``, ``loss_scale``, ``reference``, ``verdicts``, ``modules``,
     ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``; with an fp8
-    precision also ``fp8`` (per-layer fp8 numerics, a verdict per recipe, advice: docs/FP8.md).
+    precision also ``fp8`` (per-layer fp8 numerics, a verdict per recipe, advice: docs/FP8.md); with a
+    block-scaled format (``mxfp8``, ``mxfp4``, ``nvfp4``, ``fp8-blockwise``) also ``blockscale``.
     """
     names = _validate(model, precisions, fp32_modules, loss_scale, lr)
+    formats = requested_formats(precisions)
+    if not names:  # only block-scaled formats asked for: they are judged against bf16-mixed
+        names = ["bf16-mixed"]
     dev = resolve_device(device)
     batch = to_device(batch, dev)
     forward_fn = forward_fn or default_forward
@@ -163,9 +174,11 @@ def check(
     # 5. fp8 numerics per converted Linear, then the recommendation (every checked mode, fp8 included)
     fp8 = {}
     if any(is_fp8(n) for n in names) and ref.nonfinite is None:
-        fp8 = {"fp8": fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
-                                fp8_skip, fp8_force)}
-    auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if fp8 else None)
+        fp8["fp8"] = fp8_check(model, batch, loss_fn, forward_fn, dev, [n for n in names if is_fp8(n)],
+                               fp8_skip, fp8_force, fp8_filter, fp8_gpu, fp8_tokens)
+    if any(f not in ("fp8-tensorwise", "fp8-rowwise") for f in formats) and ref.nonfinite is None:
+        fp8["blockscale"] = blockscale_check(model, batch, loss_fn, forward_fn, dev, formats, fp8_gpu, fp8_tokens)
+    auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if "fp8" in fp8 else None)
     if ref.nonfinite is not None:  # no precision is the safe choice for a model that fails in fp32
         auto["reason"] = ("the model is non-finite in fp32 already (see reference.first_nonfinite): no precision "
                           "is safe until the model, its init or the data is fixed")

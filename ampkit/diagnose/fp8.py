@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..precision import MODES
-from ..precision.fp8 import (MIN_FLOP_SHARE, RECIPES, Fp8Filter, amax, coverage, coverage_warning, fake_quantise,
+from ..precision.fp8 import (DEFAULT_RULE, default_gpu, MIN_FLOP_SHARE, MIN_SPEEDUP, RECIPES, TOKENS, Fp8Filter,
+                             gpu_class, amax, coverage, coverage_warning, fake_quantise,
                              gemm_kind, has_fp8_gemm, plan, quantise, saturates, scale_from_amax)
 from .runner import prepare, run_once
 
@@ -101,8 +102,10 @@ def _judge(s: Dict[str, Any]) -> Dict[str, Any]:
     return {"verdict": ("ok", "risky", "unsafe")[level], "reasons": reasons}
 
 
-def _capture(model: nn.Module, names: Sequence[str], store: Dict[str, Dict[str, torch.Tensor]]):
-    """Context: forward hooks keep each named Linear's input and a hook on its output keeps grad-output."""
+def _capture(model: nn.Module, names: Sequence[str], store: Dict[str, Dict[str, torch.Tensor]],
+             rows: Optional[int] = None):
+    """Context: forward hooks keep each named Linear's input and a hook on its output keeps grad-output
+    (the first ``rows`` tokens of each, all without ``rows``)."""
     class Ctx:
         def __enter__(self):
             self.handles = []
@@ -114,11 +117,11 @@ def _capture(model: nn.Module, names: Sequence[str], store: Dict[str, Dict[str, 
                 def hook(m, args, out, name=name, transposed=transposed):
                     x = args[0]
                     w = m.weight.detach().t() if transposed else m.weight.detach()
-                    store[name] = {"input": x.detach().reshape(-1, x.shape[-1]).float(),
+                    store[name] = {"input": x.detach().reshape(-1, x.shape[-1])[:rows].float(),
                                    "weight": w.to(x.dtype).float()}
                     if out.requires_grad:
                         out.register_hook(lambda g, name=name: store[name].__setitem__(
-                            "grad_output", g.detach().reshape(-1, g.shape[-1]).float()))
+                            "grad_output", g.detach().reshape(-1, g.shape[-1])[:rows].float()))
                 self.handles.append(mod.register_forward_hook(hook))
             return self
 
@@ -129,9 +132,14 @@ def _capture(model: nn.Module, names: Sequence[str], store: Dict[str, Dict[str, 
 
 
 def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Callable, device: torch.device,
-              requested: Sequence[str], skip: Sequence[str] = (), force: Sequence[str] = ()) -> Dict[str, Any]:
-    """The ``fp8`` section of the check report (see the module docstring); ``requested``: fp8 modes asked for."""
-    filt = Fp8Filter(tuple(skip), tuple(force))
+              requested: Sequence[str], skip: Sequence[str] = (), force: Sequence[str] = (),
+              rule: Optional[str] = None, gpu: Optional[str] = None, tokens: Optional[int] = None) -> Dict[str, Any]:
+    """The ``fp8`` section of the check report (see the module docstring); ``requested``: fp8 modes asked for;
+    ``rule``/``gpu``/``tokens``: the filter (``Precision(fp8_filter=, fp8_gpu=, fp8_tokens=)``)."""
+    recipe = requested[0] if requested else "fp8-tensorwise"
+    filt = Fp8Filter(tuple(skip), tuple(force), rule=rule or DEFAULT_RULE,
+                     gpu=gpu or gpu_class(device) or default_gpu(recipe), tokens=TOKENS if tokens is None else tokens,
+                     recipe=recipe)
     layout = plan(model, filt)
     cov = coverage(model, filt)
     chosen = [n for n, v in layout.items() if v == "fp8"]
@@ -151,7 +159,7 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
     recipes = {mode: _recipe_verdict(mode, layers, cov, device) for mode in FP8_ORDER}
     model_sqnr = {}
     for mode in requested:
-        m, p = prepare(model, mode, device)
+        m, p = prepare(model, mode, device, fp8_filter=filt.rule, fp8_gpu=filt.gpu, fp8_tokens=filt.tokens)
         got = run_once(m, p, batch, forward_fn, loss_fn)
         g_ref = [ref.grads[k].reshape(-1) for k in ref.grads if k in got.grads]
         g_got = [got.grads[k].reshape(-1) for k in ref.grads if k in got.grads]
@@ -166,6 +174,7 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
         "recipes": recipes,
         "model_sqnr": model_sqnr,
         "coverage": {k: v for k, v in cov.items() if k not in ("sizes", "kept")},
+        "roofline": _roofline_note(cov),
         "recommendation": _recommend(recipes, chosen, cov, device),
         "bars": {k: {"ok": a, "unsafe": b} for k, (a, b) in FP8_BARS.items()},
         "requested": list(requested),
@@ -206,7 +215,8 @@ def _speed_note(mode: str, device, emulated: bool) -> str:
 def _recommend(recipes: Dict[str, Dict[str, Any]], chosen: List[str], cov: Dict[str, Any], device) -> Dict[str, Any]:
     if not chosen:
         return {"precision": "bf16-mixed", "keep_bf16": [],
-                "reason": "no Linear/Conv1D qualifies for fp8 (dims multiples of 16, not first/last): "
+                "reason": f"no Linear/Conv1D qualifies for fp8 under fp8_filter {cov['rule']} "
+                          f"({'; '.join(sorted(set(cov['kept'].values()))[:3]) or 'no candidate'}): "
                           "fp8 would change nothing"}
     if cov["flop_share"] is not None and cov["flop_share"] < MIN_FLOP_SHARE:
         return {"precision": "bf16-mixed", "keep_bf16": [],
@@ -230,6 +240,15 @@ def _recommend(recipes: Dict[str, Dict[str, Any]], chosen: List[str], cov: Dict[
             "reason": f"{best} passes once {len(keep)} of {len(chosen)} layer(s) stay in bf16 (Precision(fp8_skip=...))"
                       + (f"; emulated on {torch.device(device).type}: numerics only, not a speed claim"
                          if recipes[best]["emulated"] else "")}
+
+
+def _roofline_note(cov: Dict[str, Any]) -> str:
+    """What the per-layer roofline says for the target GPU class, whatever filter the check used."""
+    k, n = len(cov["roofline_converts"]), cov["roofline_candidates"]
+    head = f"on {cov['gpu']} at {cov['tokens']} tokens per GEMM the roofline gains >= {MIN_SPEEDUP:g}x on {k} of {n} layer(s)"
+    if n and not k:
+        return head + ": fp8 would not pay for this model there (bf16-mixed is as fast or faster)"
+    return head + (f" ({', '.join(cov['roofline_converts'][:5])}{', ...' if k > 5 else ''})" if k else "")
 
 
 def is_fp8(name: str) -> bool:

@@ -118,6 +118,8 @@ def format_check(r: Dict[str, Any], top: int = 10) -> str:
 
     if r.get("fp8"):
         lines += format_fp8(r["fp8"], top)
+    if r.get("blockscale"):
+        lines += format_blockscale(r["blockscale"], top)
     rec = r["recommendation"]
     lines.append("Recommendation:")
     lines.append(f"  precision:    {rec['precision']}")
@@ -136,6 +138,8 @@ def format_fp8(f: Dict[str, Any], top: int = 10) -> List[str]:
     kept = {n: why for n, why in f["plan"].items() if why != "fp8"}
     if kept:
         lines.append("  kept in bf16: " + "; ".join(f"{n} ({why[6:]})" for n, why in kept.items()))
+    if f.get("roofline"):
+        lines.append(f"  roofline: {f['roofline']}")
     rows = []
     for name, per in list(f["layers"].items())[:top]:
         for mode, s in per.items() if isinstance(per, dict) and "note" not in per else []:
@@ -165,5 +169,37 @@ def format_fp8(f: Dict[str, Any], top: int = 10) -> List[str]:
     lines.append(f"  fp8 advice: {rec['precision']}"
                  + (f" with {', '.join(rec['keep_bf16'])} in bf16" if rec["keep_bf16"] else "")
                  + f" ({rec['reason']})")
+    lines.append("")
+    return lines
+
+
+def format_blockscale(b: Dict[str, Any], top: int = 10) -> List[str]:
+    """The block-scaled section: per layer and format the GEMM SQNRs and the worst operand; a verdict per format."""
+    lines = [f"Block-scaled formats (per GEMM layer against the fp32 GEMM of its bf16 operands, first "
+             f"{b['max_rows']} tokens; what-if for formats not asked for):"]
+    rows = []
+    for name, per in list(b["layers"].items())[:top]:
+        for fmt, s in per.items():
+            ops = s["operands"]
+            ch = min(ops, key=lambda o: ops[o]["worst_channel_sqnr"])
+            und = max(ops, key=lambda o: ops[o]["underflow"])
+            lo = min(o["scale_log2"][0] for o in ops.values())
+            hi = max(o["scale_log2"][1] for o in ops.values())
+            rows.append([name, fmt, f"{s['output_sqnr']:.1f}", f"{s['grad_input_sqnr']:.1f}",
+                         f"{s['grad_weight_sqnr']:.1f}", f"{ch} {ops[ch]['worst_channel_sqnr']:.1f}",
+                         f"{und} {_pct(ops[und]['underflow'])}", _pct(max(o["saturated"] for o in ops.values())),
+                         f"2^{lo:g}..2^{hi:g}", s["verdict"] if s["verdict"] == "ok" else s["verdict"].upper()])
+    if rows:
+        lines += _table(["layer", "format", "out dB", "dgrad dB", "wgrad dB", "worst channel dB",
+                         "most underflow", "saturated", "scales", "verdict"], rows)
+    for fmt, v in b["recipes"].items():
+        asked = "" if fmt in b["requested"] else " (what-if)"
+        level = v["verdict"] if v["verdict"] == "ok" else v["verdict"].upper()
+        lines.append(f"  {fmt}{asked}: {level if v['applies'] else 'not worth it'}; {v['reason']} "
+                     f"(needs {v['hardware']})")
+        kept = v["keep_bf16"]
+        if kept:
+            lines.append("    keep in bf16: " + "; ".join(f"{n} ({why})" for n, why in list(kept.items())[:top])
+                         + (f"; {len(kept) - top} more" if len(kept) > top else ""))
     lines.append("")
     return lines

@@ -114,8 +114,10 @@ def _disable_dropout(model: nn.Module) -> None:
             m.dropout = 0.0
 
 
-def prepare(model: nn.Module, name: str, device: torch.device, fp32_modules: Sequence[str] = ()) -> Tuple[nn.Module, Precision]:
-    """A deep copy of ``model`` set up for precision ``name`` (train mode, dropout off)."""
+def prepare(model: nn.Module, name: str, device: torch.device, fp32_modules: Sequence[str] = (),
+            **options: Any) -> Tuple[nn.Module, Precision]:
+    """A deep copy of ``model`` set up for precision ``name`` (train mode, dropout off); ``options``: more
+    ``Precision`` keywords."""
     try:
         clone = copy.deepcopy(model)
     except Exception as e:  # a model holding un-copyable state (open files, locks, ...)
@@ -127,7 +129,7 @@ def prepare(model: nn.Module, name: str, device: torch.device, fp32_modules: Seq
         warnings.simplefilter("ignore")  # 'fp16 on CPU is slow': known, the check runs anyway
         # untuned: torch's attention kernels (AMPKIT_OP_POLICY=split|math forces ampkit's, which training
         # uses only where ampkit.tune measured them faster)
-        prec = Precision(name, device, fp32_modules=tuple(fp32_modules), channels_last=False)
+        prec = Precision(name, device, fp32_modules=tuple(fp32_modules), channels_last=False, **options)
     clone, _ = prec.setup(clone, None)
     return clone, prec
 

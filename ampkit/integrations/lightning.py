@@ -71,7 +71,7 @@ class _Core:
 
     def _init_core(self, precision: Any, device: Any, kwargs: Dict[str, Any]) -> None:
         self.ampkit = Precision(lightning_precision_name(precision), device, **kwargs)
-        self.precision = _LIGHTNING_NAME.get(self.ampkit.name, "bf16-mixed" if self.ampkit.name.startswith("fp8")
+        self.precision = _LIGHTNING_NAME.get(self.ampkit.name, "bf16-mixed" if self.ampkit.fp8 is not None
                                              else "32-true")  # fp8 modes: fp32 params, bf16-mixed around fp8 GEMMs
         self._fp32_copies: Dict[int, torch.Tensor] = {}
         self._prepared: Dict[int, torch.optim.Optimizer] = {}

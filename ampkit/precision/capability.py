@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..utils.cache import cache_file, load_entries, store_entry
 from .device import CPU_CAPS_ENV, cpu_flags, cpu_name, forced_cpu_caps, forced_cpu_kind, machine_key, resolve_device
 
-__all__ = ["Capability", "capability", "DeviceInfo", "device_info", "capability_cache_path", "FAST", "SLOW", "DTYPES", "dtype_name"]
+__all__ = ["Capability", "capability", "measure_again", "DeviceInfo", "device_info", "capability_cache_path", "FAST", "SLOW", "DTYPES", "dtype_name"]
 
 #: a 16-bit dtype whose probe runs at least this many times fp32's throughput is "fast": a mixed step also
 #: pays casts and fp32 norms, so a GEMM only a few percent faster does not make the step faster
@@ -135,10 +135,25 @@ def _capability(dev_type: str, index: Optional[int], forced: Optional[Tuple[Tupl
         except (KeyError, TypeError):
             pass  # an older or damaged entry: measured again
     cap = _measure(dev)
-    store_entry(capability_cache_path(), key, {"speed": dict(cap.speed), "gemm": dict(cap.gemm),
-                                               "conv": dict(cap.conv), "gflops": dict(cap.gflops),
-                                               "measured_at": cap.measured_at})
+    store_entry(capability_cache_path(), key, _entry(cap))
     return cap
+
+
+def measure_again(device=None) -> Capability:
+    """Measure this device now whatever the cache holds, store the answer and use it from here on (a
+    forced ``$AMPKIT_CPU_CAPS`` answer is not measured: it is returned as it is)."""
+    dev = resolve_device(device)
+    if dev.type == "cpu" and forced_cpu_caps() is not None:
+        return capability(dev)
+    _capability.cache_clear()
+    cap = _measure(dev)
+    store_entry(capability_cache_path(), f"{machine_key(dev)}|probe{_PROBE_VERSION}", _entry(cap))
+    return capability(dev)
+
+
+def _entry(cap: Capability) -> Dict:
+    return {"speed": dict(cap.speed), "gemm": dict(cap.gemm), "conv": dict(cap.conv), "gflops": dict(cap.gflops),
+            "measured_at": cap.measured_at}
 
 
 # ---------------------------------------------------------------------------------------------- the probe

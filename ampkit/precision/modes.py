@@ -28,7 +28,7 @@ class Mode:
     #: pure low-precision update with a compensation buffer (Kahan) instead of masters
     compensated: bool = False
     summary: str = ""
-    #: fp8 recipe name ("tensorwise", "rowwise", "delayed"): Linears run fp8 GEMMs (ampkit.precision.fp8)
+    #: fp8 recipe name ("tensorwise", "rowwise", "delayed", "mxfp8"): Linears run fp8 GEMMs (ampkit.precision.fp8)
     fp8: Optional[str] = None
 
     @property
@@ -87,6 +87,9 @@ MODES = {
         Mode("fp8-delayed", _f32, _bf16, False, fp8="delayed",
              summary="bf16-mixed with Linears in fp8, scales from an amax history (Transformer Engine's "
                      "delayed scaling, E4M3 forward / E5M2 backward)"),
+        Mode("mxfp8", _f32, _bf16, False, fp8="mxfp8",
+             summary="bf16-mixed with Linears in MXFP8, one power-of-two scale per 32 elements (torchao MX "
+                     "training; emulated off Blackwell)"),
     ]
 }
 
@@ -100,6 +103,7 @@ ALIASES = {
     # fp16 autocast (Lightning, Keras, apex O1, accelerate, torch); a bare dtype name means autocast in it
     "16-mixed": "fp16-mixed", "16": "fp16-mixed", "mixed_float16": "fp16-mixed", "o1": "fp16-mixed",
     "fp16": "fp16-mixed", "amp": "fp16-mixed", "float16-mixed": "fp16-mixed", "float16": "fp16-mixed",
+    "half": "fp16-mixed",  # torch.half is float16's other name: a bare dtype name (torch's .half() model: fp16-pure)
     # bf16 autocast
     "bf16-mixed": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "bf16": "bf16-mixed",
     "bfloat16-mixed": "bf16-mixed", "bfloat16": "bf16-mixed",
@@ -110,6 +114,8 @@ ALIASES = {
     # fp8 (torchao recipe names, Transformer Engine's recipe)
     "float8-tensorwise": "fp8-tensorwise", "float8-rowwise": "fp8-rowwise",
     "fp8-hybrid": "fp8-delayed",
+    # MXFP8 (Transformer Engine's recipe, torchao's recipe name)
+    "mxfp8blockscaling": "mxfp8", "mxfp8-rceil": "mxfp8", "mx-fp8": "mxfp8",
 }
 
 # The only names whose meaning depends on the entry point. In Keras a policy named after a plain dtype
@@ -146,4 +152,14 @@ def resolve(name: str, dialect: str = "ampkit") -> str:
             return k
         if k in ALIASES:
             return ALIASES[k]
-    raise ValueError(f"Unknown precision {name!r}. Valid names ({valid_names()})")
+    raise ValueError(f"Unknown precision {name!r}{_nearest(key)} The modes: {', '.join(list(MODES) + [AUTO])}; "
+                     "or an alias (O0-O3, 16-mixed, bf16-true, mixed_bfloat16, ...: ampkit.precision.ALIASES).")
+
+
+def _nearest(key: str) -> str:
+    """': did you mean a, b?' for the names closest to ``key`` (those it begins, else spelled alike), else '.'."""
+    import difflib
+
+    names = list(MODES) + [AUTO] + [a for a in ALIASES if a not in MODES]
+    found = [n for n in MODES if key and n.startswith(key)] or difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    return f": did you mean {', '.join(found)}?" if found else "."

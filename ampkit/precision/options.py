@@ -56,6 +56,9 @@ class PrecisionOptions:
     fp8_recipe: Any = None
     fp8_skip: Sequence[str] = ()
     fp8_force: Sequence[str] = ()
+    fp8_filter: Optional[str] = None
+    fp8_gpu: Optional[str] = None
+    fp8_tokens: Optional[int] = None
     #: the static loss scale ``loss_scale`` asks for; None = dynamic (or not given): parsed once, here
     static_scale: Optional[float] = field(init=False, default=None, compare=False)
 
@@ -102,7 +105,8 @@ class PrecisionOptions:
         if group == "compensation":
             return self.compensation is not None
         if group == "fp8":
-            return self.fp8_recipe is not None or bool(self.fp8_skip or self.fp8_force)
+            return (self.fp8_recipe is not None or bool(self.fp8_skip or self.fp8_force)
+                    or any(v is not None for v in (self.fp8_filter, self.fp8_gpu, self.fp8_tokens)))
         return self.loss_scale is not None or self.scaler is not None or self.init_scale is not None
 
 

@@ -145,11 +145,17 @@ class Precision(KindHooks, metaclass=_ByKind):
         for group in OPTION_GROUPS:  # the mode takes some option groups; the others are refused by their owner
             if group not in self.own_options() and options.given(group):
                 owner = next((k for k in _KINDS.values() if group in k.owns), Precision)
-                raise ValueError(owner.refusal(group, self.mode, options))
+                text = owner.refusal(group, self.mode, options)
+                if self.requested == AUTO:  # the user asked for auto: say what it chose before what that refuses
+                    text = f"precision auto chose {self.mode.name} here ({self.reason}), and " + text.replace(
+                        f"precision={self.mode.name!r} ", f"{self.mode.name} ", 1)
+                raise ValueError(text)
         self.compensation = options.compensation
         self.optimizer_state = options.optimizer_state
         self.take_options(options)
         self.scaler = options.scaler if options.scaler is not None else self._make_scaler(options)
+        if hasattr(self.scaler, "counters"):  # the skip limit's advice fits the mode
+            self.scaler.counters.low_dtype = self.mode.low_dtype
         self.scales_loss = self.mode.scaled
         self._setup_done = False
 

@@ -112,9 +112,10 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> str:
                 os.unlink(tmp)
             except OSError:
                 pass
-        if isinstance(e, OSError):
+        cause = _os_error(e)
+        if cause is not None:
             raise CheckpointError(
-                f"could not write checkpoint {path!r}: {e.strerror or e}; earlier checkpoints are intact "
+                f"could not write checkpoint {path!r}: {cause.strerror or cause}; earlier checkpoints are intact "
                 "(free disk space or fix permissions, then resume with --resume auto)."
             ) from e
         raise
@@ -127,6 +128,17 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> str:
     except OSError:
         pass
     return path
+
+
+def _os_error(e: BaseException) -> Optional[OSError]:
+    """The OSError behind a failed write: ``e`` itself, or the one torch's zip writer raised its own
+    RuntimeError over (``[enforce fail at inline_container.cc] ... unexpected pos``, on a full disk)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:

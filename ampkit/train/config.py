@@ -24,6 +24,8 @@ class TrainConfig:
     compensation: Optional[str] = None  # bf16-pure only: kahan (default) | stochastic | none
     optimizer_state: Optional[str] = None  # moments in fp32 | bf16 | 8bit (torchao); None = the mode's
     fp32_modules: List[str] = field(default_factory=list)
+    fp8_filter: Optional[str] = None  # fp8 modes: ends (default) | auto (per-layer roofline) | all
+    fp8_gpu: Optional[str] = None  # fp8 modes: the GPU class the roofline judges for (default: this one's, h100 on CPU)
     memory_format: str = "auto"  # conv models: auto (measured, the faster) | channels_last | contiguous
     eval_precision: str = "train"  # "train" or "fp32" (autocast off)
     # optimisation
@@ -47,6 +49,7 @@ class TrainConfig:
     log_every: int = 10
     compile: bool = False
     autotune: bool = True  # time what is left open on this model (cached): auto's mode, a conv model's memory format
+    retune: bool = False  # measure again what the per-machine caches hold (16-bit speed, auto's timings, layout)
     strategy: str = "ddp"  # under torchrun: ddp | fsdp (fully_shard + MixedPrecisionPolicy)
     tensorboard: bool = False
     device: Optional[str] = None

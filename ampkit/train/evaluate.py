@@ -14,7 +14,7 @@ from ..diagnose.runner import default_loss  # the one default loss (re-exported:
 from ..utils.batch import batch_size_of, call_model, output_logits, own_loss
 from . import distributed as _dist
 
-__all__ = ["default_loss", "evaluate", "evaluate_shards", "classification_text", "label_error"]
+__all__ = ["default_loss", "evaluate", "evaluate_shards", "classification_text", "label_error", "input_error"]
 
 
 def label_error(err: IndexError, out: Any, y: Any, where: str) -> Optional[ValueError]:
@@ -31,6 +31,36 @@ def label_error(err: IndexError, out: Any, y: Any, where: str) -> Optional[Value
                       f"0..{n - 1}. A Dataset without `targets` (or `tensors`) has its classes counted from its first "
                       "samples only: give it a `targets` attribute (all labels), or use a model with as many outputs "
                       "as classes.")
+
+
+def input_error(err: IndexError, model: torch.nn.Module, x: Any, where: str) -> Optional[ValueError]:
+    """torch's IndexError from inside the model's forward (an id beyond an embedding's rows, ``index out of
+    range in self``; a label beyond the classes in a loss the model computes itself, ``out of bounds``) as one
+    ValueError naming the input, its value and the model's size; None for another IndexError. Only on this
+    error path are the inputs read on the host."""
+    text = str(err)
+    if "index out of range" not in text and "out of bounds" not in text:
+        return None
+    named = x.items() if isinstance(x, dict) else (enumerate(x) if isinstance(x, (list, tuple)) else [("x", x)])
+    ints = {str(k): v for k, v in named if isinstance(v, torch.Tensor) and v.numel() and not v.is_floating_point()
+            and v.dtype != torch.bool}
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+    limit = max(rows) if rows else None
+    for name, t in ints.items():
+        lo, hi = int(t.min()), int(t.max())
+        bad = hi if limit is not None and hi >= limit else (lo if lo < 0 and lo != -100 else None)
+        if bad is not None and "label" not in name:
+            return ValueError(f"the {where} holds {name} {bad}, but the model's largest embedding has {limit} rows "
+                              f"(ids 0..{limit - 1}): use a model whose vocabulary covers the data's ids (e.g. "
+                              f"vocab_size >= {hi + 1}), or fix the data.")
+    seen = ", ".join(f"{k} {int(v.min())}..{int(v.max())}" for k, v in ints.items())
+    if seen and rows:
+        seen += f"; largest embedding: {limit} rows"
+    first = (text.strip().splitlines() or ["IndexError"])[0]
+    return ValueError(f"the model's forward on the {where} failed: IndexError: {first}"
+                      + (f" (integer inputs: {seen})" if seen else "")
+                      + ". An id or label beyond what the model takes: check them against its vocabulary size and "
+                      "number of classes.")
 
 
 @torch.no_grad()
@@ -53,7 +83,13 @@ def evaluate(
     try:
         for x, y in batches:
             with autocast():
-                out = call_model(model, x)
+                try:
+                    out = call_model(model, x)
+                except IndexError as e:
+                    err = input_error(e, model, x, "evaluation data")
+                    if err is None:
+                        raise
+                    raise err from None
                 try:
                     loss = loss_fn(out, y)
                 except IndexError as e:

@@ -27,7 +27,7 @@ from ..memory import measure as memory_measure
 from ..precision import NonFiniteGradientsError
 from ..utils.batch import batch_size_of, call_model
 from . import distributed as _dist
-from .evaluate import label_error
+from .evaluate import input_error, label_error
 from .metrics import MetricsLogger, Progress
 from .signals import TrainingInterrupted
 
@@ -116,7 +116,13 @@ class TrainLoop:
                 window_inputs.append((i, order[i], x, y))
             with self._sync_context(last_in_window):
                 with precision.autocast():
-                    out = call_model(self.model, x)
+                    try:
+                        out = call_model(self.model, x)
+                    except IndexError as e:  # an id beyond the model's embedding (dict data: model(**batch))
+                        err = input_error(e, self.raw_model, x, f"training data (epoch {c.epoch + 1}, batch {i})")
+                        if err is None:
+                            raise
+                        raise err from None
                     try:
                         loss = self.loss_fn(out, y) / window
                     except IndexError as e:  # a label the output cannot take (classes counted from a prefix)
@@ -188,7 +194,7 @@ class TrainLoop:
         scaler = self.precision.scaler
         record = {
             "kind": "train", "step": self.counters.attempted_steps, "optimizer_step": None,
-            "epoch": self.counters.epoch, "loss": window_loss.clone(),
+            "epoch": self.counters.epoch + 1, "loss": window_loss.clone(),  # 1-based, as the console counts
             "scale": scaler.scale_tensor.clone() if scaler.scale_tensor is not None else 1.0,
             "skipped": None, "lr": None,
         }
@@ -225,8 +231,9 @@ class TrainLoop:
         if not _dist.is_main_process():
             return
         c, epochs = self.counters, self.config.epochs
-        rec = {"kind": "eval", "step": c.attempted_steps, "epoch": c.epoch, "loss": ev["loss"],
-               "accuracy": ev["accuracy"]}
+        # the epoch evaluated, 1-based: the one just finished, or the one --max-steps stopped inside
+        rec = {"kind": "eval", "step": c.attempted_steps, "epoch": c.epoch + (1 if c.batch_in_epoch else 0),
+               "loss": ev["loss"], "accuracy": ev["accuracy"]}
         logger.event(rec)
         self.history.append(rec)
         acc = f", accuracy {ev['accuracy']:.4f}" if ev["accuracy"] is not None else ""

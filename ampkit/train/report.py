@@ -37,13 +37,35 @@ def announce(precision: Precision, config: TrainConfig, run_dir: Optional[str], 
     """The start of a run: config.toml in the run directory (the precision resolved), the precision line,
     the task note, where a resume continues from."""
     if run_dir:
-        write_config(config.updated(resume=None), os.path.join(run_dir, "config.toml"),
-                     {"precision (resolved)": precision.describe()})
+        write_config(recorded_config(config, precision), os.path.join(run_dir, "config.toml"),
+                     recorded_notes(config, precision))
     print(f"ampkit: {precision.describe()}", file=sys.stderr)
     if task_note:
         print(task_note)
     if resumed_from:
         print(f"ampkit: resumed from {resumed_from}", file=sys.stderr)
+
+
+def recorded_config(config: TrainConfig, precision: Precision) -> TrainConfig:
+    """What config.toml records: the mode that ran (auto's choice, not ``auto``, so a reload with --config
+    runs what this run ran), and a data file by its absolute path (a resume from another directory finds it)."""
+    data = config.data
+    if isinstance(data, str) and ":" not in data and data.endswith(".npz") and os.path.isfile(data):
+        data = os.path.abspath(data)
+    return config.updated(resume=None, retune=False, precision=precision.name, data=data)
+
+
+def recorded_notes(config: TrainConfig, precision: Precision) -> Dict[str, str]:
+    """config.toml's comments: the mode as described and, for auto, what was asked and how to choose again."""
+    notes = {"precision (resolved)": precision.describe()}
+    if precision.requested == "auto" and config.precision != precision.name:
+        from ..tuning.autotune import autotune_cache_path
+
+        timed = (f" Its timings are cached per machine in {autotune_cache_path()} (a changed model or machine "
+                 "is timed afresh; --retune times this one again)." if precision.tuned.mode_ms else "")
+        notes["precision asked"] = (f"auto; it chose {precision.name} ({precision.reason}), recorded above so "
+                                    f"a reload runs the same mode; pass --precision auto to choose again.{timed}")
+    return notes
 
 
 def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Optional[Dict[str, Any]],

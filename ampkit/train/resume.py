@@ -20,7 +20,8 @@ from .distributed import rescale_position
 from .rundir import RunDirError, checkpoint_dir
 
 __all__ = ["ResumePlan", "checkpoint_to_resume", "check_saved_options", "check_model_signature", "check_checkpoint",
-           "saved_position", "finished_summary", "schedule_change", "saved_run_options", "MUST_MATCH"]
+           "saved_position", "finished_summary", "schedule_change", "schedule_changed", "saved_run_options",
+           "apply_given_options", "MUST_MATCH"]
 
 # options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
 MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
@@ -109,11 +110,17 @@ def check_saved_options(cfg: TrainConfig, world_size: int, ck: Dict[str, Any], p
                     f"{world_size}): its saved position would not match the data. Keep the global batch: "
                     f"{fix}; or start a new run.")
             continue
-        if key in saved and saved[key] != getattr(cfg, key):
+        if key in saved and saved[key] != getattr(cfg, key) and not _same_file(key, saved[key], getattr(cfg, key)):
             raise ckpt.CheckpointError(
                 f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
                 f"{key}={getattr(cfg, key)!r}: its saved position would not match the data. Resume "
                 f"without --{key.replace('_', '-')} (a resumed run keeps its saved options), or start a new run.")
+
+
+def _same_file(key: str, a: Any, b: Any) -> bool:
+    """A data file named relatively in one run and absolutely in the other (config.toml records it absolute)."""
+    return (key == "data" and isinstance(a, str) and isinstance(b, str) and ":" not in a + b
+            and os.path.abspath(a) == os.path.abspath(b))
 
 
 def check_model_signature(ck: Dict[str, Any], mine: list, path: str) -> None:
@@ -153,6 +160,13 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
         warnings.warn(note, stacklevel=3)
     if steps_per_epoch is not None and "lr" in saved and saved["lr"] != cfg.lr:
         cfg = cfg.updated(lr=saved["lr"])  # what config.toml then records
+    scaling = {k: saved.get(k) for k in ("loss_scale", "init_scale") if saved and saved.get(k) != getattr(cfg, k)}
+    if scaling:  # the loss scaler's state (scale, static or dynamic) is the checkpoint's
+        given = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in scaling)
+        warnings.warn(f"{given} does not apply to a resumed run: the checkpoint's loss scaler (its scale, static or "
+                      "dynamic) continues, and config.toml records the run's own setting; start a new run to use "
+                      "another scale.", stacklevel=3)
+        cfg = cfg.updated(**scaling)
     return cfg
 
 
@@ -178,9 +192,12 @@ def finished_summary(cfg: TrainConfig, run_dir: Optional[str], epoch: int, globa
     if not path or not os.path.isfile(path):
         return None
     if announce:
+        limits = ([f"--epochs (reached {epoch} of {cfg.epochs})"] if epoch >= cfg.epochs else []) + (
+            [f"--max-steps (reached {global_step} of {cfg.max_steps})"] if cfg.max_steps and global_step >= cfg.max_steps
+            else [])
         print(f"ampkit: the run in {run_dir} already finished ({epoch} epoch(s), {global_step} optimizer steps; "
               f"epochs={cfg.epochs}, max_steps={cfg.max_steps}): nothing to train and no file changed. Pass a "
-              "larger --epochs or --max-steps to train it further.", file=sys.stderr)
+              f"larger {' and a larger '.join(limits)} to train it further.", file=sys.stderr)
     with open(path) as f:
         return json.load(f)
 
@@ -201,6 +218,8 @@ def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: in
         if before != now:
             changes.append(f"the {cfg.lr_schedule} schedule now spans {now} optimizer steps, not {before} "
                            "(its length comes from --epochs/--max-steps)")
+    if changes:
+        changes[-1] += f" (applied: the {cfg.lr_schedule} schedule continues from the resumed step)"
     if "lr" in saved and saved["lr"] != cfg.lr:
         changes.append(f"--lr {cfg.lr:g} does not apply: the checkpoint's lr {saved['lr']:g} continues (and is "
                        "what config.toml records)")
@@ -209,6 +228,54 @@ def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: in
     return ("resuming with other learning-rate options: " + "; ".join(changes) + ". The learning rate will "
             "differ from the uninterrupted run's; resume without those flags (a resumed run keeps its saved "
             "options) to keep it.")
+
+
+def schedule_changed(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: int) -> bool:
+    """Whether this run's schedule (kind, warm-up, length) differs from the checkpoint's."""
+    if any(key in saved and saved[key] != getattr(cfg, key) for key in ("lr_schedule", "warmup_steps")):
+        return True
+    if cfg.lr_schedule == "constant" and not cfg.warmup_steps:
+        return False
+    before = saved.get("max_steps") or steps_per_epoch * int(saved.get("epochs", cfg.epochs))
+    return before != (cfg.max_steps or steps_per_epoch * cfg.epochs)
+
+
+def apply_given_options(optimizer, built: list, scheduler, schedule_changed: bool, global_step: int,
+                        scheduler_loaded: bool) -> None:
+    """After a checkpoint's optimizer/scheduler state is loaded, what this run's options set there holds:
+    each param group's weight decay as this run built it (``built``: the groups' values before the load;
+    --weight-decay on a resume applies), and when the schedule's kind, warm-up or length changed
+    (``schedule_changed``), each group's lr at ``global_step`` of this run's schedule (a constant schedule:
+    the run's base lr; a cosine/linear one: its curve over the new length). The checkpoint's base lr
+    continues either way (``--lr`` on a resume does not apply)."""
+    groups = optimizer.param_groups
+    if len(built) == len(groups):
+        for group, wd in zip(groups, built):
+            group["weight_decay"] = wd
+    if not schedule_changed:
+        return
+    if scheduler is None:  # constant, no warm-up: the base lr the run started with
+        for group in groups:
+            if "initial_lr" in group:
+                _set_lr(group, float(group["initial_lr"]))
+        return
+    if not hasattr(scheduler, "lr_lambdas"):
+        return
+    if not scheduler_loaded:  # the run had no scheduler: its lr is the base the new schedule scales
+        scheduler.base_lrs = [float(group["lr"]) for group in groups]
+        for group, base in zip(groups, scheduler.base_lrs):
+            group["initial_lr"] = base
+    scheduler.last_epoch = global_step  # a schedule new to this run starts at the resumed step, not at 0
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        _set_lr(group, float(base) * factor(global_step))
+
+
+def _set_lr(group: Dict[str, Any], value: float) -> None:
+    lr = group["lr"]
+    if hasattr(lr, "fill_"):  # a tensor lr (compiled step): changed in place, no recompile
+        lr.fill_(value)
+    else:
+        group["lr"] = value
 
 
 def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], None]] = None,

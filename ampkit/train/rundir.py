@@ -107,8 +107,15 @@ class RunDir:
             with open(probe, "w") as f:
                 f.write("ok")
             os.unlink(probe)
-        except OSError as e:
-            raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): choose another --out.") from e
+        except OSError as e:  # nothing of this invocation stays behind: no lock file, no directory it made
+            self.release()
+            self.remove_stub()
+            if resuming and holds_run:  # the run is there: another --out would not continue it
+                raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): a resume writes into its run "
+                                  "directory: make it writable (free space, remount read-write, fix permissions), "
+                                  "or copy the run somewhere writable and resume there (nothing was written).") from e
+            raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): choose another --out "
+                              "(nothing was written).") from e
 
     def _lock(self) -> None:
         """Hold ``LOCK_NAME`` (an exclusive flock) for this run's life: a second writer is refused at once."""

@@ -121,6 +121,7 @@ def make_precision(precision: Any, cfg: TrainConfig) -> Precision:
         loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
         max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
         compensation=cfg.compensation, optimizer_state=cfg.optimizer_state, channels_last=MEMORY_FORMATS[cfg.memory_format],
+        **{k: getattr(cfg, k) for k in ("fp8_filter", "fp8_gpu") if getattr(cfg, k, None) is not None},
     )
 
 
@@ -128,17 +129,18 @@ def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: B
                  saved_mode: Optional[str], single_process: bool) -> Precision:
     """Measure what the run left open on this model and its first batch (``ampkit.tune``; cached
     per machine): the mode for precision auto, the memory format of a conv model, attention kernels.
-    A resumed auto run keeps its checkpoint's mode (``saved_mode``). Several processes keep the defaults
+    A resumed auto run keeps its checkpoint's mode (``saved_mode``); with no checkpoint yet, auto
+    chooses as a fresh start does. Several processes keep the defaults
     (every rank must run the same mode and layout, and timings differ per rank)."""
     modes = prec.requested == AUTO
-    if modes and cfg.resume:
+    if modes and saved_mode:  # a checkpoint to continue (a run that stopped before its first: chosen afresh)
         if saved_mode and saved_mode != prec.name and saved_mode in MODES:
             prec = prec.retuned(Tuned(mode=saved_mode, mode_reason="the resumed run's precision"))
         modes = False
     if not needs_tuning(prec, model, modes) or not cfg.autotune or not single_process:
         return prec
     x, y = batches.first(cfg.batch_size)
-    return tune(prec, model, x, y, loss_fn, grad_accum=cfg.grad_accum, modes=modes,
+    return tune(prec, model, x, y, loss_fn, grad_accum=cfg.grad_accum, modes=modes, refresh=cfg.retune,
                 log=lambda msg: print(f"ampkit: {msg}", file=sys.stderr, flush=True))
 
 

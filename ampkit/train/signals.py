@@ -26,11 +26,30 @@ class TrainingInterrupted(Exception):
 
 class StopSignal:
     """The signal received (``signum``, None before any). ``guard()`` installs the handlers for the
-    duration of training (main thread only); a second Ctrl-C stops at once (KeyboardInterrupt)."""
+    duration of training (main thread only); a second Ctrl-C stops at once (KeyboardInterrupt), except
+    inside ``writing()`` (a checkpoint being written): that write finishes first, then the run stops
+    (`TrainingInterrupted`, exit 130) with that checkpoint complete."""
 
     def __init__(self, world_size: int, device: torch.device) -> None:
         self.signum: Optional[int] = None
         self.world_size, self.device = world_size, device
+        self._writing = False
+        self._forced = False  # a second Ctrl-C arrived during a write
+
+    @contextlib.contextmanager
+    def writing(self):
+        """A checkpoint write: a second Ctrl-C inside waits for its end (``forced`` tells the caller, which
+        then stops with `TrainingInterrupted` naming the checkpoint written)."""
+        self._writing, self._forced = True, False
+        try:
+            yield
+        finally:
+            self._writing = False
+
+    @property
+    def forced(self) -> bool:
+        """A second Ctrl-C came during the last ``writing()`` block."""
+        return self._forced
 
     @property
     def pending(self) -> bool:
@@ -58,6 +77,9 @@ class StopSignal:
 
         def handler(signum, frame):
             if self.signum is not None and signum == signal.SIGINT:
+                if self._writing:  # a checkpoint half written: finish it, then stop (`writing`)
+                    self._forced = True
+                    return
                 raise KeyboardInterrupt  # second Ctrl-C: stop now
             self.signum = signum
 

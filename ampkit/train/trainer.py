@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -124,6 +125,7 @@ class Trainer:
         total = cfg.max_steps or self.steps_per_epoch * cfg.epochs
         setup.check_run_length(cfg, self.batches.per_epoch(), total)
         self._own_schedule = scheduler is None  # built from the config (then a resume can say what changed)
+        self._own_optimizer = optimizer is None
         self.scheduler = scheduler if scheduler is not None else build_scheduler(
             self.optimizer, cfg.lr_schedule, total, cfg.warmup_steps)
         self.counters = Counters()  # epoch, batch_in_epoch, global_step, attempted_steps (the loop moves them)
@@ -196,10 +198,14 @@ class Trainer:
             _dist.barrier()
             return None
         path = ckpt.checkpoint_path(directory, self.attempted_steps)
-        ckpt.save_checkpoint(self.state_dict(), path)
-        ckpt.prune_checkpoints(directory, self.config.keep_last)
+        state = self.state_dict()
+        with self.stop.writing():  # a second Ctrl-C here lets the write finish, then stops
+            ckpt.save_checkpoint(state, path)
+            ckpt.prune_checkpoints(directory, self.config.keep_last)
         self.last_checkpoint = path
         _dist.barrier()
+        if self.stop.forced:
+            raise TrainingInterrupted(self.stop.signum or signal.SIGINT, path)
         return path
 
     def load_checkpoint(self, path: str) -> None:
@@ -212,6 +218,7 @@ class Trainer:
                                               self.steps_per_epoch if self._own_schedule else None, options_checked)
         if self.device.type != "cpu":
             ck = to_device(ck, self.device)  # a plan reads on the CPU: where map_location would have put it
+        built = [g["weight_decay"] for g in self.optimizer.param_groups] if self._own_optimizer else []
         try:
             self.precision.load_state_dict(ck["precision"])
             if self._fsdp:
@@ -225,6 +232,9 @@ class Trainer:
             raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
         self.epoch, self.batch_in_epoch, self.global_step, self.attempted_steps = resume.saved_position(
             ck, self.config, self.world_size, path)
+        if self._own_schedule:  # --weight-decay / schedule options given on the resume: applied, as recorded
+            resume.apply_given_options(self.optimizer, built, self.scheduler, resume.schedule_changed(
+                self.config, ck.get("config") or {}, self.steps_per_epoch), self.global_step, bool(ck.get("scheduler")))
         self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..precision import Precision
 from ..precision.attention import forced_kernel
+from ..precision.capability import measure_again
 from ..precision.modes import AUTO
 from .autotune import CannotTime, auto_candidates, fastest_mode, time_modes, time_precisions
 from .layout import faster_layout, has_conv2d
@@ -40,19 +41,24 @@ def needs_tuning(precision: Precision, model: nn.Module, modes: bool = True) -> 
 
 
 def tune(precision: Precision, model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, *,
-         grad_accum: int = 1, modes: bool = True, log: Optional[Callable[[str], None]] = None) -> Precision:
+         grad_accum: int = 1, modes: bool = True, log: Optional[Callable[[str], None]] = None,
+         refresh: bool = False) -> Precision:
     """A new ``Precision`` with what was left open measured on this model and batch (see the module doc).
 
     ``modes=False`` keeps the mode (a resumed run keeps its checkpoint's). ``log(message)`` is called
-    before each measurement actually taken (cached verdicts are silent). A precision already set up is
-    returned as it is.
+    before each measurement actually taken (cached verdicts are silent). ``refresh`` measures again
+    what the per-machine caches hold (the device's 16-bit speed, auto's timings, the layout) and
+    replaces their entries (``ampkit train --retune``). A precision already set up is returned as it is.
     """
     if precision.is_setup:
         return precision
+    if refresh and modes and precision.requested == AUTO:
+        measure_again(precision.device)
     tuned = precision.tuned
     if precision.requested == AUTO and modes:
         try:
-            result = fastest_mode(model, inputs, target, loss_fn, precision.device, grad_accum=grad_accum, log=log)
+            result = fastest_mode(model, inputs, target, loss_fn, precision.device, grad_accum=grad_accum, log=log,
+                                  refresh=refresh)
         except CannotTime as e:
             warnings.warn(f"precision auto: {e}; keeping the device's default, {precision.name!r}. Pass a mode "
                           "(--precision) to choose.", stacklevel=2)
@@ -61,7 +67,7 @@ def tune(precision: Precision, model: nn.Module, inputs: Any, target: Any, loss_
                                         mode_ms=dict(result["ms"]))
             precision = precision.retuned(tuned)  # the layout and kernels are measured in the chosen mode
     if precision.channels_last is None and has_conv2d(model):
-        layout = _layout(precision, model, inputs, target, loss_fn, log)
+        layout = _layout(precision, model, inputs, target, loss_fn, log, refresh)
         if layout is not None:
             tuned = dataclasses.replace(tuned, channels_last=layout["channels_last"], layout_reason=layout["reason"])
     if _kernels_open(precision):
@@ -78,11 +84,11 @@ def _kernels_open(precision: Precision) -> bool:
     return precision.op_policy_applies and forced_kernel() is None
 
 
-def _layout(precision: Precision, model, inputs, target, loss_fn, log):
+def _layout(precision: Precision, model, inputs, target, loss_fn, log, refresh=False):
     kept = ("fp32_modules", "keep_norm_fp32", "cast_outputs", "op_policy", "compensation", "loss_scale", "init_scale")
     options = precision.options()
     try:
-        return faster_layout(model, inputs, target, loss_fn, precision.name, precision.device, log=log,
+        return faster_layout(model, inputs, target, loss_fn, precision.name, precision.device, log=log, refresh=refresh,
                              **{k: options[k] for k in kept})
     except RuntimeError as e:  # e.g. out of memory for two more copies: the rule decides
         # (a ValueError/TypeError is a configuration error: it surfaces as itself, now)

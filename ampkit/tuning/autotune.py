@@ -158,12 +158,14 @@ def signature(model: nn.Module, inputs: Any, target: Any) -> str:
 
 
 def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, device: Any = None,
-                 grad_accum: int = 1, log: Optional[Callable[[str], None]] = None, **kw) -> Dict[str, Any]:
+                 grad_accum: int = 1, log: Optional[Callable[[str], None]] = None, refresh: bool = False,
+                 **kw) -> Dict[str, Any]:
     """``{"mode", "reason", "ms": {mode: ms}, "cached", "checked"}``: the fastest of :func:`auto_candidates`
     whose compute dtype passes the AMP check (``checked``: :func:`amp_check`'s verdicts).
 
     The device's measured choice stays unless another is faster by more than 3% and by more than the
-    timings' own noise (:func:`pick`): a tie keeps what the measured capability favours.
+    timings' own noise (:func:`~ampkit.precision.auto.pick`): a tie keeps what the measured capability
+    favours. ``refresh``: check and time again whatever the cache holds (``ampkit train --retune``).
     """
     dev = resolve_device(device)
     cands = auto_candidates(dev, grad_accum)
@@ -171,7 +173,7 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     if len(cands) == 1:
         return {"mode": cands[0], "reason": dev_reason, "ms": {}, "cached": False, "checked": {}}
     key = f"{machine_key(dev)}|{signature(model, inputs, target)}|{','.join(cands)}"
-    hit = load_entries(autotune_cache_path()).get(key) or {}
+    hit = {} if refresh else (load_entries(autotune_cache_path()).get(key) or {})
     checked = hit.get("checked")
     if checked is None:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # dropout draws: not the user's

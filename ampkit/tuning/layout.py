@@ -42,7 +42,7 @@ def has_conv2d(model: nn.Module) -> bool:
 
 def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, mode: str, device: Any = None,
                   steps: int = 1, warmup: int = 1, rounds: int = 6, log: Optional[Callable[[str], None]] = None,
-                  **precision_kwargs: Any) -> Dict[str, Any]:
+                  refresh: bool = False, **precision_kwargs: Any) -> Dict[str, Any]:
     """``{"channels_last": bool, "ms": {"contiguous", "channels_last"}, "cached": bool, "reason": str}``
     for training ``model`` on this batch in ``mode``; ``model`` itself is left untouched.
 
@@ -52,11 +52,12 @@ def faster_layout(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable,
     1.2x faster.
 
     ``precision_kwargs`` are the rest of the ``Precision`` settings the run uses (fp32 modules...);
-    ``log`` is told once before a measurement is taken (not when the verdict is cached).
+    ``log`` is told once before a measurement is taken (not when the verdict is cached); ``refresh``
+    times again whatever the cache holds (and replaces its entry).
     """
     dev = resolve_device(device)
     key = f"{machine_key(dev)}|{mode}|{signature(model, inputs, target)}"
-    hit = load_entries(layout_cache_path()).get(key)
+    hit = None if refresh else load_entries(layout_cache_path()).get(key)
     cached = bool(hit and {"contiguous", "channels_last"} <= set(hit.get("ms", {})))
     if cached:
         ms = hit["ms"]

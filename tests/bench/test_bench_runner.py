@@ -43,3 +43,26 @@ def test_aggregate_keeps_failures_visible():
     assert rec["ms_per_step"] == 5.0 and rec["failed_repeats"] == ["timed out after 5 s"] and rec["repeats"] == 1
     rec = aggregate([bad, bad])
     assert rec["error"] == "timed out after 5 s" and rec["repeats"] == 0 and "ms_per_step" not in rec
+
+
+def test_a_model_failing_alike_twice_is_not_run_again():
+    """A deterministic failure (the same error in two configurations) stops that model's runs; other models
+    and other errors go on."""
+    from ampkit.bench.runner import run_all
+
+    calls = []
+
+    def worker(cfg, timeout_s):
+        calls.append((cfg["model"], cfg["precision"]))
+        if cfg["model"] == "bad":
+            return {"model": "bad", "precision": cfg["precision"], "runner": cfg["runner"], "error": "ValueError: no"}
+        return {"model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"], "step_ms": [1.0],
+                "final_loss": 1.0}
+
+    configs = [{"model": m, "precision": p, "runner": "ampkit"} for m in ("bad", "good")
+               for p in ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master")]
+    out = run_all(configs, 2, 10, 1, None, worker)
+    assert [c for c in calls if c[0] == "bad"] == [("bad", "fp32"), ("bad", "bf16-mixed")]
+    assert len([c for c in calls if c[0] == "good"]) == 8
+    assert all("error" in r for r in out[:4]) and "failed alike in two configurations" in out[3]["error"]
+    assert all(r.get("ms_per_step") for r in out[4:])

@@ -149,3 +149,123 @@ def test_layout_is_tuned_in_its_own_process_before_the_measured_ones(tmp_path):
     row = json.load(open(tmp_path / "out" / "bench.json"))["results"][0]
     chose_cl = tune_lines[0].split("memory format ")[1].startswith("channels_last")
     assert ("channels_last" in row["loop"]) == chose_cl
+
+
+_HF_LIKE = textwrap.dedent("""
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    class Tok(Dataset):
+        def __len__(self):
+            return 40
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(8) % 16, "labels": torch.tensor(i % 2)}
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 2)
+        def forward(self, input_ids, labels=None):
+            logits = self.head(self.emb(input_ids).mean(1))
+            return {"logits": logits, "loss": nn.functional.cross_entropy(logits, labels)}
+
+    def make_hf_model(**kw):
+        return M()
+
+    def data(**kw):
+        return Tok(), Tok()
+
+    calls = []
+    def make_vec(**kw):
+        return nn.Sequential(nn.Linear(8, 3))
+""")
+
+
+def test_a_model_that_cannot_run_stops_before_any_worker_in_one_line(capsys, tmp_path, monkeypatch):
+    """Keyword-input models with no example_batch: one line naming the fix, not the same error in every
+    configuration's worker; nothing written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "hfish.py").write_text(_HF_LIKE)
+    import ampkit.bench.runner as runner
+
+    monkeypatch.setattr(runner, "run_worker", lambda *a, **k: pytest.fail("a worker started"))
+    code = main(["bench", "--device", "cpu", "--models", "hfish:make_hf_model", "--out", "b"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "cannot guess an input batch" in err[0] and "example_batch" in err[0], err
+    assert not (tmp_path / "b").exists()
+    # --data as train takes it: a .npz that does not fit the model is one line too
+    import numpy as np
+
+    np.savez(tmp_path / "wide.npz", x=np.zeros((20, 5), "float32"), y=np.zeros(20, "int64"))
+    code = main(["bench", "--device", "cpu", "--models", "hfish:make_vec", "--data", "wide.npz", "--out", "b"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "on --data wide.npz cannot run a bench step" in err[0], err
+
+
+def test_bench_takes_data_as_train_does(tmp_path):
+    (tmp_path / "hfish.py").write_text(_HF_LIKE)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "ampkit", "bench", "--models", "hfish:make_hf_model", "--data",
+                        "hfish:data", "--precisions", "fp32", "--runners", "ampkit", "--steps", "1", "--warmup", "1",
+                        "--repeats", "1", "--batch-size", "4", "--device", "cpu", "--out", "out"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.load(open(tmp_path / "out" / "bench.json"))
+    assert [x["model"] for x in data["results"]] == ["hfish:make_hf_model"] and data["results"][0]["ms_per_step"] > 0
+    assert data["settings"]["data"] == "hfish:data" and "--data hfish:data" in data["settings"]["command"]
+
+
+def test_bench_refuses_a_training_run_directory(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("# ampkit train config (reload with: ampkit train --config "
+                                                  "THIS_FILE)\nepochs = 1\n")
+    code = main(["bench", "--device", "cpu", "--models", "mlp", "--out", "run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is an ampkit training run" in err[0], err
+    assert os.listdir(tmp_path / "run") == ["config.toml"]
+
+
+def test_an_interrupted_bench_writes_the_rows_it_measured(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    import ampkit.bench as bench
+    import ampkit.bench.runner as runner
+
+    done = []
+
+    def worker(cfg, timeout_s):
+        if cfg["runner"] == "tune":
+            return {"resolved": cfg["precision"], "reason": None, "wall_s": 0}
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(cfg)
+        return {"model": cfg["model"], "precision": cfg["precision"], "runner": cfg["runner"], "step_ms": [1.0, 1.1],
+                "final_loss": 1.0, "peak_mem_mb": 10.0, "batch_size": 8, "samples_per_step": 8, "n_params": 10,
+                "state_bytes": {"total": 160}, "state_bytes_per_param": 16.0, "resolved_precision": cfg["precision"]}
+
+    monkeypatch.setattr(runner, "run_worker", worker)
+    monkeypatch.setattr(bench, "device_section", lambda *a, **k: {"type": "cpu", "name": "test", "peak_flops": {}})
+    code = main(["bench", "--device", "cpu", "--models", "mlp", "--precisions", "bf16", "--runners", "ampkit",
+                 "--repeats", "2", "--out", "b"])
+    err = capsys.readouterr().err
+    assert code == 130 and "interrupted; the runs done before it are in" in err and "Traceback" not in err, err
+    data = json.load(open(tmp_path / "b" / "bench.json"))
+    assert [r.get("ms_per_step") is not None for r in data["results"]] == [True, True]
+    assert any("interrupted" in n for n in data["notes"])
+
+
+def test_data_without_models_benches_the_datas_own_model(capsys, tmp_path, monkeypatch):
+    from ampkit.cli import _build_parser
+    from ampkit.cli.bench import settings_from_args
+
+    assert settings_from_args(_build_parser().parse_args(["bench", "--data", "digits", "--device", "cpu"])).models \
+        == ["cnn"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "hfish.py").write_text(_HF_LIKE)
+    code = main(["bench", "--device", "cpu", "--data", "hfish:data", "--out", "b"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "pass the model for them with --models" in err[0], err

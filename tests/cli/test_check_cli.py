@@ -97,3 +97,29 @@ def test_model_nonfinite_in_fp32_is_not_called_safe(capsys):
     code, out, err = _run(capsys, ["check", "--model", "check_models:nan_in_fp32"] + TINY)
     assert code == 3, err
     assert "fp32 is the safe choice" not in out and "non-finite in fp32 already" in err
+
+
+def test_block_scaled_formats_by_name_and_alias(capsys):
+    pytest.importorskip("torchao")
+    code, out, err = _run(capsys, ["check", "--model", "check_models:mlp", "--json",
+                                   "--precision", "NVFP4BlockScaling,fp8-blockwise"] + TINY)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["blockscale"]["requested"] == ["nvfp4", "fp8-blockwise"]
+    assert list(d["verdicts"]) == ["bf16-mixed"]
+    # two Linears, the first and the last: both stay in bf16, nothing runs in low precision
+    for fmt in ("nvfp4", "fp8-blockwise"):
+        r = d["blockscale"]["recipes"][fmt]
+        assert r["keep_bf16"] == {"0": "first GEMM layer", "2": "last GEMM layer (output head)"}
+        assert r["low_precision_flop_share"] == 0 and r["applies"] is False
+
+
+def test_unknown_name_beside_a_block_format_exits_2(capsys):
+    code, out, err = _run(capsys, ["check", "--model", "check_models:mlp", "--precision", "nvfp4,fp17"] + TINY)
+    assert code == 2 and "fp17" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", [["--fp8-gpu", "h999"], ["--fp8-tokens", "0"]])
+def test_bad_fp8_roofline_flags_exit_2(capsys, flag):
+    code, out, err = _run(capsys, ["check", "--model", "check_models:mlp", "--precision", "fp8-rowwise"] + flag + TINY)
+    assert code == 2 and flag[0] in err and len(err.strip().splitlines()) == 1

@@ -98,3 +98,23 @@ def test_a_diverged_run_beside_a_normal_one_keeps_both_readable(tmp_path, figure
     plot_runs([signed], str(tmp_path / "e.png"), smooth=1)
     ax = figures[2].axes[0]
     assert ax.get_ylim()[1] < 10 and "clipped" in ax.get_ylabel()
+
+
+@pytest.mark.parametrize("given_out", [False, True])
+def test_a_place_it_cannot_write_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, figures, given_out):
+    """A read-only run directory (simulated: root ignores chmod): the file system's refusal, one line."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    from ampkit.cli import main
+
+    def refuse(self, fname, *a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(fname))
+
+    monkeypatch.setattr(Figure, "savefig", refuse)
+    d = _run_dir(tmp_path / "ro", [{"step": 1, "loss": 1.0, "scale": 1.0, "skipped": False}])
+    code = main(["plot", d, *(["--out", str(tmp_path / "c.png")] if given_out else [])])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "cannot write" in err and "Read-only file system" in err, err
+    assert ("pass --out to a writable place" in err) != given_out

@@ -206,3 +206,21 @@ def test_check_fp8_alone_recommends_the_fp8_mode(monkeypatch):
     monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)  # as on an sm90 GPU
     r = check(model, batch, precisions=["fp8-rowwise"], device="cpu")
     assert r["auto"]["mode"] == r["recommendation"]["precision"] == "fp8-rowwise", r["auto"]
+
+
+def test_check_with_the_auto_filter_recommends_no_fp8_when_nothing_pays():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 8))
+    batch = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu", fp8_filter="auto")
+    f = r["fp8"]
+    assert f["recommendation"]["precision"] == "bf16-mixed"
+    assert "under fp8_filter auto" in f["recommendation"]["reason"] and "roofline" in f["recommendation"]["reason"]
+    assert f["roofline"].startswith("on h100 at 8192 tokens per GEMM") and "fp8 would not pay" in f["roofline"]
+    assert f["recipes"]["fp8-rowwise"]["applies"] is False
+    assert r["recommendation"]["precision"] != "fp8-rowwise"
+    assert "roofline: on h100" in r.text()
+    # the default rule converts the middle layers as before, and still says what the roofline thinks
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu")
+    assert r["fp8"]["coverage"]["converted"] == 2 and "fp8 would not pay" in r["fp8"]["roofline"]

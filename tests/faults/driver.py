@@ -16,8 +16,10 @@ Faults:
   kill-before-rename      temp file complete and fsync'ed, SIGKILL before os.replace
   kill-after-rename       SIGKILL right after os.replace (before the directory fsync and pruning)
   kill-mid-prune          SIGKILL right after pruning deleted an old checkpoint
-  sigint-twice-mid-write  half the bytes written, then two SIGINTs (the second one stops at once)
+  sigint-twice-mid-write  half the bytes written, then two SIGINTs (the write finishes, then the run stops)
   enospc                  half the bytes written, then OSError(ENOSPC)
+  enospc-zip              the file's writes fail with ENOSPC after half the bytes, inside torch.save: torch's
+                          zip writer raises its RuntimeError ("unexpected pos") over the OSError
   readonly                creating the temp file fails with OSError(EROFS)
   metrics-enospc          writing a metrics.jsonl record fails with OSError(ENOSPC)
 """
@@ -33,7 +35,7 @@ import tempfile
 import torch
 
 FAULTS = ("none", "kill-mid-write", "kill-before-rename", "kill-after-rename", "kill-mid-prune",
-          "sigint-twice-mid-write", "enospc", "readonly", "metrics-enospc")
+          "sigint-twice-mid-write", "enospc", "enospc-zip", "readonly", "metrics-enospc")
 
 
 def _snapshot(ckpt_dir):
@@ -54,6 +56,22 @@ def _kill():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _FullDisk(io.RawIOBase):
+    """A file whose disk fills up after ``room`` bytes: later writes raise OSError(ENOSPC)."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        if len(b) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(b)
+        return self.f.write(b)
+
+
 def install(fault, nth, ckpt_dir):
     count = {"n": 0}
 
@@ -64,7 +82,8 @@ def install(fault, nth, ckpt_dir):
             return True
         return False
 
-    if fault in ("kill-mid-write", "sigint-twice-mid-write", "enospc", "kill-before-rename", "kill-after-rename"):
+    if fault in ("kill-mid-write", "sigint-twice-mid-write", "enospc", "enospc-zip", "kill-before-rename",
+                 "kill-after-rename"):
         real_save, real_replace = torch.save, os.replace
         state = {"armed": False}
 
@@ -76,6 +95,8 @@ def install(fault, nth, ckpt_dir):
                 return real_save(obj, f, *a, **kw)
             buf = io.BytesIO()
             real_save(obj, buf, *a, **kw)
+            if fault == "enospc-zip":
+                return real_save(obj, _FullDisk(f, len(buf.getvalue()) // 2), *a, **kw)
             f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
             f.flush()
             if fault == "kill-mid-write":
@@ -83,7 +104,7 @@ def install(fault, nth, ckpt_dir):
             if fault == "enospc":
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C raises KeyboardInterrupt here
+            os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C: the write goes on to its end
             f.write(buf.getvalue()[len(buf.getvalue()) // 2:])
 
         def replace(src, dst):

@@ -26,6 +26,8 @@ def _one_error_line(stderr):
 @pytest.mark.parametrize("fault,nth,needles", [
     ("enospc", 5, ["could not write checkpoint", "step-00000005.pt", "No space left on device",
                    "earlier checkpoints are intact"]),
+    ("enospc-zip", 5, ["could not write checkpoint", "step-00000005.pt", "No space left on device",
+                       "earlier checkpoints are intact"]),
     ("readonly", 5, ["could not write checkpoint", "step-00000005.pt", "Read-only file system"]),
     ("metrics-enospc", 9, ["No space left on device", "metrics.jsonl", "checkpoints already written are intact"]),
 ])

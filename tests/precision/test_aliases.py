@@ -55,3 +55,27 @@ def test_apex_opt_levels_agree_with_the_alias_table(level):
 def test_unknown_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match="Unknown precision 'bfloat17'.*bf16-mixed"):
         ampkit.Precision("bfloat17", "cpu")
+
+
+def test_an_unknown_name_offers_the_nearest_ones_not_every_alias():
+    with pytest.raises(ValueError) as e:
+        ampkit.Precision("fp8", "cpu")
+    text = str(e.value)
+    assert "did you mean fp8-tensorwise, fp8-rowwise, fp8-delayed?" in text
+    assert "mixed_float16" not in text and len(text) < 400  # the modes and a pointer to the alias table
+
+
+def test_half_is_float16s_other_name():
+    """torch.half is float16; like fp16/float16, a bare dtype name means autocast in it."""
+    assert resolve("half") == "fp16-mixed" == resolve("HALF")
+
+
+def test_a_loss_scale_with_auto_says_what_auto_chose():
+    """--precision auto --loss-scale 128: the refusal names auto's choice, not a mode the user never asked for."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError) as e:
+            ampkit.Precision("auto", "cpu", loss_scale=128)
+    text = str(e.value)
+    assert text.startswith("precision auto chose ") and "does not use loss scaling" in text, text
+    assert "precision='" not in text

@@ -116,3 +116,19 @@ def test_bad_forced_ratios_are_one_line(monkeypatch, bad):
     with pytest.raises(ValueError, match="names no CPU kind: use amx, .* or the measured ratios to fp32 "
                                          r"\(e.g. 'bf16=0.55,fp16=1.0'\)"):
         cap_mod.capability("cpu")
+
+
+def test_measure_again_replaces_the_cached_answer(monkeypatch, tmp_path):
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(CPU_CAPS_ENV, raising=False)
+    cap_mod._capability.cache_clear()
+    answers = iter([{"bf16": 0.5, "fp16": 0.1}, {"bf16": 2.0, "fp16": 0.1}])
+    monkeypatch.setattr(cap_mod, "_measure", lambda dev: cap_mod.Capability("cpu", next(answers), {}, {}, {},
+                                                                            "measured", "now"))
+    assert cap_mod.capability("cpu").ratio("bf16") == 0.5
+    assert cap_mod.measure_again("cpu").ratio("bf16") == 2.0
+    cap_mod._capability.cache_clear()  # another process reads the new answer from disk
+    assert cap_mod.capability("cpu").ratio("bf16") == 2.0 and cap_mod.capability("cpu").source == "cached"
+    monkeypatch.setenv(CPU_CAPS_ENV, "avx2")  # a forced answer is never measured
+    assert cap_mod.measure_again("cpu").source == f"forced by ${CPU_CAPS_ENV}"
+    cap_mod._capability.cache_clear()

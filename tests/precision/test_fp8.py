@@ -244,7 +244,8 @@ def _train(mode, steps=200, **kw):
 def test_gpt_trains_in_each_fp8_mode_within_3pct_of_bf16():
     ref = _train("bf16-mixed")
     assert ref < 0.8 * torch.log(torch.tensor(64.0))  # it learned something
-    for mode in ("fp8-tensorwise", "fp8-rowwise", "fp8-delayed"):
+    # mxfp8 (emulated): +0.7%, -2.5%, -0.8% on seeds 0-2, inside bf16's own seed spread (1.60-1.78): docs/FP8.md
+    for mode in ("fp8-tensorwise", "fp8-rowwise", "fp8-delayed", "mxfp8"):
         loss = _train(mode)
         assert abs(loss - ref) / ref < 0.03, (mode, loss, ref)
 

@@ -147,7 +147,7 @@ def test_aliases_resolve():
 
 
 def test_unknown_mode_lists_names():
-    with pytest.raises(ValueError, match=r"Unknown precision 'fp8'.*bf16-mixed.*O2|o2"):
+    with pytest.raises(ValueError, match=r"Unknown precision 'fp8'.*bf16-mixed.*O0-O3"):
         Precision("fp8", "cpu")
 
 
@@ -232,7 +232,7 @@ def test_describe_and_state_mismatch():
 
 def test_mode_table_complete():
     assert set(modes.MODES) == {"fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure",
-                                "fp8-tensorwise", "fp8-rowwise", "fp8-delayed"}
+                                "fp8-tensorwise", "fp8-rowwise", "fp8-delayed", "mxfp8"}
 
 
 def test_fp16_state_needs_a_larger_adam_eps():

@@ -14,7 +14,7 @@ EXPECTED = {
     "fp32": Fp32Precision, "fp16-mixed": AutocastPrecision, "bf16-mixed": AutocastPrecision,
     "fp16-master": MasterPrecision, "bf16-master": MasterPrecision, "bf16-pure": PurePrecision,
     "fp16-pure": PurePrecision, "fp8-tensorwise": Fp8Precision, "fp8-rowwise": Fp8Precision,
-    "fp8-delayed": Fp8Precision,
+    "fp8-delayed": Fp8Precision, "mxfp8": Fp8Precision,
 }
 
 

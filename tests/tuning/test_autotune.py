@@ -183,3 +183,37 @@ def test_a_tie_within_the_timing_noise_keeps_the_measured_favourite():
     assert TIE == 0.03
     assert spread([10, 10, 10, 10]) == 0 and spread([8, 10, 10, 12]) == pytest.approx(0.2)
     assert spread([1.0, 2.0]) == 0.0  # too few steps to say: the margin alone decides
+
+
+@pytest.mark.cpu_caps("amx")
+def test_refresh_times_again_whatever_the_cache_holds(monkeypatch, tmp_path):
+    """``--retune`` / ``refresh=True``: a cached verdict is measured again and replaced."""
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    from ampkit.tuning import autotune
+
+    calls = []
+    monkeypatch.setattr(autotune, "time_modes", lambda model, x, y, loss, modes, dev, **kw:
+                        calls.append(1) or {m: (1.0 if m == "fp32" else 2.0 + len(calls)) for m in modes})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    args = (model, torch.randn(4, 8), torch.randint(0, 2, (4,)), nn.functional.cross_entropy, "cpu")
+    first = autotune.fastest_mode(*args)
+    assert not first["cached"] and autotune.fastest_mode(*args)["cached"] and len(calls) == 1
+    again = autotune.fastest_mode(*args, refresh=True)
+    assert not again["cached"] and len(calls) == 2 and again["ms"] != first["ms"]
+    assert autotune.fastest_mode(*args)["ms"] == again["ms"]  # the cache holds the new timings
+
+
+def test_retune_is_a_flag_that_is_not_recorded(tmp_path):
+    """``ampkit train --retune`` re-measures for this run only: config.toml does not keep it (a resume or a
+    reload with --config reads the cache again)."""
+    import argparse
+
+    from ampkit.cli.train import _config_from_args, add_parser
+    from ampkit.train.report import recorded_config
+
+    p = argparse.ArgumentParser()
+    add_parser(p)
+    cfg, _ = _config_from_args(p.parse_args(["--retune", "--out", str(tmp_path / "r")]))
+    assert cfg.retune is True
+    assert recorded_config(cfg, ampkit.Precision("fp32", "cpu")).retune is False

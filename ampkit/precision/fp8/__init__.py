@@ -15,19 +15,22 @@ from torch import nn
 from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
 from .detect import gemm_kind, is_conv1d
 from .quant import amax, fake_quantise, quantise, saturates, scale_from_amax
-from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
+from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, MXFP8Scaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
                       recipe_for)
-from .swap import MIN_FLOP_SHARE, Fp8Filter, convert_to_fp8, coverage, coverage_warning, fp8_layers, plan, skip_label
+from .roofline import DEFAULT_GPU, GPUS, MIN_SPEEDUP, TOKENS, default_gpu, estimate, gpu_class
+from .swap import MIN_FLOP_SHARE, RULES, Fp8Filter, has_gemm, convert_to_fp8, coverage, coverage_warning, fp8_layers, plan, skip_label
 
 __all__ = [
-    "Fp8Plan", "DelayedScaling", "TensorwiseScaling", "RowwiseScaling", "RECIPES", "recipe_for", "Recipe",
+    "Fp8Plan", "DelayedScaling", "TensorwiseScaling", "RowwiseScaling", "MXFP8Scaling", "RECIPES", "recipe_for", "Recipe",
     "DelayedScalingLinear", "DelayedScalingConv1D", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers",
     "coverage", "coverage_warning", "MIN_FLOP_SHARE", "gemm_kind", "is_conv1d", "has_fp8_gemm",
     "E4M3", "E5M2", "fp8_max", "amax", "scale_from_amax", "quantise", "saturates", "fake_quantise",
-    "EMULATED_NOTE",
+    "EMULATED_NOTE", "RULES", "DEFAULT_RULE", "estimate", "gpu_class", "GPUS", "TOKENS", "MIN_SPEEDUP", "DEFAULT_GPU", "default_gpu",
 ]
 
 EMULATED_NOTE = "emulated: numerics only, not a speed claim"
+#: the ``fp8_filter`` a Precision uses when none is given (see docs/FP8.md for why it is not ``"auto"``)
+DEFAULT_RULE = "ends"
 
 
 class Fp8Plan:
@@ -39,22 +42,26 @@ class Fp8Plan:
     """
 
     def __init__(self, mode: str, recipe: Optional[Recipe] = None, skip: Sequence[str] = (),
-                 force: Sequence[str] = (), keep_ends: bool = True) -> None:
+                 force: Sequence[str] = (), keep_ends: bool = True, rule: Optional[str] = None,
+                 gpu: Optional[str] = None, tokens: Optional[int] = None) -> None:
         self.recipe = recipe_for(mode, recipe)
-        self.filter = Fp8Filter(tuple(skip or ()), tuple(force or ()), keep_ends)
+        self.filter = Fp8Filter(tuple(skip or ()), tuple(force or ()), keep_ends, rule or DEFAULT_RULE, gpu,
+                                TOKENS if tokens is None else tokens, mode)
         self.mode = mode
         self.layers: list = []
         self.emulated: Optional[bool] = None
         self.coverage: Optional[dict] = None
 
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
-        self.emulated = not has_fp8_gemm(device, self.recipe.rowwise)
+        self.emulated = not has_gemm(device, self.recipe)
         if self.emulated and torch.device(device).type == "cuda":
             warnings.warn("fp8: this GPU has no fp8 tensor cores for this recipe (compute capability 8.9+, 9.0+ for "
                           "row-wise): the fp8 GEMMs "
                           "are emulated (same numerics, slower than bf16-mixed). Use bf16-mixed for speed.",
                           stacklevel=3)
         if self.coverage is None:  # setup twice (resume, tune) warns once and swaps once
+            if self.filter.gpu is None:  # judged for this GPU's class; on a CPU for DEFAULT_GPU
+                self.filter = dataclasses.replace(self.filter, gpu=gpu_class(device) or default_gpu(self.mode))
             self.coverage = coverage(model, self.filter)
             note = coverage_warning(self.coverage, self.mode)
             if note:
@@ -69,7 +76,10 @@ class Fp8Plan:
         cov = self.coverage or {}
         return {"recipe": self.recipe.name, "layers_in_fp8": len(self.layers), "candidates": cov.get("candidates"),
                 "conv1d_in_fp8": cov.get("conv1d"), "flop_share": cov.get("flop_share"),
-                "skipped": dict(cov.get("skipped") or {}), "emulated": self.emulated}
+                "skipped": dict(cov.get("skipped") or {}), "emulated": self.emulated,
+                "converted": list(cov.get("layers") or []), "kept": dict(cov.get("kept") or {}),
+                "filter": self.filter.rule, "target_gpu": self.filter.target, "tokens": self.filter.tokens,
+                "roofline_converts": list(cov.get("roofline_converts") or [])}
 
     def state_dict(self) -> dict:
         """The recipe, so a resume can refuse another one (the amax histories live in the model's state_dict)."""
@@ -83,8 +93,11 @@ class Fp8Plan:
     def describe(self) -> str:
         r = self.recipe
         what = (f"delayed scaling (history {r.amax_history_len}, {r.amax_compute_algo}, margin {r.margin}, {r.format})"
-                if isinstance(r, DelayedScaling) else f"{r.name} current scaling (torchao)")
-        where = "" if self.emulated is None else (f"; {EMULATED_NOTE}" if self.emulated else "; torch._scaled_mm")
+                if isinstance(r, DelayedScaling) else "MXFP8 block scaling (E4M3, one E8M0 scale per 32; torchao MX)"
+                if isinstance(r, MXFP8Scaling) else f"{r.name} current scaling (torchao)")
+        where = "" if self.emulated is None else (f"; {EMULATED_NOTE}" if self.emulated else
+                                                  "; torchao MX kernels" if isinstance(r, MXFP8Scaling)
+                                                  else "; torch._scaled_mm")
         n = ""
         if self.emulated is not None:
             cov = self.coverage or {}
@@ -92,4 +105,15 @@ class Fp8Plan:
             extra = [f"{cov['flop_share']:.0%} of their FLOPs"] if cov.get("flop_share") is not None else []
             extra += [f"{c} {skip_label(why)} in bf16" for why, c in (cov.get("skipped") or {}).items()]
             n += f" ({'; '.join(extra)})" if extra else ""
+            n += f"; {self._target_note(cov)}"
         return f"fp8 {what}{n}{where}"
+
+    def _target_note(self, cov: dict) -> str:
+        """The filter and what the roofline says for the target GPU class (the run's own, or DEFAULT_GPU on a CPU)."""
+        f = self.filter
+        k, c = len(cov.get("roofline_converts") or []), cov.get("roofline_candidates", 0)
+        where = f"{f.target} at {f.tokens} tokens per GEMM" + (" (target class; this run is emulated)"
+                                                               if self.emulated else "")
+        if f.rule == "auto":
+            return f"fp8_filter auto: roofline on {where}"
+        return f"fp8_filter {f.rule}; the roofline on {where} would convert {k} of {c}"

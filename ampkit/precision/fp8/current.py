@@ -28,7 +28,7 @@ from torch import nn
 
 from .recipes import Recipe
 
-__all__ = ["import_torchao_float8", "convert_current", "current_classes", "FUNC_TRANSFORM_HINT"]
+__all__ = ["quiet_import", "import_torchao_float8", "convert_current", "current_classes", "FUNC_TRANSFORM_HINT"]
 
 log = logging.getLogger("ampkit.fp8")
 _NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
@@ -47,8 +47,11 @@ class _Collect(logging.Handler):
         self.records.append(record)
 
 
-def import_torchao_float8():
-    """``torchao.float8``, with its import-time loader messages redirected to the ``ampkit.fp8`` logger (DEBUG)."""
+def quiet_import(module: str, hint: str):
+    """``importlib.import_module(module)`` (a torchao module), its import-time loader messages redirected to the
+    ``ampkit.fp8`` logger (DEBUG); an ImportError says ``hint``."""
+    import importlib
+
     collect = _Collect()
     saved = []
     for name in _NOISY_LOGGERS:
@@ -59,18 +62,24 @@ def import_torchao_float8():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import torchao.float8 as float8
-            import torchao.float8.float8_linear  # noqa: F401 - Float8Linear and its matmul
+            mod = importlib.import_module(module)
     except ImportError as e:
-        raise ImportError("fp8-tensorwise and fp8-rowwise use torchao's float8 training: "
-                          "pip install 'ampkit[fp8]' (or pip install torchao), or use precision='fp8-delayed'.") from e
+        raise ImportError(hint) from e
     finally:
         for lg, handlers, propagate in saved:
             lg.handlers[:] = handlers
             lg.propagate = propagate
     for r in collect.records:
         log.debug("torchao import (%s): %s", r.name, r.getMessage())
-    return float8
+    return mod
+
+
+def import_torchao_float8():
+    """``torchao.float8``, with its import-time loader messages redirected to the ``ampkit.fp8`` logger (DEBUG)."""
+    hint = ("fp8-tensorwise and fp8-rowwise use torchao's float8 training: "
+            "pip install 'ampkit[fp8]' (or pip install torchao), or use precision='fp8-delayed'.")
+    quiet_import("torchao.float8.float8_linear", hint)  # Float8Linear and its matmul
+    return quiet_import("torchao.float8", hint)
 
 
 def _run(forward, x: torch.Tensor) -> torch.Tensor:

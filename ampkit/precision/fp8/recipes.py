@@ -1,6 +1,6 @@
 """FP8 recipes: how each tensor of a Linear is scaled into fp8, as frozen dataclasses checked on construction.
 
-Three recipes, one per fp8 mode:
+Four recipes, one per fp8 mode:
 
 * :class:`TensorwiseScaling` (``fp8-tensorwise``): current scaling, one scale per tensor from
   this step's amax (torchao's ``tensorwise`` recipe);
@@ -8,7 +8,9 @@ Three recipes, one per fp8 mode:
   contraction dimension (torchao's ``rowwise``): an outlier token only costs its own row;
 * :class:`DelayedScaling` (``fp8-delayed``): Transformer Engine's recipe, the scale taken from a
   history of past amaxes (``max`` or ``most_recent`` of the last ``amax_history_len`` steps),
-  divided by ``2**margin``; ``HYBRID`` = E4M3 forward (input, weight), E5M2 backward (grad-output).
+  divided by ``2**margin``; ``HYBRID`` = E4M3 forward (input, weight), E5M2 backward (grad-output);
+* :class:`MXFP8Scaling` (``mxfp8``): block scaling, one E8M0 (power-of-two) scale per 32 elements
+  (torchao's MX training; real on sm100+, emulated with the same casts elsewhere).
 
 All three quantise input and weight to E4M3; grad-output is E4M3 in torchao's recipes and E5M2
 under ``HYBRID`` (``format="E4M3"`` makes delayed use E4M3 everywhere, as TE allows).
@@ -20,7 +22,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["E4M3", "E5M2", "fp8_max", "TensorwiseScaling", "RowwiseScaling", "DelayedScaling", "Recipe",
+__all__ = ["E4M3", "E5M2", "fp8_max", "TensorwiseScaling", "RowwiseScaling", "DelayedScaling", "MXFP8Scaling", "Recipe",
            "recipe_for", "RECIPES"]
 
 E4M3 = torch.float8_e4m3fn
@@ -90,8 +92,20 @@ class DelayedScaling:
         return {"input": E4M3, "weight": E4M3, "grad_output": E5M2 if self.format == "HYBRID" else E4M3}
 
 
-Recipe = Union[TensorwiseScaling, RowwiseScaling, DelayedScaling]
-RECIPES = {"fp8-tensorwise": TensorwiseScaling, "fp8-rowwise": RowwiseScaling, "fp8-delayed": DelayedScaling}
+@dataclass(frozen=True)
+class MXFP8Scaling(_CurrentScaling):
+    """MXFP8 (OCP MX): E4M3 elements, one power-of-two E8M0 scale per 32 elements along each GEMM's
+    contraction dim, RCEIL scale rounding (torchao's MX training recipe ``mxfp8_rceil``)."""
+
+    name = "mxfp8"
+    mode = "mxfp8"
+    rowwise = True  # scales along the contraction dim, per block
+    block = 32
+
+
+Recipe = Union[TensorwiseScaling, RowwiseScaling, DelayedScaling, MXFP8Scaling]
+RECIPES = {"fp8-tensorwise": TensorwiseScaling, "fp8-rowwise": RowwiseScaling, "fp8-delayed": DelayedScaling,
+           "mxfp8": MXFP8Scaling}
 
 
 def recipe_for(mode: str, recipe: Recipe = None) -> Recipe:

@@ -23,22 +23,33 @@ from torch import nn
 from .current import convert_current
 from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
 from .detect import gemm_dims, gemm_kind
-from .recipes import DelayedScaling, Recipe
+from .mx import convert_mx, has_mx_gemm
+from .recipes import DelayedScaling, MXFP8Scaling, Recipe
+from .roofline import GPUS, TOKENS, default_gpu, estimate
 
-__all__ = ["skip_label", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers", "coverage", "coverage_warning", "MIN_FLOP_SHARE"]
+__all__ = ["skip_label", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers", "coverage", "coverage_warning", "MIN_FLOP_SHARE",
+           "RULES", "has_gemm"]
 
 #: below this share of the Linear/Conv1D FLOPs in fp8, ``setup`` warns that the run is mostly bf16
 MIN_FLOP_SHARE = 0.5
 
 #: why a candidate stays in bf16 (the keys of ``coverage()["skipped"]``)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-DIMS, ENDS, NAMED = "dims not multiples of 16", "first/last layer", "named in fp8_skip"
-_LABEL = {DIMS: "with dims not multiples of 16", ENDS: "first/last", NAMED: "named in fp8_skip"}
+DIMS, ENDS, NAMED, SLOW = "dims not multiples of 16", "first/last layer", "named in fp8_skip", "roofline"
+_LABEL = {DIMS: "with dims not multiples of 16", ENDS: "first/last", NAMED: "named in fp8_skip",
+          SLOW: "too small to gain (roofline)"}
+#: ``fp8_filter`` values: the first/last + dims rule, that plus the per-layer roofline, every layer whose dims fit
+RULES = ("ends", "auto", "all")
 
 
 def skip_label(why: str) -> str:
     """How a ``coverage()["skipped"]`` key reads after its count ("2 first/last")."""
     return _LABEL.get(why, why)
+
+
+def has_gemm(device, recipe: Recipe) -> bool:
+    """Whether ``device`` runs ``recipe``'s GEMMs on tensor cores (else they are emulated)."""
+    return has_mx_gemm(device) if isinstance(recipe, MXFP8Scaling) else has_fp8_gemm(device, recipe.rowwise)
 
 
 def _under(name: str, prefixes: Sequence[str]) -> bool:
@@ -52,14 +63,37 @@ def is_fp8_module(m: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class Fp8Filter:
-    """``skip``: layer names (or parents) kept in bf16; ``force``: converted even if first/last;
-    ``keep_ends``: keep the first and last Linear/Conv1D in bf16 (default True)."""
+    """``skip``: layer names (or parents) kept in bf16; ``force``: converted even if first/last or too small;
+    ``keep_ends``: keep the first and last Linear/Conv1D in bf16 (default True).
+
+    ``rule``: ``"ends"`` (dims multiples of 16, not first/last), ``"auto"`` (that, and the layer's
+    roofline on ``gpu`` at ``tokens`` tokens per GEMM predicts at least :data:`.roofline.MIN_SPEEDUP` for
+    ``recipe``), ``"all"`` (every layer whose dims are multiples of 16); ``gpu`` None: :func:`.roofline.default_gpu`.
+    """
 
     skip: Tuple[str, ...] = ()
     force: Tuple[str, ...] = ()
     keep_ends: bool = True
+    rule: str = "ends"
+    gpu: Optional[str] = None
+    tokens: int = TOKENS
+    recipe: str = "fp8-tensorwise"
+
+    @property
+    def target(self) -> str:
+        """The GPU class the roofline judges for."""
+        return self.gpu or default_gpu(self.recipe)
 
     def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"fp8_filter={self.rule!r} is not a filter: use 'auto' (roofline per layer), 'ends' "
+                             "(dims multiples of 16, not first/last) or 'all'.")
+        if self.gpu is not None and self.gpu not in GPUS:
+            raise ValueError(f"fp8_gpu={self.gpu!r} is not a GPU class the roofline knows: use one of "
+                             f"{', '.join(GPUS)}.")
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+            raise ValueError(f"fp8_tokens must be a positive int (tokens per GEMM: batch x sequence, e.g. 8192), "
+                             f"got {self.tokens!r}.")
         for field in ("skip", "force"):
             v = getattr(self, field)
             if isinstance(v, str) or not all(isinstance(n, str) and n for n in v):
@@ -89,17 +123,22 @@ def _decide(model: nn.Module, filt: Fp8Filter) -> List[Dict[str, Any]]:
             if kind is not None:
                 rows.append({"name": name, "kind": kind, "dims": gemm_dims(m, kind), "why": None})
     filt.check_names(model, [r["name"] for r in rows])
-    ends = {rows[0]["name"], rows[-1]["name"]} if rows and filt.keep_ends else set()
+    ends = {rows[0]["name"], rows[-1]["name"]} if rows and filt.keep_ends and filt.rule != "all" else set()
     for r in rows:
         if r["why"] is not None:
             continue
         i, o = r["dims"]
-        if i % 16 or o % 16:
+        forced = _under(r["name"], filt.force)
+        r["roofline"] = estimate(i, o, filt.recipe, filt.target, filt.tokens)
+        r["mult"] = mult = 32 if filt.recipe == "mxfp8" else 16  # MX scales blocks of 32 along each contraction dim
+        if i % mult or o % mult:
             r["why"] = DIMS
         elif _under(r["name"], filt.skip):
             r["why"] = NAMED
-        elif r["name"] in ends and not _under(r["name"], filt.force):
+        elif r["name"] in ends and not forced:
             r["why"] = ENDS
+        elif filt.rule == "auto" and not forced and not r["roofline"]["pays"]:
+            r["why"] = SLOW
         else:
             r["why"] = "fp8"
     return rows
@@ -107,7 +146,9 @@ def _decide(model: nn.Module, filt: Fp8Filter) -> List[Dict[str, Any]]:
 
 def _text(r: Dict[str, Any]) -> str:
     what = "Conv1D" if r["kind"] == "conv1d" else "Linear"
-    return {"fp8": "fp8", DIMS: f"bf16: dims {r['dims'][0]}x{r['dims'][1]} not multiples of 16",
+    if r["why"] == SLOW:
+        return f"bf16: {r['roofline']['why']}"
+    return {"fp8": "fp8", DIMS: f"bf16: dims {r['dims'][0]}x{r['dims'][1]} not multiples of {r.get('mult', 16)}",
             NAMED: "bf16: kept by name", ENDS: f"bf16: first/last {what} (force it by name to convert)"}[r["why"]]
 
 
@@ -137,6 +178,11 @@ def coverage(model: nn.Module, filt: Fp8Filter = Fp8Filter()) -> Dict[str, Any]:
         "kept": {r["name"]: _text(r)[6:] for r in rows if r["why"] != "fp8"},
         "sizes": size,
         "convolutions": sum(isinstance(m, _CONVS) for m in model.modules()),
+        "layers": [r["name"] for r in done],
+        "rule": filt.rule, "gpu": filt.target, "tokens": filt.tokens,
+        # what the roofline alone would convert on the target GPU (dims fit, not first/last or named)
+        "roofline_converts": [r["name"] for r in rows if r["why"] in ("fp8", SLOW) and r.get("roofline", {}).get("pays")],
+        "roofline_candidates": sum(r["why"] in ("fp8", SLOW) for r in rows),
     }
 
 
@@ -150,12 +196,16 @@ def coverage_warning(cov: Dict[str, Any], mode: str) -> Optional[str]:
     share = cov["flop_share"] or 0.0
     if cov["converted"] and share >= MIN_FLOP_SHARE:
         return None
-    why = ", ".join(f"{n} {_LABEL[k]}" for k, n in cov["skipped"].items())
+    mult = "32" if mode == "mxfp8" else "16"  # MX scales blocks of 32
+    why = ", ".join(f"{n} {_LABEL[k].replace('16', mult)}" for k, n in cov["skipped"].items())
     fix = []
     if ENDS in cov["skipped"]:
         fix.append("fp8_force=[names] converts first/last layers")
     if DIMS in cov["skipped"]:
-        fix.append("fp8 needs both dims multiples of 16")
+        fix.append(f"{mode} needs both dims multiples of {mult}")
+    if SLOW in cov["skipped"]:
+        fix.append(f"on {cov['gpu']} at {cov['tokens']} tokens per GEMM these layers run faster in bf16 "
+                   "(fp8_filter='all' converts them anyway; fp8_tokens= states your batch x sequence)")
     fix.append("precision='bf16-mixed' runs the same without fp8")
     if not cov["converted"]:
         head = f"{mode}: no layer runs in fp8, so this run is bf16-mixed"
@@ -178,7 +228,9 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Fp8Filter = Fp8Filter
     chosen = {r["name"]: r["kind"] for r in _decide(model, filt) if r["why"] == "fp8"}
     chosen = {n: k for n, k in chosen.items() if not is_fp8_module(model.get_submodule(n))}
     dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
-    emulate = not has_fp8_gemm(dev, recipe.rowwise)
+    emulate = not has_gemm(dev, recipe)
+    if isinstance(recipe, MXFP8Scaling):
+        return convert_mx(model, chosen, emulate)
     if not isinstance(recipe, DelayedScaling):
         return convert_current(model, recipe, chosen, emulate)
     for name, kind in chosen.items():

@@ -1,5 +1,6 @@
 """fp8-tensorwise / -rowwise / -delayed: bf16 autocast plus Linears swapped to fp8 GEMMs (``Fp8Plan``);
-the kind owns the ``fp8_recipe`` / ``fp8_skip`` / ``fp8_force`` options."""
+the kind owns the ``fp8_recipe`` / ``fp8_skip`` / ``fp8_force`` / ``fp8_filter`` / ``fp8_gpu`` / ``fp8_tokens``
+options."""
 from __future__ import annotations
 
 from typing import Any, Dict, FrozenSet, List
@@ -22,14 +23,15 @@ class Fp8Precision(AutocastPrecision):
     @classmethod
     def refusal(cls, group: str, mode: Any, options: PrecisionOptions) -> str:
         return (f"fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only (got {mode.name!r}): "
-                "drop them, or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
+                "drop them (fp8_filter/fp8_gpu/fp8_tokens too), or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
 
     def own_options(self) -> FrozenSet[str]:
         return super().own_options() | {"fp8"}
 
     def take_options(self, options: PrecisionOptions) -> None:
         """The fp8 plan: the recipe (checked against the mode), the Linears kept in bf16 or forced."""
-        self.fp8 = Fp8Plan(self.name, options.fp8_recipe, options.fp8_skip, options.fp8_force)
+        self.fp8 = Fp8Plan(self.name, options.fp8_recipe, options.fp8_skip, options.fp8_force,
+                           rule=options.fp8_filter, gpu=options.fp8_gpu, tokens=options.fp8_tokens)
 
     def _convert(self, model, optimizer):
         model, optimizer = super()._convert(model, optimizer)

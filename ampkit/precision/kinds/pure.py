@@ -44,6 +44,8 @@ class PurePrecision(CastParams):
         if not self.mode.compensated:  # the compensated optimizers replace torch's (fused or not)
             model, optimizer = super()._convert(model, optimizer)
         self._cast(model)
+        if not self.mode.compensated and optimizer is not None:
+            _state_like_params(optimizer)
         return model, optimizer
 
     def _with_state(self, optimizer):
@@ -78,3 +80,16 @@ class PurePrecision(CastParams):
                          {None: "Kahan compensation", "kahan": "Kahan compensation",
                           "stochastic": "stochastic rounding"}[self.compensation])
         return extra
+
+
+def _state_like_params(optimizer) -> None:
+    """State loaded before ``setup()`` (nanoGPT's resume order) was cast to the fp32 params it was loaded
+    into; once the params are 16-bit, their moments follow them, as ``optimizer.load_state_dict`` casts
+    state to its params' dtype (exact: the moments were saved in that dtype). ``step`` counters stay."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            for key, value in (state or {}).items():
+                if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
+                        and value.dtype != p.dtype and value.shape == p.shape):
+                    state[key] = value.to(p.dtype)

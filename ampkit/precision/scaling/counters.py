@@ -17,6 +17,8 @@ from .step_result import HostCopy
 
 __all__ = ["SkipCounters", "STATE_KEYS"]
 
+_HUGE_SCALE = 2.0**40  # far above dynamic scaling's 65536 start and its usual range
+
 # the counters' keys in LossScaler.state_dict(), in checkpoint order (docs/CHECKPOINTS.md)
 STATE_KEYS = ("optimizer_steps", "skipped_steps", "consecutive_skips", "last_skip_step", "iterations")
 SKIPPED, CONSECUTIVE, LAST_SKIP, ITERATIONS = range(4)
@@ -39,6 +41,8 @@ class SkipCounters:
         self.optimizers: Dict[int, torch.optim.Optimizer] = {}
         # set by ``compile_step``: it checks the limit before its compiled call, so its graph has no break
         self.checked_outside_graph = False
+        # the mode's 16-bit type (None: an fp32 run), set by the Precision: the advice fits the run
+        self.low_dtype: Optional[torch.dtype] = None
         self._device: Optional[torch.Tensor] = None
         self._host = [0, 0, -1, 0]
         self._pending: Optional[HostCopy] = None
@@ -134,11 +138,21 @@ class SkipCounters:
         """The limit's error: how long, the scale now, which gradients are non-finite, what to do."""
         bad = nonfinite_param_names(self.optimizers.values(), self.names)
         names = ", ".join(bad[:10]) + (f" (+{len(bad) - 10} more)" if len(bad) > 10 else "")
+        fixes = []
+        if scale > _HUGE_SCALE:  # the scale itself overflows the scaled loss and gradients
+            fixes.append(f"the loss scale {scale:g} is itself the likely cause (a static --loss-scale or an "
+                         "--init-scale that large overflows the scaled loss): use dynamic scaling from the default "
+                         "65536 (leave --loss-scale and --init-scale out)")
+        fixes.append("lower the learning rate")
+        if self.low_dtype is not None:  # a 16-bit mode: what stays in fp32 and which 16-bit type are choices
+            fixes.append("keep the named modules in fp32 (fp32_modules=...)")
+        if self.low_dtype == torch.float16:
+            fixes.append("switch to bf16 (fp16's range is what overflows)")
         return (
             f"Gradients were non-finite for {consecutive} consecutive steps "
             f"(scale now {scale:g}); non-finite gradients in: {names or 'unknown parameters'}. "
-            "Lower the learning rate, keep the named modules in fp32 (fp32_modules=...), switch to bf16, "
-            "or run `ampkit check` to find the first layer that overflows."
+            + "; ".join(fixes)[:1].upper() + "; ".join(fixes)[1:]
+            + "; or run `ampkit check` to find the first layer that overflows."
         )
 
     # ------------------------------------------------------------------ state
