@@ -107,13 +107,11 @@ def param_count(n: int) -> str:
     return f"{n:,} params" if n < 1_000_000 else f"{n / 1e6:.1f}M params"
 
 
-def _run(args) -> int:
+def _checked(args):
+    """The options checked: (strategy, budget or None, device, whether a CUDA target is planned without one)."""
     import torch
 
-    from ..data import load_data
-    from ..memory import available_memory, format_bytes, parse_bytes, plan
-    from ..models import build_model
-    from ..precision import Precision
+    from ..memory import parse_bytes
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
@@ -127,12 +125,24 @@ def _run(args) -> int:
         raise ValueError(f"--strategy {args.strategy} plans one rank of several: add --world-size N (N > 1).")
     strategy = args.strategy or ("ddp" if args.world_size > 1 else None)
     budget = parse_bytes(args.memory) if args.memory else None
-    modes = _modes(args.precision)
     device = _target_device(args.device)
     remote = device.type == "cuda" and not torch.cuda.is_available()
     if remote and budget is None:
         raise ValueError(f"--device {args.device} is planned here without a GPU: give the target's memory with "
                          "--memory, e.g. --memory 80GB.")
+    return strategy, budget, device, remote
+
+
+def _run(args) -> int:
+    import torch
+
+    from ..data import load_data
+    from ..memory import available_memory, format_bytes, plan
+    from ..models import build_model
+    from ..precision import Precision
+
+    strategy, budget, device, remote = _checked(args)
+    modes = _modes(args.precision)
     data = load_data(args.data)
     spec = args.model or data.default_model
     if not spec:

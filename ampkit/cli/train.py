@@ -58,9 +58,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int)
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     g.add_argument("--batch-size", type=_batch_size, help="samples per micro-batch, or auto: the largest that "
-                   "`ampkit plan` finds fits the device's free memory (under torchrun: per rank, this rank's share) "
-                   "less a 10%% margin (at most 4096, and at most the training set / 16: an epoch keeps 16 "
-                   "optimizer steps)")
+                   "`ampkit plan` finds fits the free memory (torchrun: this rank's share) less a 10%% margin (at "
+                   "most 4096, and the training set / 16: an epoch keeps 16 optimizer steps)")
     g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     g.add_argument("--max-norm", type=float, help="clip the gradient norm to this value")
     g.add_argument("--lr", type=float)
