@@ -12,6 +12,7 @@ from typing import List
 from . import UsageError
 
 _LABELS = {"weights": "weights", "grads": "gradients", "master_weights": "fp32 masters",
+           "compute_copies": "16-bit compute copies",
            "optimizer_state": "optimizer state", "compensation": "Kahan buffers",
            "unsharded": "all-gathered params", "activations": "activations", "temporaries": "temporaries",
            "workspace": "kernel workspace", "fp8_casts": "fp8 casts", "comm_buffers": "comm buffers",

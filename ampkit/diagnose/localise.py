@@ -56,7 +56,7 @@ def _resolve_precision(precision, model: nn.Module, loss_scale: Optional[float])
     mode = MODES[name]
     scale = float(loss_scale) if loss_scale is not None else (2.0**16 if mode.scaled else 1.0)
     params_fp32 = all(p.dtype == torch.float32 for p in model.parameters())
-    if mode.param_dtype != torch.float32 and params_fp32:
+    if mode.kind in ("master", "pure") and params_fp32:  # 16-bit weights: cast in place or as compute copies
         import warnings
 
         with warnings.catch_warnings():

@@ -20,8 +20,8 @@ from .trace import trace_step
 __all__ = ["MemoryPlan", "BatchChoice", "plan", "auto_batch_size", "ORDER"]
 
 #: breakdown keys in the order tables print them
-ORDER = ("weights", "grads", "master_weights", "optimizer_state", "compensation", "unsharded", "activations",
-         "temporaries", "workspace", "fp8_casts", "comm_buffers", "ddp_buckets", "inputs", "other")
+ORDER = ("weights", "grads", "master_weights", "compute_copies", "optimizer_state", "compensation", "unsharded",
+         "activations", "temporaries", "workspace", "fp8_casts", "comm_buffers", "ddp_buckets", "inputs", "other")
 
 DEFAULT_MARGIN = 0.1
 DEFAULT_CAP = 4096

@@ -3,7 +3,8 @@
 ``trace_step`` copies the model with fake parameters (the user's model is not touched; a model built on
 the meta device, ``with torch.device("meta"): model = ...``, works the same and may be far larger than
 this machine's memory), builds the optimizer as ``ampkit train`` does, runs ``Precision.setup`` (the
-mode's conversion: 16-bit params, fp32 masters, the compensated optimizer, fp8 module swaps) and two
+mode's conversion: 16-bit params, the master modes' fp32 params and their 16-bit compute copies, the
+compensated optimizer, fp8 module swaps) and two
 steps of forward under ``precision.autocast()``, loss, ``precision.backward``, ``precision.step`` and
 ``zero_grad(set_to_none=True)``, counting live storage bytes (``LiveBytes``). Two steps: the optimizer
 creates its state in the first, so the second is the steady state every later step repeats.
@@ -20,6 +21,7 @@ from torch import nn
 from ..diagnose.runner import default_loss
 from ..optim.master import MasterWeightOptimizer
 from ..precision import Precision
+from ..precision.convert import ComputeCopies
 from ..utils.batch import batch_size_of, batch_target, call_model
 from ..utils.tree import iter_tensors, map_tensors
 from .ranks import check_strategy, ddp_bucket_bytes, fake_group, fsdp_storage_counted, shard_fake
@@ -194,6 +196,7 @@ def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[st
         model, opt = prec.setup(model, opt)
     model.train()
     _tag_state(live, model, opt)
+    _tag_compute_copies(live, model)
     runner = wrap(model) if wrap is not None else model
     for _ in range(steps):
         live.phase = "forward"
@@ -212,8 +215,29 @@ def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[st
     return model, opt
 
 
+class _TagCopies:
+    """Forward pre-hook run after ``ComputeCopies``: tags the module's 16-bit compute copies."""
+
+    def __init__(self, live, names) -> None:
+        self.live, self.names = live, names
+
+    def __call__(self, module: nn.Module, args) -> None:
+        self.live.track_all((module.__dict__[k] for k in self.names if k in module.__dict__), "compute_copies")
+
+
+def _tag_compute_copies(live, model: nn.Module) -> None:
+    """The master modes' per-forward 16-bit copies of the fp32 params get their own category."""
+    if isinstance(live, _NoTracker):
+        return
+    for module in model.modules():
+        copies = [h for h in module._forward_pre_hooks.values() if isinstance(h, ComputeCopies)]
+        if copies:
+            module.register_forward_pre_hook(_TagCopies(live, copies[0].params + copies[0].buffers))
+
+
 def _tag_state(live: LiveBytes, model: nn.Module, opt) -> None:
-    """Tag the storages that make up training state (after setup, and after each step before zero_grad)."""
+    """Tag the storages that make up training state (after setup, and after each step before zero_grad): the
+    model's params are ``weights`` (in the master modes the fp32 masters themselves)."""
     live.track_all(model.parameters(), "weights")
     live.track_all(model.buffers(), "weights")
     if isinstance(opt, MasterWeightOptimizer):

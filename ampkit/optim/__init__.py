@@ -1,6 +1,7 @@
 """Optimizers for 16-bit weights: fp32 master weights, or updates that survive 16-bit weights without them.
 
-* :class:`MasterWeightOptimizer`: fp32 master copies around any torch optimizer (``*-master`` modes).
+* :class:`MasterWeightOptimizer`: fp32 master copies around any torch optimizer over a 16-bit model (apex's
+  O2 and ``FP16_Optimizer``; the ``*-master`` modes keep the masters as the model's parameters).
 
 * :class:`AdamW`, :class:`Adam`, :class:`SGD`: torch's update rules (foreach), with
   ``compensation="kahan"`` (a 16-bit buffer per param, default), ``"stochastic"`` (stochastic

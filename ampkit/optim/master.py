@@ -1,5 +1,8 @@
 """fp32 master weights for fp16/bf16 models (apex O2 / FP16_Optimizer semantics).
 
+For a user's own 16-bit model (``model.half()``) and apex's layouts; ampkit's fp16/bf16-master modes keep
+the masters as the model's own fp32 parameters instead (``ampkit.precision.convert.ComputeCopies``).
+
 The model keeps its fp16/bf16 parameters for forward and backward. The wrapper owns fp32
 copies ("masters") and hands *them* to the inner optimizer, so any torch optimizer (param
 groups, fused AdamW on CPU, LR schedulers) steps in fp32. Per step:

@@ -11,7 +11,7 @@ hook casts the output back to the 16-bit dtype, so forward works unchanged.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -21,7 +21,8 @@ from .islands import apply_fp32_islands
 from .keep_fp32 import Fp32Plan, fp32_plan
 from .norms import NORM_TYPES, is_norm, is_torch_norm
 
-__all__ = ["NORM_TYPES", "is_norm", "convert_model", "cast_floating", "hook_io"]
+__all__ = ["NORM_TYPES", "is_norm", "convert_model", "cast_floating", "hook_io", "ComputeCopies",
+           "DropComputeCopies", "CastInputs", "CastOutput"]
 
 
 def _needs_input_cast(module: nn.Module, device: torch.device) -> bool:
@@ -32,19 +33,13 @@ def _needs_input_cast(module: nn.Module, device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _make_norm_post_hook(dtype: torch.dtype):
-    def hook(module, args, output):
-        return cast_floating(output, dtype)
-
-    return hook
-
-
 def convert_model(
     model: nn.Module,
     dtype: torch.dtype,
     keep_norm_fp32: bool = True,
     skip: Iterable[str] = (),
     plan: Optional[Fp32Plan] = None,
+    compute_copies: bool = False,
 ) -> nn.Module:
     """Cast ``model``'s floating params and buffers to ``dtype`` in place and return it.
 
@@ -52,54 +47,170 @@ def convert_model(
     Hugging Face model lists in ``_keep_in_fp32_modules`` (see ``keep_fp32``). Modules named in
     ``skip`` (and their children) stay fp32 too. ``plan``: ``fp32_plan(model, dtype, keep_norm_fp32,
     skip)`` when already made. Parameter objects keep their identity, so optimizers built before the
-    call still hold them.
+    call still hold them. ``compute_copies``: the tensors stay fp32 in storage and each forward computes
+    with their ``dtype`` casts (:class:`ComputeCopies`: the master modes, whose fp32 weights are the
+    model's own); otherwise they are cast in place (the pure modes, a user's ``model.half()``).
     """
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"convert_model casts to float16, bfloat16 or float32, not {dtype}.")
     if plan is None:
         plan = fp32_plan(model, dtype, keep_norm_fp32, skip)
     fp32_roots = tuple(skip) + tuple(plan.islands)
+    tied = _TiedCopies.of(model) if compute_copies and not getattr(model, "_ampkit_compute_copies", False) else None
     for name, module in model.named_modules():
         if any(name == s or name.startswith(s + ".") for s in fp32_roots if s):
             continue
         keep = name in plan.norms
         target = torch.float32 if keep else dtype
-        for tensors in (module._parameters, module._buffers):
-            for key, t in tensors.items():
+        copied = {"_parameters": [], "_buffers": []}
+        for attr in copied:
+            for key, t in getattr(module, attr).items():
                 want = torch.float32 if f"{name}.{key}".lstrip(".") in plan.tensors else target
-                if t is not None and t.is_floating_point() and t.dtype != want:
-                    t.data = t.data.to(want)
-                    if getattr(t, "grad", None) is not None:
-                        t.grad = None
+                if t is None or not t.is_floating_point() or t.dtype == want:
+                    continue
+                if compute_copies:  # stored as they are (fp32), cast for each forward
+                    copied[attr].append(key)
+                    continue
+                t.data = t.data.to(want)
+                if getattr(t, "grad", None) is not None:
+                    t.grad = None
+        if (copied["_parameters"] or copied["_buffers"]) and not getattr(module, "_ampkit_compute_copies", False):
+            shared = [k for k in copied["_parameters"] if tied is not None and id(module._parameters[k]) in tied.ids]
+            module.register_forward_pre_hook(ComputeCopies(dtype, copied["_parameters"], copied["_buffers"],
+                                                           tied if shared else None, shared))
+            module.register_forward_hook(DropComputeCopies(copied["_parameters"], copied["_buffers"]),
+                                         always_call=True)
+            module._ampkit_compute_copies = True
         if keep and dtype != torch.float32 and not getattr(module, "_ampkit_norm_hooked", False):
             device = next((t.device for t in module.parameters()), torch.device("cpu"))
             if _needs_input_cast(module, device):
-                module.register_forward_pre_hook(_make_cast_input_hook(torch.float32), with_kwargs=True)
-                module.register_forward_hook(_make_norm_post_hook(dtype))
+                module.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True)
+                module.register_forward_hook(CastOutput(dtype))
             module._ampkit_norm_hooked = True
     if plan.islands and dtype != torch.float32:
         apply_fp32_islands(model, list(plan.islands), output_dtype=dtype)
     return model
 
 
-def _cast_output_hook(module, args, output):
-    return cast_floating(output, torch.float32)
+class _TiedCopies:
+    """One compute copy per forward of the model for a parameter several modules use (tied embeddings): the
+    model's forward pre-hook opens the scope, its forward hook (always called) closes it; inside it the first
+    module casts and the others reuse that copy, so backward sums the uses' 16-bit gradients on the one copy
+    and casts once to fp32 (a cast per use would hold an fp32 temporary per use). Outside the scope
+    (activation checkpointing's recompute, a submodule called on its own) each module casts for itself."""
+
+    def __init__(self, ids) -> None:
+        self.ids = frozenset(ids)  # consulted at setup only (ids do not survive pickling)
+        self.copies: dict = {}
+        self.active = False
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Optional["_TiedCopies"]:
+        seen, ids = {}, set()
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    if seen.get(id(p), module) is not module:
+                        ids.add(id(p))
+                    seen[id(p)] = module
+        if not ids:
+            return None
+        tied = cls(ids)
+        model.register_forward_pre_hook(tied.open)
+        model.register_forward_hook(tied.close, always_call=True)
+        return tied
+
+    def open(self, module: nn.Module, args: Any) -> None:
+        self.copies.clear()
+        self.active = True
+
+    def close(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.copies.clear()
+        self.active = False
+
+    def __getstate__(self):
+        return {"ids": frozenset(), "copies": {}, "active": False}
 
 
-def _make_cast_input_hook(dtype: torch.dtype):
-    def hook(module, args, kwargs):
-        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+class ComputeCopies:
+    """Forward pre-hook: the module's named parameters and buffers (stored in fp32) shadowed by their casts
+    to ``dtype`` for this call (an instance attribute wins over ``_parameters``/``_buffers`` in attribute
+    lookup), so the forward computes in 16 bits while ``parameters()``, ``state_dict()`` and every optimizer
+    see the fp32 tensors. The cast is part of the autograd graph: the gradient reaches the fp32 parameter
+    as fp32 (accumulating there in fp32); a 16-bit copy lives as long as autograd saves it for backward.
+    As FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does for its all-gathered parameters."""
 
-    return hook
+    def __init__(self, dtype: torch.dtype, params: List[str], buffers: List[str],
+                 tied: Optional[_TiedCopies] = None, shared: Iterable[str] = ()) -> None:
+        self.dtype, self.params, self.buffers = dtype, tuple(params), tuple(buffers)
+        self.tied, self.shared = tied, frozenset(shared)  # parameters other modules use too
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        shadow = module.__dict__
+        tied = self.tied if self.tied is not None and self.tied.active else None
+        for key in self.params:
+            p = module._parameters[key]
+            if p is None:
+                continue
+            if tied is not None and key in self.shared:
+                held = tied.copies.get(id(p))
+                if held is None or held[0] is not p:
+                    held = tied.copies[id(p)] = (p, p.to(self.dtype))
+                shadow[key] = held[1]
+            else:
+                shadow[key] = p.to(self.dtype)
+        for key in self.buffers:
+            b = module._buffers[key]
+            if b is not None:
+                shadow[key] = b.to(self.dtype)
+
+
+class DropComputeCopies:
+    """Forward hook (always called): the compute copies of :class:`ComputeCopies` removed from the module
+    (autograd keeps those backward needs); a buffer the forward changed in place is written back to fp32."""
+
+    def __init__(self, params: List[str], buffers: List[str]) -> None:
+        self.params, self.buffers = tuple(params), tuple(buffers)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        shadow = module.__dict__
+        for key in self.params:
+            shadow.pop(key, None)
+        for key in self.buffers:
+            copy = shadow.pop(key, None)
+            if copy is not None and copy._version and not torch.compiler.is_compiling():
+                with torch.no_grad():
+                    module._buffers[key].copy_(copy)
+
+
+class CastInputs:
+    """Forward pre-hook (``with_kwargs=True``): floating inputs cast to ``dtype`` (a module-level class,
+    so a model carrying it pickles with ``torch.save(model)``)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any):
+        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+
+
+class CastOutput:
+    """Forward hook: floating outputs cast to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return cast_floating(output, self.dtype)
 
 
 def hook_io(model: nn.Module, dtype: torch.dtype, cast_outputs: bool = True) -> nn.Module:
     """Cast a param-cast model's floating inputs to ``dtype`` (and, with ``cast_outputs``, its floating
     outputs to fp32: apex O2, so the loss is computed in fp32) with forward hooks; once per model."""
     if not getattr(model, "_ampkit_io_hooked", False):
-        model.register_forward_pre_hook(_make_cast_input_hook(dtype), with_kwargs=True)
+        model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True)
         if cast_outputs:
-            model.register_forward_hook(_cast_output_hook)
+            model.register_forward_hook(CastOutput(torch.float32))
         model._ampkit_io_hooked = True
     return model
 

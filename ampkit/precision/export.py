@@ -1,8 +1,10 @@
 """``Precision.fp32_state_dict``: a model's full-precision weights, keyed like ``model.state_dict()``.
 
-After 16-bit training the model holds a rounding of what was trained; the better weights live elsewhere:
+In fp32, the mixed, master and fp8 modes the model's own parameters are the fp32 weights: they are returned as
+they are. A 16-bit model holds a rounding of what was trained; the better weights live elsewhere:
 
-* fp16/bf16-master: the fp32 masters of ``MasterWeightOptimizer`` (exactly what the optimizer stepped);
+* a 16-bit model under a ``MasterWeightOptimizer`` (apex's layout): its fp32 masters (exactly what the
+  optimizer stepped);
 * bf16-pure with Kahan compensation: the bf16 weight plus its compensation buffer, summed in fp32 (the
   buffer holds the part of past updates the bf16 weight could not take yet, so the sum is the better
   estimate of the trained value); stochastic rounding and plain rounding keep no such state: the bf16

@@ -111,6 +111,9 @@ class KindHooks:
         """Make the grads the optimizer steps from the model's (before unscale and clip): nothing here, the
         optimizer holds the model's parameters; a master kind fills its fp32 master grads."""
 
+    def check_step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse (one line) an optimizer this kind cannot step as it is (``Precision.step``): none here."""
+
     def has_grads(self, optimizer: torch.optim.Optimizer) -> bool:
         """Did a backward reach the parameters the optimizer updates? On the Python side only, no host
         sync; it stops at the first parameter with a grad."""

@@ -17,13 +17,14 @@ __all__ = ["Mode", "MODES", "ALIASES", "KERAS_DIFFERENCES", "resolve", "valid_na
 @dataclass(frozen=True)
 class Mode:
     name: str
-    #: dtype the model's parameters are stored in (norm layers stay fp32 in the cast modes)
+    #: dtype the model's parameters are stored in (norm layers stay fp32 in the pure modes; the master
+    #: modes store fp32 and compute with 16-bit copies: ``ampkit.precision.convert.ComputeCopies``)
     param_dtype: torch.dtype
     #: dtype that autocast runs eligible ops in; None = autocast off
     autocast_dtype: Optional[torch.dtype]
     #: whether the loss is scaled (dynamic unless a static scale is given)
     scaled: bool
-    #: fp32 master copies of the weights own the update
+    #: fp32 master weights own the update: the model's own fp32 parameters, computed with 16-bit copies
     master_weights: bool = False
     #: pure low-precision update with a compensation buffer (Kahan) instead of masters
     compensated: bool = False
@@ -51,7 +52,7 @@ class Mode:
     @property
     def kind(self) -> str:
         """Which class runs this row (``ampkit.precision.kinds``): ``fp32``, ``autocast`` (fp32 params,
-        16-bit autocast), ``master`` (16-bit params, fp32 master weights), ``pure`` (16-bit params and
+        16-bit autocast), ``master`` (fp32 params computed as 16-bit copies: the masters), ``pure`` (16-bit params and
         state, compensated updates where the row says so) or ``fp8`` (bf16 autocast plus fp8 Linears)."""
         if self.fp8 is not None:
             return "fp8"
@@ -72,10 +73,10 @@ MODES = {
              summary="fp32 params, autocast fp16 compute, loss scaling"),
         Mode("bf16-mixed", _f32, _bf16, False,
              summary="fp32 params, autocast bf16 compute, no loss scaling"),
-        Mode("fp16-master", _f16, _f16, True, master_weights=True,
-             summary="fp16 params (norms fp32), fp16 compute, loss scaling, fp32 master weights"),
-        Mode("bf16-master", _bf16, _bf16, False, master_weights=True,
-             summary="bf16 params (norms fp32), bf16 compute, fp32 master weights, no loss scaling"),
+        Mode("fp16-master", _f32, _f16, True, master_weights=True,
+             summary="fp32 params (the master weights), fp16 compute copies (norms fp32), loss scaling"),
+        Mode("bf16-master", _f32, _bf16, False, master_weights=True,
+             summary="fp32 params (the master weights), bf16 compute copies (norms fp32), no loss scaling"),
         Mode("bf16-pure", _bf16, _bf16, False, compensated=True,
              summary="bf16 params (norms fp32) and optimizer state, compensated updates, no master copy"),
         Mode("fp16-pure", _f16, _f16, True,

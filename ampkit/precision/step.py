@@ -53,7 +53,9 @@ def clip_grad_norm(precision: Any, optimizer, max_norm: float, norm_type: float 
 
 
 def step(precision: Any, optimizer, max_norm: Optional[float], norm_type: float) -> StepResult:
-    """``Precision.step``: refuses a step no backward reached, then unscale/clip, step or skip, update."""
+    """``Precision.step``: refuses an optimizer the kind cannot step and a step no backward reached, then
+    unscale/clip, step or skip, update."""
+    precision.check_step_optimizer(optimizer)
     if not precision.has_grads(optimizer):
         raise RuntimeError(
             "Precision.step() found no gradients on the optimizer's parameters: call precision.backward(loss) "

@@ -24,7 +24,8 @@ def test_table_names_the_margin_and_every_mode(capsys):
     rc = main(["plan", "--model", "mlp", "--precision", "fp32,bf16-master", "--memory", "1GB", "--max-batch", "256"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "fp32 masters" in out and "optimizer state" in out and "peak" in out
+    assert "bf16-master" in out and "optimizer state" in out and "peak" in out
+    assert "fp32 masters" not in out  # the master mode's params are the masters: counted as its weights
     assert "10% margin" in out and "256 (cap)" in out
 
 

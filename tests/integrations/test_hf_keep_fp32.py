@@ -47,7 +47,7 @@ def _train(arch, mode, steps=2):
 @pytest.mark.parametrize("arch", ["llama", "t5"])
 def test_hf_norms_stay_fp32(arch, mode):
     precision, model, loss = _train(arch, mode)
-    low = precision.param_dtype
+    low = precision.compute_dtype
     norms = {n: m for n, m in model.named_modules() if type(m).__name__ == NORM_CLASS[arch]}
     assert norms and all(m.weight.dtype == torch.float32 for m in norms.values())
     outputs = []
@@ -67,7 +67,14 @@ def test_t5_keep_in_fp32_modules_as_transformers_does(mode, kept):
     """transformers keeps T5's ``wo`` fp32 when loading in fp16 (it overflows there), not in bf16."""
     precision, model, loss = _train("t5", mode)
     wo = {n: m for n, m in model.named_modules() if n.endswith(".wo")}
-    assert wo and all((m.weight.dtype == torch.float32) == kept for m in wo.values())
+    computes = []  # the weight each wo computes with (a master mode's compute copy, or the param)
+    handles = [m.register_forward_pre_hook(lambda mod, a: computes.append(mod.weight.dtype)) for m in wo.values()]
+    with precision.autocast(), torch.no_grad():
+        model(**BATCHES["t5"](9))
+    for h in handles:
+        h.remove()
+    assert wo and computes and all((d == torch.float32) == kept for d in computes)
+    assert all(m.weight.dtype == (torch.float32 if kept else precision.param_dtype) for m in wo.values())
     assert {n for n, why in precision.kept_fp32.items() if why == "_keep_in_fp32_modules"} == (set(wo) if kept else set())
     if kept:
         weights = {id(m.weight) for m in wo.values()}

@@ -57,8 +57,8 @@ def test_fabric_trains_in_every_mode(mode):
     assert all(math.isfinite(v) for v in losses) and sum(losses[-4:]) < sum(losses[:4]), losses
     assert plugin.optimizer_steps + plugin.skipped_steps == 12
     prepared = plugin.prepare_optimizer(optimizer.optimizer)
-    if plugin.ampkit.mode.master_weights:  # masters started from the fp32 weights, not their 16-bit roundings
-        assert isinstance(prepared, MasterWeightOptimizer) and prepared.master_params[0].dtype == torch.float32
+    if plugin.ampkit.mode.master_weights:  # the model's params are the fp32 masters: the optimizer is the user's
+        assert prepared is optimizer.optimizer and model.module[0].weight.dtype == torch.float32
     if plugin.ampkit.mode.compensated:
         assert isinstance(prepared, CompensatedOptimizer)
     assert model.module[0].weight.dtype == plugin.ampkit.param_dtype
@@ -77,7 +77,8 @@ def test_fabric_masters_start_from_fp32_weights():
     loss = model(_data()[0]).float().sum()
     fabric.backward(loss)
     optimizer.step()
-    masters = plugin.prepare_optimizer(optimizer.optimizer).master_params
+    masters = list(model.parameters())  # the masters are the model's own parameters, stepped by lr 0
+    assert all(p.dtype == torch.float32 for p in masters)
     assert all(torch.equal(a, b) for a, b in zip(fp32, masters))
 
 
@@ -127,14 +128,13 @@ def test_trainer_trains_and_checkpoints(tmp_path, mode, kwargs):
         assert plugin.loss_scale == 128.0
     assert module.net[0].weight.dtype == plugin.ampkit.param_dtype
     opt = trainer.optimizers[0]
-    assert isinstance(opt, MasterWeightOptimizer) == plugin.ampkit.mode.master_weights
+    assert not isinstance(opt, MasterWeightOptimizer)  # master modes: the module's params are the masters
     assert isinstance(opt, CompensatedOptimizer) == plugin.ampkit.mode.compensated
     assert plugin.prepare_optimizer(opt) is opt  # prepared once, when the Trainer connected it
     ckpt = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)
     assert ckpt["AmpkitPrecision"]["name"] == plugin.ampkit.name  # the scaler and its counters travel along
-    if plugin.ampkit.mode.master_weights:
-        state = ckpt["optimizer_states"][0]["state"]  # each parameter's entry holds its fp32 master
-        assert state and all(s["master_weight"].dtype == torch.float32 for s in state.values())
+    if plugin.ampkit.mode.master_weights:  # the checkpoint's weights are the fp32 masters themselves
+        assert all(v.dtype == torch.float32 for v in ckpt["state_dict"].values())
 
 
 class _DecayingModule(_Module):

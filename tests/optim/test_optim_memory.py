@@ -38,7 +38,7 @@ STEPS = 4 * 4 / (64 * 64 + 64 + 64 * 10 + 10)
 @pytest.mark.parametrize("name,kw,expected", [
     ("fp32", {}, dict(params=4, grads=4, optimizer_state=8, masters=0, compensation=0, total=16)),
     ("bf16-mixed", {}, dict(params=4, grads=4, optimizer_state=8, masters=0, compensation=0, total=16)),
-    ("bf16-master", {}, dict(params=2, grads=4, optimizer_state=8, masters=4, compensation=0, total=18)),
+    ("bf16-master", {}, dict(params=4, grads=4, optimizer_state=8, masters=0, compensation=0, total=16)),
     ("bf16-pure", {}, dict(params=2, grads=2, optimizer_state=4, masters=0, compensation=2, total=10)),
     ("bf16-pure", {"compensation": "stochastic"},
      dict(params=2, grads=2, optimizer_state=4, masters=0, compensation=0, total=8)),

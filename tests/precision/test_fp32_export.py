@@ -73,15 +73,17 @@ def test_fp32_state_dict_loads_into_the_fp32_model(mode, compensation):
 
 @pytest.mark.parametrize("mode", ["bf16-master", "fp16-master"])
 def test_master_export_is_the_masters_not_the_rounding(mode):
+    """The master modes' weights are the model's own fp32 parameters: ``model.state_dict()`` is the export,
+    with no ampkit call, and ``fp32_state_dict`` is the same tensors."""
     prec, model, opt = _trained(mode, None)
-    sd = prec.fp32_state_dict(model)
-    names = {id(p): n for n, p in model.named_parameters()}
+    sd, plain = prec.fp32_state_dict(model), model.state_dict()
+    assert list(sd) == list(plain)
+    low = prec.compute_dtype
     rounded = 0
-    for p, m in zip(opt.model_params, opt.master_params):
-        key = names[id(p)]
-        assert torch.equal(sd[key], m)  # bitwise the masters
-        rounded += not torch.equal(sd[key], p.float())
-    assert rounded > 0  # ...which differ from the 16-bit weights save_pretrained would write
+    for key, value in plain.items():
+        assert value.dtype == torch.float32 and torch.equal(sd[key], value)
+        rounded += not torch.equal(value, value.to(low).float())
+    assert rounded > 0  # the masters, not their 16-bit rounding (what the forward computes with)
 
 
 def test_bf16_pure_kahan_export_folds_the_compensation():
@@ -100,29 +102,40 @@ def test_bf16_pure_kahan_export_folds_the_compensation():
 
 
 def test_export_takes_the_optimizer_given():
-    """A MasterWeightOptimizer made outside setup (Lightning's plugin makes its own): passed explicitly."""
-    prec, model, opt = _trained("bf16-master", None)
+    """A MasterWeightOptimizer over a user's own 16-bit model (apex's layout): its masters are exported when
+    it is passed."""
+    torch.manual_seed(0)
+    model = _model().to(torch.bfloat16)
+    opt = ampkit.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randint(0, 64, (4, 16))
+    F.cross_entropy(model(x).float().view(-1, 64), x.view(-1)).backward()
+    opt.step()
     other = ampkit.Precision("bf16-master", "cpu")
     sd = other.fp32_state_dict(model, opt)
     assert torch.equal(sd["tok.weight"], opt.master_params[0])
     assert not torch.equal(other.fp32_state_dict(model)["tok.weight"], opt.master_params[0])  # no optimizer: casts
 
 
-def test_hf_gpt2_save_pretrained_writes_the_masters(tmp_path):
+@pytest.mark.parametrize("mode", ["bf16-master", "fp16-master"])
+def test_hf_gpt2_save_pretrained_writes_the_masters(tmp_path, mode):
+    """The natural export, ``model.save_pretrained(dir)`` reloaded by a plain ``from_pretrained(dir)``: fp32
+    tensors, ``config.json`` saying float32, bitwise the trained weights."""
+    import json
+
     hf = pytest.importorskip("hf_models")
     T = hf.T
     model = hf.build("gpt2")
-    prec, model, opt = _trained("bf16-master", None, model=model,
-                                loss_of=lambda m, x: m(input_ids=x, labels=x).loss)
-    model.save_pretrained(tmp_path, state_dict=prec.fp32_state_dict(model))
-    loaded = T.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float32)
+    prec, model, opt = _trained(mode, None, model=model, loss_of=lambda m, x: m(input_ids=x, labels=x).loss)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    loaded = T.GPT2LMHeadModel.from_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight or torch.equal(
         loaded.lm_head.weight, loaded.transformer.wte.weight)
     got = dict(loaded.named_parameters())
-    names = {id(p): n for n, p in model.named_parameters()}
     differs = 0
-    for p, m in zip(opt.model_params, opt.master_params):
-        assert got[names[id(p)]].dtype == torch.float32
-        assert torch.equal(got[names[id(p)]], m), names[id(p)]  # bitwise the masters
-        differs += not torch.equal(got[names[id(p)]], p.float())
-    assert differs > 0  # not the bf16 rounding the plain save_pretrained(dir) writes
+    for name, p in model.named_parameters():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], p), name  # bitwise the masters
+        differs += not torch.equal(p, p.to(prec.compute_dtype).float())
+    assert differs > 0  # not their 16-bit rounding

@@ -59,19 +59,38 @@ def _norm_output_is_fp32_math(norm, dtype):
     return out.dtype == dtype and torch.equal(out, expected)
 
 
+def _seen_in_forward(model, *args):
+    """module name -> {tensor name: the dtype the forward sees} (a master mode's 16-bit compute copies)."""
+    seen = {}
+
+    def hook(m, a, name=""):
+        seen[name] = {k: getattr(m, k).dtype for k in (*m._parameters, *m._buffers) if getattr(m, k) is not None}
+
+    handles = [m.register_forward_pre_hook(lambda m, a, n=n: hook(m, a, n)) for n, m in model.named_modules()]
+    with torch.no_grad():
+        model(*args)
+    for h in handles:
+        h.remove()
+    return seen
+
+
 @pytest.mark.parametrize("name", CAST_MODES)
 def test_nanogpt_layernorm_stays_fp32_and_trains(name):
     torch.manual_seed(0)
     precision = Precision(name, "cpu")
     model, loss = _train(precision, GPT(n_layer=1, bias=True), [get_batch(i) for i in range(3)],
                          lambda m, b: m(*b)[1])
-    low = precision.param_dtype
+    low = precision.compute_dtype
     norms = ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.ln_f"]
     modules = dict(model.named_modules())
     for n in norms:
         assert modules[n].weight.dtype == modules[n].bias.dtype == torch.float32
         assert _norm_output_is_fp32_math(modules[n], low)
-    assert model.transformer.h[0].attn.c_attn.weight.dtype == low and model.lm_head.weight.dtype == low
+    stored = precision.param_dtype  # fp32 in the master modes (the masters), 16-bit in the pure ones
+    assert model.transformer.h[0].attn.c_attn.weight.dtype == stored and model.lm_head.weight.dtype == stored
+    seen = _seen_in_forward(model, get_batch(0)[0])
+    assert seen["transformer.h.0.attn.c_attn"]["weight"] == seen["lm_head"]["weight"] == low
+    assert seen["transformer.ln_f"]["weight"] == torch.float32
     assert torch.isfinite(loss) and all(torch.isfinite(p).all() for p in model.parameters())
     assert list(precision.kept_fp32) == norms
     assert "3 modules kept fp32 (norms: 3): transformer.h.0.ln_1, transformer.h.0.ln_2, transformer.ln_f" in \
@@ -87,8 +106,9 @@ def test_llama_style_rmsnorm_stays_fp32_and_trains(name):
     model, loss = _train(precision, TinyLlama(), batches,
                          lambda m, b: nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()))
     for norm in (model.norm1, model.norm2):
-        assert norm.weight.dtype == torch.float32 and _norm_output_is_fp32_math(norm, precision.param_dtype)
+        assert norm.weight.dtype == torch.float32 and _norm_output_is_fp32_math(norm, precision.compute_dtype)
     assert model.up.weight.dtype == precision.param_dtype
+    assert _seen_in_forward(model, batches[0])["up"]["weight"] == precision.compute_dtype
     assert torch.isfinite(loss) and all(torch.isfinite(p).all() for p in model.parameters())
     assert precision.kept_fp32 == {"norm1": "norm (class name)", "norm2": "norm (class name)"}
 
@@ -104,7 +124,9 @@ def test_a_linear_named_like_a_norm_is_cast():
     model = nn.Sequential(Normalizer(8, 8), LlamaStyleRMSNorm(8))
     precision = Precision("bf16-master", "cpu")
     precision.setup(model)
-    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    seen = _seen_in_forward(model, torch.randn(2, 8))
+    assert seen["0"]["weight"] == torch.bfloat16 and seen["1"]["weight"] == torch.float32
+    assert model[0].weight.dtype == model[1].weight.dtype == torch.float32  # the master mode's storage
     assert list(precision.kept_fp32) == ["1"]
 
 
@@ -143,7 +165,8 @@ class Router(nn.Module):
 def test_keep_in_fp32_modules_strict_tensor():
     precision = Precision("bf16-master", "cpu")
     model, _ = precision.setup(Router())
-    assert model.e_score_correction_bias.dtype == torch.float32 and model.gate.weight.dtype == torch.bfloat16
+    seen = _seen_in_forward(model, torch.randn(2, 8))
+    assert seen[""]["e_score_correction_bias"] == torch.float32 and seen["gate"]["weight"] == torch.bfloat16
     assert precision.kept_fp32 == {"e_score_correction_bias": "_keep_in_fp32_modules_strict"}
 
 

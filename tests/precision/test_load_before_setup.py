@@ -1,7 +1,6 @@
 """The optimizer's state loaded before ``setup()`` (nanoGPT's resume order: build the model
 and load its weights, build the optimizer and load its state, then the precision lines) continues exactly:
-bitwise equal to the documented order (setup, then load) and to the run never interrupted. Master modes
-used to raise ``KeyError: 'param_groups'``; bf16-pure loaded but dropped its rounding generator.
+bitwise equal to the documented order (setup, then load) and to the run never interrupted.
 """
 import copy
 import io
@@ -103,7 +102,8 @@ def test_load_before_setup_continues_exactly(mode, compensation):
     runs = {}
     for order in ("documented", "nanogpt"):
         p, m, o = _resume(mode, compensation, ck, order)
-        assert isinstance(o, MasterWeightOptimizer) == p.mode.master_weights
+        assert not isinstance(o, MasterWeightOptimizer)  # master modes: the model's params are the masters
+        assert all(t.dtype == torch.float32 for t in m.parameters()) == (p.mode.param_dtype == torch.float32)
         assert isinstance(o, CompensatedOptimizer) == p.mode.compensated
         assert o._step_supports_amp_scaling  # the fused kernel takes the skip flag: still no host sync per step
         _steps(p, m, o, 3, 3)
@@ -113,35 +113,68 @@ def test_load_before_setup_continues_exactly(mode, compensation):
         assert all(torch.equal(a, b) for a, b in zip(got, uninterrupted)), order
 
 
+def _old_layout(ck):
+    """The checkpoint as a master mode wrote it while the masters lived in the optimizer wrapper: the model's
+    weights their 16-bit rounding (norms fp32), each fp32 master in its parameter's optimizer entry."""
+    params = [k for k in ck["model"] if not k.endswith(("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
+                                                         "ln_f.weight", "ln_f.bias"))]
+    model = {k: (v.to(torch.bfloat16) if k in params else v) for k, v in ck["model"].items()}
+    names = [n for n, _ in _model().named_parameters()]
+    sd = ck["optimizer"]
+    state = {i: {**sd["state"][i], "master_weight": ck["model"][n].clone()} for i, n in enumerate(names)}
+    return {"model": model, "optimizer": {**sd, "state": state}, "precision": ck["precision"]}
+
+
 @pytest.mark.parametrize("mode", ["fp16-master", "bf16-master"])
 def test_master_state_is_the_optimizer_layout(mode):
-    """The wrapped optimizer's state dict is torch's layout (so a plain optimizer loads it) with each fp32
-    master in its parameter's entry; the layout of earlier ampkit checkpoints still loads."""
-    ck = _checkpoint(mode, None, steps=1)
-    sd = ck["optimizer"]
-    assert set(sd) == {"state", "param_groups"}
-    assert all(s["master_weight"].dtype == torch.float32 for s in sd["state"].values())
-    _, model, opt = _resume(mode, None, ck, "documented")
-    old = {"optimizer": {"state": {i: {k: v for k, v in s.items() if k != "master_weight"}
-                                   for i, s in sd["state"].items()}, "param_groups": sd["param_groups"]},
-           "master_params": [sd["state"][i]["master_weight"] for i in range(len(sd["state"]))]}
-    fresh = _precision(mode, None)
-    m = _model()
-    m, o = fresh.setup(m, _optimizer(m))
-    o.load_state_dict(old)
-    assert all(torch.equal(a, b) for a, b in zip(o.master_params, opt.master_params))
+    """The optimizer's state dict is torch's own over the fp32 params (the masters are the model's weights);
+    checkpoints of the earlier layouts (masters inside the optimizer state, or ``{"optimizer", "master_params"}``)
+    still resume exactly (the first also loaded before setup, the second through ``setup``'s optimizer)."""
+    ck = _checkpoint(mode, None, steps=2)
+    assert all("master_weight" not in s for s in ck["optimizer"]["state"].values())
+    assert all(v.dtype == torch.float32 for v in ck["model"].values())
+    prec, ref, ref_opt = _resume(mode, None, ck, "documented")
+    _steps(prec, ref, ref_opt, 2, 2)
+    old = _old_layout(ck)
+    sd = old["optimizer"]
+    earliest = {"optimizer": {**sd, "state": {i: {k: v for k, v in s.items() if k != "master_weight"}
+                                              for i, s in sd["state"].items()}},
+                "master_params": [sd["state"][i]["master_weight"] for i in range(len(sd["state"]))]}
+    for optimizer_state, order in ((sd, "documented"), (sd, "nanogpt"), (earliest, "documented")):
+        p, m, o = _resume(mode, None, {**old, "optimizer": optimizer_state}, order)
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), _resume(mode, None, ck, order)[1].parameters()))
+        assert all("master_weight" not in s for s in o.state.values())
+        _steps(p, m, o, 2, 2)
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters())), order
 
 
-def test_plain_state_after_setup_refused_in_one_line():
-    """A plain optimizer's state has no masters: after setup the model is already 16-bit, so the masters
-    cannot be exact; the error says to load before setup (where the masters start from the fp32 weights)."""
-    model = _model()
-    plain = _optimizer(model)
-    sd = plain.state_dict()
+def test_master_state_of_another_model_refused_in_one_line():
+    ck = _checkpoint("bf16-master", None, steps=1)
+    old = _old_layout(ck)
+    old["optimizer"]["state"][0]["master_weight"] = torch.zeros(3)
     prec = _precision("bf16-master", None)
+    model = _model()
     model, opt = prec.setup(model, _optimizer(model))
-    with pytest.raises(ValueError, match="no fp32 master weights.*before precision.setup"):
-        opt.load_state_dict(sd)
+    with pytest.raises(ValueError, match="the checkpoint is from another model"):
+        opt.load_state_dict(old["optimizer"])
+
+
+def test_plain_state_loads_after_setup_too():
+    """An fp32 run's optimizer state loads into a master mode's optimizer after setup as well: its params
+    are the fp32 weights, so nothing is rounded on the way."""
+    prec = _precision("fp32", None)
+    model = _model()
+    model, opt = prec.setup(model, _optimizer(model))
+    _steps(prec, model, opt, 0, 2)
+    ck = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    master = _precision("bf16-master", None)
+    resumed = _model()
+    resumed, opt2 = master.setup(resumed, _optimizer(resumed))
+    resumed.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["optimizer"])
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), model.parameters()))
+    assert all(torch.equal(opt.state[a]["exp_avg"], opt2.state[b]["exp_avg"])
+               for a, b in zip(model.parameters(), resumed.parameters()))
 
 
 def test_stochastic_state_into_kahan_refused_before_setup_too():
@@ -158,7 +191,7 @@ def test_stochastic_state_into_kahan_refused_before_setup_too():
 
 def test_plain_state_before_setup_starts_the_masters_from_the_fp32_weights():
     """An fp32 run's checkpoint resumed in bf16-master (nanoGPT's order): the fp32 weights are exact, so the
-    masters start from them and the optimizer's moments carry over."""
+    masters (the model's params) are them and the optimizer's moments carry over."""
     prec = _precision("fp32", None)
     model = _model()
     model, opt = prec.setup(model, _optimizer(model))
@@ -169,7 +202,8 @@ def test_plain_state_before_setup_starts_the_masters_from_the_fp32_weights():
     plain = _optimizer(resumed)
     plain.load_state_dict(ck["optimizer"])
     model2, opt2 = _precision("bf16-master", None).setup(resumed, plain)
-    assert all(torch.equal(m, w) for m, w in zip(opt2.master_params, model.parameters()))
+    assert opt2 is plain
+    assert all(torch.equal(m, w) for m, w in zip(model2.parameters(), model.parameters()))
     moments = [s["exp_avg"] for s in opt.state.values()]
-    assert all(torch.equal(a, opt2.state[m]["exp_avg"]) for a, m in zip(moments, opt2.master_params))
-    assert all(p.dtype == torch.bfloat16 for n, p in model2.named_parameters() if "norm" not in n)
+    assert all(torch.equal(a, opt2.state[m]["exp_avg"]) for a, m in zip(moments, model2.parameters()))
+    assert all(p.dtype == torch.float32 for p in model2.parameters())

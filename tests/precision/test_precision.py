@@ -29,16 +29,28 @@ def test_every_mode_trains_to_finite_decreasing_loss(name):
     assert all(torch.isfinite(t).all() for t in model.parameters())
 
 
+def _weight_dtype_in_forward(module, x):
+    """The dtype ``module.weight`` has while its forward runs (the compute copy in the master modes)."""
+    seen = {}
+    handle = module.register_forward_pre_hook(lambda m, a: seen.update(dtype=m.weight.dtype))
+    return seen, handle
+
+
 @pytest.mark.parametrize("name,dtype", [("fp16-master", torch.float16), ("bf16-master", torch.bfloat16),
                                         ("fp16-pure", torch.float16)])
 def test_param_dtypes_and_norms_fp32(name, dtype):
     p, model, opt, _ = _train(name, steps=1)
-    assert model[0].weight.dtype == dtype and model[3].weight.dtype == dtype
+    stored = torch.float32 if "master" in name else dtype  # master modes: the fp32 masters are the params
+    assert model[0].weight.dtype == stored and model[3].weight.dtype == stored
     assert model[1].weight.dtype == torch.float32  # LayerNorm kept fp32
     if "master" in name:
-        assert isinstance(opt, MasterWeightOptimizer)
+        assert not isinstance(opt, MasterWeightOptimizer) and isinstance(opt, torch.optim.AdamW)
         assert all(m.dtype == torch.float32 for g in opt.param_groups for m in g["params"])
+    seen, handle = _weight_dtype_in_forward(model[0], None)
     out = model(torch.randn(2, 16))
+    handle.remove()
+    assert seen["dtype"] == dtype  # the forward computes with the 16-bit weight
+    assert "weight" not in vars(model[0])  # and the compute copy is gone after it
     assert out.dtype == torch.float32  # outputs cast back for an fp32 loss
 
 
@@ -60,7 +72,7 @@ def test_master_checkpoint_roundtrip_exact(name):
     # continue the original for 3 steps
     def cont(p, model, opt):
         train_steps(p, model, opt, 3)
-        return [t.detach().clone() for t in model.parameters()], [m.detach().clone() for m in opt.master_params]
+        return [t.detach().clone() for t in model.parameters()], [t.grad for t in model.parameters()]
 
     ref_params, ref_masters = cont(p, model, opt)
 
@@ -73,7 +85,8 @@ def test_master_checkpoint_roundtrip_exact(name):
     p2.load_state_dict(ck["prec"])
     assert p2.loss_scale == ck["prec"]["scaler"]["scale"]
     new_params, new_masters = cont(p2, model2, opt2)
-    for a, b in zip(ref_params + ref_masters, new_params + new_masters):
+    assert all(t.dtype == torch.float32 for t in ref_params)  # the params are the masters
+    for a, b in zip(ref_params, new_params):
         assert torch.equal(a, b)
 
 
@@ -99,22 +112,23 @@ def test_master_wrapper_behaves_like_optimizer():
         opt.load_state_dict(inner.state_dict())
 
 
-def test_master_grads_not_kept_twice():
+def test_master_grads_are_fp32_on_the_params_once():
+    """One gradient per parameter, fp32, on the model's own (fp32) parameters: nothing kept twice, and
+    micro-batches accumulate in fp32."""
     model = _net()
     p = Precision("bf16-master", "cpu")
     model, opt = p.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     x, y = _data()
-    with p.autocast():
-        loss = nn.functional.cross_entropy(model(x), y)
-    p.backward(loss)
-    # the model's grads stay visible until the step (clipping model.parameters() after unscale_ works);
-    # the optimizer's own step runs without them (no 16-bit copy beside its temporaries)
-    seen = {}
-    opt.optimizer.register_step_pre_hook(lambda *_: seen.update(
-        model=[t.grad for t in model.parameters()], masters=[m.grad for m in opt.master_params]))
+    grads = []
+    for _ in range(2):  # two micro-batches accumulate
+        with p.autocast():
+            loss = nn.functional.cross_entropy(model(x), y)
+        p.backward(loss)
+        grads.append([t.grad.clone() for t in model.parameters()])
+    assert all(g.dtype == torch.float32 for g in grads[1])
+    assert all(torch.equal(b, a + a) for a, b in zip(grads[0], grads[1]))  # fp32 sums, not 16-bit ones
+    assert not any(st for st in opt.state.values())  # no masters or grads in the optimizer
     p.step(opt)
-    assert all(g is None for g in seen["model"])
-    assert all(g is not None and g.dtype == torch.float32 for g in seen["masters"])
 
 
 def test_nonfinite_step_skipped_in_every_mode():
@@ -213,12 +227,16 @@ def test_fp32_islands():
     model = _net()
     p = Precision("bf16-master", "cpu", fp32_modules=["3"])
     model, opt = p.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert model[3].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    assert model[3].weight.dtype == torch.float32 and model[0].weight.dtype == torch.float32
+    computes, handle = _weight_dtype_in_forward(model[0], None)
+    island, handle3 = _weight_dtype_in_forward(model[3], None)
     seen = {}
     model[3].register_forward_hook(lambda m, a, o: seen.setdefault("dtype", o.dtype))
     with p.autocast():
         model(torch.randn(2, 16))
+    handle.remove(), handle3.remove()
     assert seen["dtype"] == torch.float32
+    assert computes["dtype"] == torch.bfloat16 and island["dtype"] == torch.float32
     with pytest.raises(ValueError, match="not found in the model"):
         Precision("bf16-mixed", "cpu", fp32_modules=["nope"]).setup(_net())
 

@@ -4,6 +4,8 @@ import pickle
 
 import pytest
 import torch
+
+from ampkit.optim import MasterWeightOptimizer
 from torch import nn
 
 import ampkit
@@ -58,11 +60,16 @@ def test_copies_keep_the_kind_and_state():
 
 def test_only_the_hooks_a_kind_needs_change_the_model():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    for name, dtype in (("fp32", torch.float32), ("bf16-mixed", torch.float32), ("bf16-master", torch.bfloat16),
-                        ("bf16-pure", torch.bfloat16)):
+    for name, dtype, computes in (("fp32", torch.float32, torch.float32), ("bf16-mixed", torch.float32, torch.float32),
+                                  ("bf16-master", torch.float32, torch.bfloat16),
+                                  ("bf16-pure", torch.bfloat16, torch.bfloat16)):
         m = copy.deepcopy(model)
         m, opt = Precision(name, "cpu").setup(m, torch.optim.AdamW(m.parameters()))
         assert m[0].weight.dtype == dtype and m[1].weight.dtype == torch.float32
+        seen = []
+        m[0].register_forward_pre_hook(lambda mod, a: seen.append(mod.weight.dtype))
+        m(torch.randn(2, 4))
+        assert seen == [computes]  # the master mode computes with a 16-bit copy of its fp32 weight
 
 
 def test_one_explicit_table_covers_every_kind_of_the_mode_table():
@@ -100,7 +107,7 @@ def test_the_base_class_asks_the_kind_instead_of_testing_for_masters():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = Precision("bf16-master", "cpu")
-    model, opt = p.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.to(torch.bfloat16).parameters(), lr=0.1))  # apex-style
     p.backward(model(torch.randn(3, 4, dtype=torch.bfloat16)).float().square().mean())
     assert all(m.grad is None for m in opt.master_params) and p.has_grads(opt)  # the model's grads count
     p.unscale_(opt)  # torch's documented pattern: unscale_, then clip what the step applies

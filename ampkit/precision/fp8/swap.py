@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .current import convert_current
 from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
 from .detect import gemm_dims, gemm_kind
 from .mx import convert_mx, has_mx_gemm
@@ -232,6 +231,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Fp8Filter = Fp8Filter
     if isinstance(recipe, MXFP8Scaling):
         return convert_mx(model, chosen, emulate)
     if not isinstance(recipe, DelayedScaling):
+        from .current_modules import convert_current  # imports torchao
+
         return convert_current(model, recipe, chosen, emulate)
     for name, kind in chosen.items():
         parent_name, _, attr = name.rpartition(".")

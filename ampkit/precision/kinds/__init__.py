@@ -6,8 +6,8 @@ precision plugins do); ``isinstance(p, ampkit.Precision)`` holds for all.
 * :class:`Fp32Precision` (``fp32.py``): fp32 params and compute; the base class's hooks as they are.
 * :class:`AutocastPrecision` (``autocast.py``): fp32 params, ``torch.autocast`` in fp16/bf16 (fp16 with
   a loss scaler), plus the scoped per-op attention policy.
-* :class:`MasterPrecision` (``master.py``): 16-bit params (norms fp32) under autocast, fp32 master
-  weights own the update (``cast.py``: what the 16-bit-parameter kinds share).
+* :class:`MasterPrecision` (``master.py``): fp32 params (the master weights) computed as 16-bit copies
+  (norms fp32) under autocast (``cast.py``: what the 16-bit-weight kinds share).
 * :class:`PurePrecision` (``pure.py``): 16-bit params and optimizer state, no master copy; bf16-pure
   compensates the update (Kahan or stochastic rounding), fp16-pure needs a large enough Adam ``eps``.
 * :class:`Fp8Precision` (``fp8.py``): bf16 autocast plus Linears swapped to fp8 GEMMs (``Fp8Plan``).

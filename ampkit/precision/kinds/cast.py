@@ -1,5 +1,6 @@
-"""The 16-bit-parameter kinds' shared part (master and pure): params cast in ``setup``, inputs cast by a
-forward pre-hook, outputs back to fp32 with ``cast_outputs``; FSDP refused (it owns the parameters)."""
+"""The 16-bit-weight kinds' shared part (master and pure): params cast in ``setup`` (pure) or computed as
+16-bit copies of the fp32 params (master), inputs cast by a forward pre-hook, outputs back to fp32 with
+``cast_outputs``; FSDP refused (it owns the parameters and their casts)."""
 from __future__ import annotations
 
 from typing import Any, List
@@ -18,26 +19,30 @@ class CastParams(AutocastPrecision):
     """The 16-bit-parameter kinds: params (norms and ``fp32_modules`` aside) cast in ``setup``, inputs
     cast by a forward pre-hook (outputs back to fp32 with ``cast_outputs``)."""
 
-    def _cast(self, model: nn.Module) -> None:
-        plan = fp32_plan(model, self.param_dtype, self.keep_norm_fp32, self.fp32_modules)
-        convert_model(model, self.param_dtype, skip=self.fp32_modules, plan=plan)
-        hook_io(model, self.param_dtype, self.cast_outputs)
+    def _cast(self, model: nn.Module, compute_copies: bool = False) -> None:
+        """Cast the model's weights to the compute dtype in place, or (``compute_copies``) keep them fp32 and
+        compute each forward with 16-bit copies (``convert.ComputeCopies``); norms and islands stay fp32."""
+        low = self.compute_dtype
+        plan = fp32_plan(model, low, self.keep_norm_fp32, self.fp32_modules)
+        convert_model(model, low, skip=self.fp32_modules, plan=plan, compute_copies=compute_copies)
+        hook_io(model, low, self.cast_outputs)
         self._kept_fp32 = plan.kept()
 
     def _details(self) -> List[str]:
         extra = super()._details()
         if not self.keep_norm_fp32:
-            extra.append(f"norms {str(self.param_dtype).replace('torch.', '')} too (keep_norm_fp32=False)")
+            extra.append(f"norms {str(self.compute_dtype).replace('torch.', '')} too (keep_norm_fp32=False)")
         if self.is_setup:  # what setup kept fp32, fp32_modules included
             extra = [e for e in extra if not e.startswith("fp32 modules: ")] + [kept_text(self.kept_fp32)]
         return extra
 
     def convert_input(self, batch: Any) -> Any:
-        return cast_floating(batch, self.param_dtype)
+        return cast_floating(batch, self.compute_dtype)
 
     def fsdp_policy(self):
         low = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.mode.low_dtype]
         raise ValueError(
-            f"precision={self.name!r} casts the model's parameters, which FSDP owns under --strategy fsdp: "
+            f"precision={self.name!r} casts the model's parameters (or their compute copies), which FSDP owns "
+            "under --strategy fsdp: "
             f"use {low}-mixed (FSDP keeps fp32 shards as master weights and all-gathers {low} for compute), "
             "or --strategy ddp.")

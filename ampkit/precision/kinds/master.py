@@ -1,41 +1,93 @@
-"""fp16-master / bf16-master: 16-bit params (norms fp32) under autocast; fp32 master copies
-(``MasterWeightOptimizer``) own the update. The one kind that builds a ``MasterWeightOptimizer``."""
+"""fp16-master / bf16-master: the model's parameters are the fp32 master weights; each forward computes with
+16-bit copies of them (norms fp32) under autocast, as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does.
+Gradients reach the fp32 parameters in fp32 (and accumulate there), any optimizer steps them as it would an
+fp32 model, and every tool that reads the model (``state_dict``, EMA, ``torch.save``, exporters) reads fp32.
+
+apex's O2 (``ampkit.compat.apex``) keeps its documented layout instead: 16-bit parameters, the fp32
+masters inside a ``MasterWeightOptimizer`` (:attr:`MasterPrecision.model_holds_masters` False)."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, List, Optional
 
 import torch
-from torch import nn
 
-from ...optim.master import MasterWeightOptimizer
+from ...optim.master import MASTER_KEY, MasterWeightOptimizer
 from .cast import CastParams
 
-__all__ = ["MasterPrecision"]
+__all__ = ["MasterPrecision", "adopt_saved_masters"]
+
+
+def adopt_saved_masters(optimizer: Any) -> None:
+    """An optimizer state saved by a ``MasterWeightOptimizer`` (each parameter's entry holding its fp32 master
+    under ``"master_weight"``) loaded into an optimizer over the model's fp32 parameters: each master becomes
+    the parameter's value and leaves the state (the moments stay). Registered by ``setup`` as the optimizer's
+    ``load_state_dict`` post-hook, so ``optimizer.load_state_dict(old_checkpoint["optimizer"])`` after the
+    model's own ``load_state_dict`` resumes from the exact masters."""
+    state = getattr(optimizer, "state", None) or {}
+    pairs = [(p, st.pop(MASTER_KEY)) for p, st in list(state.items())
+             if isinstance(st, dict) and MASTER_KEY in st]
+    if not pairs:
+        return
+    wrong = [(tuple(p.shape), tuple(m.shape)) for p, m in pairs if p.shape != m.shape or p.dtype != torch.float32]
+    if wrong:
+        raise ValueError(f"The optimizer state holds fp32 masters of shape {wrong[0][1]} for a parameter of shape "
+                         f"{wrong[0][0]}: the checkpoint is from another model (or load it before setup).")
+    with torch.no_grad():
+        torch._foreach_copy_([p for p, _ in pairs], [m.to(p.device) for p, m in pairs])
+    for p, _ in pairs:
+        if not state.get(p):
+            state.pop(p, None)
+
+
+def _adopt_after_load(optimizer: Any) -> None:
+    adopt_saved_masters(optimizer)
+
+
+def _flatten_earliest_layout(optimizer: Any, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """``load_state_dict`` pre-hook: the earliest ``MasterWeightOptimizer`` layout (``{"optimizer", "master_params"}``)
+    as torch's, each master in its parameter's entry (then :func:`adopt_saved_masters` takes them)."""
+    if "master_params" not in state_dict or "optimizer" not in state_dict:
+        return None
+    inner, masters = state_dict["optimizer"], list(state_dict["master_params"])
+    state = {i: dict(inner.get("state", {}).get(i, {})) for i in range(len(masters))}
+    for i, m in enumerate(masters):
+        state[i][MASTER_KEY] = m
+    return {**inner, "state": state}
 
 
 class MasterPrecision(CastParams):
-    """fp16-master / bf16-master: 16-bit params, fp32 master copies (``MasterWeightOptimizer``) own the update."""
+    """fp16-master / bf16-master: fp32 parameters (the masters) computed as 16-bit copies; any optimizer
+    over ``model.parameters()`` steps them (see the module docstring)."""
 
     kind = "master"
     keeps_fp32_masters = True
+    #: False: apex's O2 layout (the parameters cast to 16 bits in place, fp32 masters in the optimizer
+    #: wrapper ``master_optimizer`` builds); set by ``ampkit.compat.apex`` only
+    model_holds_masters = True
 
     def _convert(self, model, optimizer):
         model, optimizer = super()._convert(model, optimizer)
-        if optimizer is not None:  # masters are taken from the fp32 weights *before* the model is cast
-            optimizer = self.master_optimizer(optimizer)  # (or from a state loaded before setup)
-        self._cast(model)
-        if optimizer is not None:
-            optimizer.copy_masters_to_model()  # the model is the masters' rounding, whichever they came from
+        if not self.model_holds_masters:
+            self._cast(model)
+            return model, optimizer
+        if optimizer is not None and not isinstance(optimizer, MasterWeightOptimizer):
+            adopt_saved_masters(optimizer)  # a master-layout state loaded before setup
+            optimizer.register_load_state_dict_pre_hook(_flatten_earliest_layout)
+            optimizer.register_load_state_dict_post_hook(_adopt_after_load)
+        self._cast(model, compute_copies=True)
         return model, optimizer
 
-    def fp32_copies(self, model: nn.Module) -> Dict[int, torch.Tensor]:
-        return {id(p): p.detach().clone() for p in model.parameters() if p.is_floating_point()}
+    def _details(self) -> List[str]:
+        extra = super()._details()
+        if self.is_setup and not self.model_holds_masters:
+            extra.insert(0, "16-bit params, fp32 masters in the optimizer (apex O2 layout)")
+        return extra
 
     def sync_grads(self, optimizer) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()  # the fp32 master grads from the model's (and any change made there)
 
-    def has_grads(self, optimizer) -> bool:  # the model's params get the grads, the masters' optimizer steps
+    def has_grads(self, optimizer) -> bool:  # a MasterWeightOptimizer: the model's params get the grads
         return super().has_grads(optimizer) or (isinstance(optimizer, MasterWeightOptimizer) and
                                                  any(p.grad is not None for p in optimizer.model_params))
 
@@ -44,16 +96,6 @@ class MasterPrecision(CastParams):
         if isinstance(optimizer, MasterWeightOptimizer):
             return optimizer  # already the one stepped
         return (master_class or MasterWeightOptimizer)(optimizer)
-
-    def wrap_optimizer(self, optimizer, fp32_params=None):
-        made = self.master_optimizer(optimizer)
-        if fp32_params and made is not optimizer:  # masters start from the fp32 weights, not their roundings
-            with torch.no_grad():
-                for p, m in zip(made.model_params, made.master_params):
-                    fp32 = fp32_params.pop(id(p), None)
-                    if fp32 is not None and fp32.shape == m.shape:
-                        m.copy_(fp32)
-        return super().wrap_optimizer(made)
 
     def _register_names(self, model, optimizer) -> None:
         super()._register_names(model, optimizer)

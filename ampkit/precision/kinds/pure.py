@@ -6,7 +6,7 @@ from typing import Any, FrozenSet, List, Optional
 
 import torch
 
-from ...optim import compensated_from
+from ...optim import CompensatedOptimizer, compensated_from
 from ...optim.state import with_state_precision
 from ..checks import FP16_STATE_MIN_EPS
 from ..options import PrecisionOptions
@@ -58,13 +58,30 @@ class PurePrecision(CastParams):
     def _wrap_optimizer(self, optimizer):
         if not self.mode.compensated:
             return optimizer
+        self._wrapped_any = True
         if self.optimizer_state == "8bit":  # torchao's: stochastic rounding (or none), no Kahan buffer
-            return with_state_precision(optimizer, "8bit", bf16_stochastic_round=not self.settings.plain_rounding)
+            made = with_state_precision(optimizer, "8bit", bf16_stochastic_round=not self.settings.plain_rounding)
+            made._ampkit_compensated = True
+            return made
         if self.compensation is None:  # an ampkit.optim optimizer keeps its own setting
             optimizer = compensated_from(optimizer)
         else:
             optimizer = compensated_from(optimizer, self.settings.optim_compensation)
         return with_state_precision(optimizer, self.optimizer_state)
+
+    def check_step_optimizer(self, optimizer) -> None:
+        """bf16-pure: the optimizer stepped must be the compensated one (``setup(model, optimizer)`` or
+        ``wrap_optimizer`` made it): a plain one would round every update away unseen. fp16-pure: an optimizer
+        built after ``setup(model)`` gets the Adam ``eps`` check ``setup`` would have made (once: it raises eps)."""
+        if not self.mode.compensated:
+            if not torch.compiler.is_compiling():
+                self.check_optimizer_eps(optimizer)
+            return
+        if not isinstance(optimizer, CompensatedOptimizer) \
+                and not getattr(optimizer, "_ampkit_compensated", False):
+            raise TypeError(
+                f"precision={self.name!r} steps a compensated optimizer, got a plain {type(optimizer).__name__} "
+                "(built after setup(model)?): step optimizer = precision.wrap_optimizer(optimizer) instead.")
 
     @property
     def min_adam_eps(self) -> Optional[float]:
@@ -79,6 +96,8 @@ class PurePrecision(CastParams):
             extra.insert(0, _PLAIN if self.settings.plain_rounding else
                          {None: "Kahan compensation", "kahan": "Kahan compensation",
                           "stochastic": "stochastic rounding"}[self.compensation])
+        if self.mode.compensated and self.is_setup and not getattr(self, "_wrapped_any", False):
+            extra[0] += " once an optimizer is passed through wrap_optimizer (none yet)"
         return extra
 
 

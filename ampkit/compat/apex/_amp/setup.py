@@ -118,6 +118,8 @@ def initialize(
         keep_norm_fp32=bool(props.keep_batchnorm_fp32),
         cast_outputs=cast_model_outputs is None,
     )
+    if precision.keeps_fp32_masters:  # apex's O2: the model cast to 16 bits, fp32 masters in the optimizer
+        precision.model_holds_masters = False
 
     # masters are taken from the fp32 weights, so wrap before the models are cast
     returned, masters = [], []
