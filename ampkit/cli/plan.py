@@ -13,9 +13,10 @@ from . import UsageError
 
 _LABELS = {"weights": "weights", "grads": "gradients", "master_weights": "fp32 masters",
            "compute_copies": "16-bit compute copies",
-           "optimizer_state": "optimizer state", "compensation": "Kahan buffers", "activations": "activations",
-           "temporaries": "temporaries",
-           "workspace": "kernel workspace", "fp8_casts": "fp8 casts", "inputs": "batch", "other": "other"}
+           "optimizer_state": "optimizer state", "compensation": "Kahan buffers",
+           "unsharded": "all-gathered params", "activations": "activations", "temporaries": "temporaries",
+           "workspace": "kernel workspace", "fp8_casts": "fp8 casts", "comm_buffers": "comm buffers",
+           "ddp_buckets": "DDP buckets", "inputs": "batch", "other": "other"}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -32,6 +33,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin", type=float, default=0.1, help="fraction of the budget kept free (default 0.1)")
     p.add_argument("--max-batch", type=int, default=4096, help="cap on the batch search (default 4096)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="plan one rank of this many processes (default 1); --batch-size is then per rank")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"],
+                   help="with --world-size > 1: ddp (default; gradient buckets) or fsdp (fully_shard per block "
+                        "and the root, traced under a fake process group)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -61,6 +67,21 @@ def sample_batch(data, n: int):
     return batch  # a dict batch: the model's keyword inputs (its labels the target)
 
 
+def _target_device(name):
+    """The device to plan for: as ``resolve_device``, except that a CUDA target is accepted on a machine
+    without CUDA (planned on fake tensors; the plan says what it cannot see there)."""
+    import torch
+
+    from ..precision import resolve_device
+
+    if name and str(name).strip().lower().startswith("cuda") and not torch.cuda.is_available():
+        try:
+            return torch.device(str(name).strip().lower())
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"Unknown device {name!r}: use 'cpu', 'cuda' or 'cuda:N'.") from e
+    return resolve_device(name)
+
+
 def run(args) -> int:
     try:
         with _quiet_fake_tensors():
@@ -87,13 +108,11 @@ def param_count(n: int) -> str:
     return f"{n:,} params" if n < 1_000_000 else f"{n / 1e6:.1f}M params"
 
 
-def _run(args) -> int:
+def _checked(args):
+    """The options checked: (strategy, budget or None, device, whether a CUDA target is planned without one)."""
     import torch
 
-    from ..data import load_data
-    from ..memory import available_memory, format_bytes, parse_bytes, plan
-    from ..models import build_model
-    from ..precision import Precision, resolve_device
+    from ..memory import parse_bytes
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
@@ -101,9 +120,30 @@ def _run(args) -> int:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}.")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}.")
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}.")
+    if args.strategy and args.world_size == 1:
+        raise ValueError(f"--strategy {args.strategy} plans one rank of several: add --world-size N (N > 1).")
+    strategy = args.strategy or ("ddp" if args.world_size > 1 else None)
     budget = parse_bytes(args.memory) if args.memory else None
+    device = _target_device(args.device)
+    remote = device.type == "cuda" and not torch.cuda.is_available()
+    if remote and budget is None:
+        raise ValueError(f"--device {args.device} is planned here without a GPU: give the target's memory with "
+                         "--memory, e.g. --memory 80GB.")
+    return strategy, budget, device, remote
+
+
+def _run(args) -> int:
+    import torch
+
+    from ..data import load_data
+    from ..memory import available_memory, format_bytes, plan
+    from ..models import build_model
+    from ..precision import Precision
+
+    strategy, budget, device, remote = _checked(args)
     modes = _modes(args.precision)
-    device = resolve_device(args.device)
     data = load_data(args.data)
     spec = args.model or data.default_model
     if not spec:
@@ -119,8 +159,10 @@ def _run(args) -> int:
     rows, failed = [], {}
     for mode in modes:
         try:
-            prec = Precision(mode, device, optimizer_state=args.optimizer_state) if args.optimizer_state else mode
-            p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device, batch_size=args.batch_size)
+            prec = (Precision(mode, "cpu" if remote else device, optimizer_state=args.optimizer_state)
+                    if args.optimizer_state else mode)
+            p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device, batch_size=args.batch_size,
+                     world_size=args.world_size, strategy=strategy)
             choice = p.max_batch_size(budget, margin=args.margin, cap=args.max_batch)
         except (ValueError, RuntimeError, TypeError, ImportError) as e:  # a mode this device or install cannot run
             failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
@@ -134,15 +176,18 @@ def _run(args) -> int:
                              "(--model), or fix the data.")
         raise ValueError("not planned: " + "; ".join(f"{m}: {w}" for m, w in failed.items()))
     if args.json:
-        out = {"model": spec, "data": args.data, "device": str(device), "budget_bytes": budget, "budget_from": source,
+        out = {"model": spec, "data": args.data, "device": str(device), "world_size": args.world_size,
+               "strategy": strategy, "budget_bytes": budget, "budget_from": source,
                "margin": args.margin, "cap": args.max_batch,
                "modes": [{**p.as_dict(), "max_batch_size": c.batch_size, "max_batch_peak_bytes": c.peak_bytes,
                           "max_batch_reason": c.reason} for _, p, c in rows],
-               "failed": failed}
+               "unseen": rows[0][1].unseen if rows else None, "failed": failed}
         print(json.dumps(out, indent=1))
         return 0 if rows else 2
     n_params = rows[0][1].num_params if rows else 0
-    print(f"ampkit plan: {spec} ({param_count(n_params)}) on {args.data}, batch {args.batch_size}, "
+    ranks = (f" per rank of {args.world_size} ({strategy}{', fake process group' if strategy == 'fsdp' else ''})"
+             if strategy else "")
+    print(f"ampkit plan: {spec} ({param_count(n_params)}) on {args.data}, batch {args.batch_size}{ranks}, "
           f"{args.optimizer}, {device}; traced on fake tensors")
     if rows:
         cats = [k for k in _LABELS if any(p.breakdown.get(k) for _, p, _ in rows)]
@@ -160,6 +205,8 @@ def _run(args) -> int:
         print(f"max batch: the largest batch whose planned peak fits {format_bytes(budget)} ({source}) less a "
               f"{args.margin:.0%} margin for what a trace cannot see (allocator caching, library workspaces), "
               f"at most {args.max_batch}; the breakdown is what is live at the peak.")
+        if rows[0][1].unseen:
+            print(f"{device}: {rows[0][1].unseen}.")
     for mode, why in failed.items():
         print(f"{mode}: not planned: {why}", file=sys.stderr)
     return 0 if rows else 2

@@ -58,8 +58,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int)
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     g.add_argument("--batch-size", type=_batch_size, help="samples per micro-batch, or auto: the largest that "
-                   "`ampkit plan` finds fits the device's free memory less a 10%% margin (at most 4096, and at most "
-                   "the training set / 16: an epoch keeps 16 optimizer steps)")
+                   "`ampkit plan` finds fits the free memory (torchrun: this rank's share) less a 10%% margin (at "
+                   "most 4096, and the training set / 16: an epoch keeps 16 optimizer steps)")
     g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     g.add_argument("--max-norm", type=float, help="clip the gradient norm to this value")
     g.add_argument("--lr", type=float)
@@ -244,20 +244,28 @@ def _run(args, env, cfg, plan) -> int:
 
 
 def _auto_batch(args, cfg, model, data):
-    """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once."""
+    """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once.
+
+    Under torchrun the batch is per rank, planned for one rank of the run's strategy against this rank's
+    share of the memory; rank 0's answer is every rank's."""
     from ..cli.plan import sample_batch
     from ..memory import auto_batch_size
-    from ..train.distributed import run_device
+    from ..train.distributed import broadcast_object, rank_and_world, run_device
 
+    _, world = rank_and_world()
     # the largest batch that fits, but never so large that an epoch is a step or two: one batch of the whole
     # training set takes one optimizer step an epoch, and trains little at the default learning rate
-    per_epoch = max(1, len(data.train) // (MIN_STEPS_PER_EPOCH * cfg.grad_accum))
+    # (under torchrun every rank takes its batch from the same epoch)
+    per_epoch = max(1, len(data.train) // (MIN_STEPS_PER_EPOCH * cfg.grad_accum * world))
     cap = min(4096, per_epoch)
     choice = auto_batch_size(model, sample_batch(data, 2), precision=cfg.precision, optimizer=cfg.optimizer,
-                             device=run_device(cfg.device), cap=cap)
+                             device=run_device(cfg.device), cap=cap, world_size=world,
+                             strategy=cfg.strategy if world > 1 else None)
+    choice = broadcast_object(choice)
     if not env_is_secondary():
+        ranks = f" x {world} ranks" if world > 1 else ""
         why = (f" (capped at the training set's {len(data.train)} samples / {MIN_STEPS_PER_EPOCH} optimizer steps "
-               "an epoch; memory would allow more: pass a number to train with larger batches)"
+               f"an epoch{ranks}; memory would allow more: pass a number to train with larger batches)"
                if choice.batch_size == cap == per_epoch else "")
         print(f"ampkit train: --batch-size auto -> {choice.batch_size}: {choice.reason}{why}", file=sys.stderr)
     return choice

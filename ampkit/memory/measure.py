@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["measured_peak", "rss_bytes", "peak_rss_bytes", "reset_peak_rss", "PeakMeter", "resident_bytes"]
+__all__ = ["measured_peak", "rss_bytes", "peak_rss_bytes", "reset_peak_rss", "PeakMeter", "resident_bytes",
+           "measure_rank", "return_freed_memory_to_os"]
 
 
 def rss_bytes() -> int:
@@ -108,3 +109,70 @@ def resident_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
             seen.add(key)
             total += st.nbytes()
     return total
+
+
+def return_freed_memory_to_os() -> bool:
+    """Make glibc give every freed block of 64 KiB or more back to the OS (``mallopt(M_MMAP_THRESHOLD)``,
+    what ``MALLOC_MMAP_THRESHOLD_=65536`` does at start), so the resident set follows the live tensors;
+    False where the C library has no ``mallopt`` (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, 65536))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def measure_rank(build, precision, strategy: str, optimizer="adamw", loss_fn=None, device: str = "cpu") -> int:
+    """The measured peak bytes of this rank's training step on real tensors, under the running process
+    group: the steps ``plan(..., world_size=, strategy=)`` traces, run for real (the calibration's reading).
+
+    ``build()`` returns ``(model, batch)``, real tensors, the batch per rank. The step is run once as a
+    warm-up (libraries paged in, kernels chosen), then again measured (``PeakMeter``: CUDA's peak of
+    allocated bytes; on CPU the peak resident set, after :func:`return_freed_memory_to_os`):
+    ``ddp`` from before the model is built (what the plan counts: weights, the precision's setup, DDP's
+    buckets, the steps); ``fsdp`` from the sharded model on (the plan counts the step, not the model's
+    loading), plus the bytes already resident then (this rank's shards and buffers, the batch). DDP runs
+    one step more than the trace: it rebuilds its buckets after the first step, in the order the gradients
+    came, and on CPU a new bucket's pages are resident only once written (during the second backward),
+    so the steady state, buckets held whole, starts at the third step."""
+    import gc
+
+    import torch.distributed as dist
+
+    from .ranks import shard_fake
+    from .trace import STEPS, make_precision, run_steps
+
+    if device == "cpu":
+        return_freed_memory_to_os()
+
+    def once(measured: bool) -> int:
+        torch.manual_seed(0)
+        gc.collect()
+        if strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            meter = PeakMeter(device).start()
+            model, batch = build()
+            run_steps(model, batch, make_precision(precision, device), optimizer, loss_fn, steps=STEPS + 1,
+                      wrap=lambda m: DDP(m, device_ids=None if device == "cpu" else [torch.device(device).index]))
+            return meter.peak()
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from ..utils.tree import iter_tensors
+
+        model, batch = build()
+        prec = make_precision(precision, device)
+        policy = prec.prepare_fsdp()
+        mesh = DeviceMesh.from_group(dist.group.WORLD, torch.device(device).type)
+        model = shard_fake(prec.setup(model, None)[0], policy, mesh)
+        gc.collect()
+        held = resident_bytes(model) + sum(t.untyped_storage().nbytes() for t in iter_tensors(batch))
+        meter = PeakMeter(device).start()
+        run_steps(model, batch, prec, optimizer, loss_fn, sharded=True)
+        return meter.peak() + held
+
+    once(False)
+    return once(True)

@@ -14,13 +14,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from torch import nn
 
 from ..utils.batch import batch_size_of
+from .ranks import check_strategy
 from .trace import trace_step
 
 __all__ = ["MemoryPlan", "BatchChoice", "plan", "auto_batch_size", "ORDER"]
 
 #: breakdown keys in the order tables print them
-ORDER = ("weights", "grads", "master_weights", "compute_copies", "optimizer_state", "compensation", "activations",
-         "temporaries", "workspace", "fp8_casts", "inputs", "other")
+ORDER = ("weights", "grads", "master_weights", "compute_copies", "optimizer_state", "compensation", "unsharded",
+         "activations", "temporaries", "workspace", "fp8_casts", "comm_buffers", "ddp_buckets", "inputs", "other")
 
 DEFAULT_MARGIN = 0.1
 DEFAULT_CAP = 4096
@@ -50,6 +51,10 @@ class MemoryPlan:
 
     ``breakdown`` maps categories (``ORDER``) to the bytes live at the peak; they sum to ``peak_bytes``.
     ``at_rest_bytes`` is what stays between steps (weights, masters, optimizer state).
+    With a ``strategy`` the plan is one rank's of ``world_size``: ``batch_size`` per rank, ``weights``,
+    ``grads`` and ``optimizer_state`` this rank's shards under FSDP, ``unsharded`` the parameters FSDP
+    all-gathered for the blocks computing at the peak, ``comm_buffers`` the all-gather and reduce-scatter
+    buffers, ``ddp_buckets`` DDP's gradient buckets.
     """
 
     peak_bytes: int
@@ -60,6 +65,9 @@ class MemoryPlan:
     at_rest_bytes: int
     peak_phase: str
     device: str
+    world_size: int = 1
+    strategy: Optional[str] = None
+    unseen: Optional[str] = None  # what the trace cannot see (a CUDA target planned without a GPU)
     _retrace: Optional[Callable[[int], Dict[str, Any]]] = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -67,7 +75,8 @@ class MemoryPlan:
         breakdown = {k: int(t["breakdown"][k]) for k in ORDER if t["breakdown"].get(k)}
         return cls(peak_bytes=int(t["peak_bytes"]), breakdown=breakdown, mode=t["mode"],
                    batch_size=int(t["batch_size"]), num_params=t["num_params"], at_rest_bytes=t["at_rest_bytes"],
-                   peak_phase=t["peak_phase"], device=t["device"], _retrace=retrace)
+                   peak_phase=t["peak_phase"], device=t["device"], world_size=int(t.get("world_size", 1)),
+                   strategy=t.get("strategy"), unseen=t.get("unseen"), _retrace=retrace)
 
     @property
     def bytes_per_param(self) -> float:
@@ -135,11 +144,13 @@ class MemoryPlan:
         return {"mode": self.mode, "batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
                 "breakdown": dict(self.breakdown), "at_rest_bytes": self.at_rest_bytes,
                 "num_params": self.num_params, "bytes_per_param": round(self.bytes_per_param, 2),
-                "peak_phase": self.peak_phase, "device": self.device}
+                "peak_phase": self.peak_phase, "device": self.device, "world_size": self.world_size,
+                "strategy": self.strategy, "unseen": self.unseen}
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in self.breakdown.items())
-        return (f"{self.mode} batch {self.batch_size}: peak {_gib(self.peak_bytes)} "
+        where = f" per rank of {self.world_size} ({self.strategy})" if self.strategy else ""
+        return (f"{self.mode} batch {self.batch_size}{where}: peak {_gib(self.peak_bytes)} "
                 f"(during {self.peak_phase}; {parts})")
 
 
@@ -164,7 +175,8 @@ def _gib(n: float) -> str:
 
 def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precision: Any = "auto",
          optimizer: Union[str, Callable] = "adamw", loss_fn: Optional[Callable] = None,
-         device: Any = None, batch_size: Optional[int] = None) -> MemoryPlan:
+         device: Any = None, batch_size: Optional[int] = None, world_size: int = 1,
+         strategy: Optional[str] = None) -> MemoryPlan:
     """Plan the memory of one training step of ``model`` on ``batch`` without running it.
 
     Args:
@@ -182,6 +194,9 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
         device: where the step would run (default: the precision's default device).
         batch_size: plan this many samples (the batch's tensors of its leading size resized), instead of
             the batch's own size: one sample is enough to plan any batch.
+        world_size, strategy: plan one rank of ``world_size`` under ``fsdp`` (FSDP2: ``fully_shard`` per
+            block and the root, traced under a fake process group) or ``ddp`` (the default when
+            ``world_size > 1``); the batch is then per rank. A 7-8B model over 64 ranks plans here.
 
     Returns a :class:`MemoryPlan`.
     """
@@ -196,9 +211,11 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
         raise ValueError("the batch holds no tensor with a leading (batch) dimension: pass (inputs, targets) "
                          "or a dict of tensors.")
 
+    strategy = check_strategy(world_size, strategy)
+
     def retrace(size: Optional[int] = None) -> Dict[str, Any]:
         return trace_step(model, batch, precision=precision, optimizer=optimizer, loss_fn=loss_fn,
-                          device=device, batch_size=size)
+                          device=device, batch_size=size, world_size=world_size, strategy=strategy)
 
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
@@ -207,19 +224,35 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
 
 def auto_batch_size(model: nn.Module, batch: Any, *, precision: Any = "auto", optimizer: Any = "adamw",
                     loss_fn: Optional[Callable] = None, device: Any = None, budget_bytes: Optional[int] = None,
-                    margin: float = DEFAULT_MARGIN, cap: int = DEFAULT_CAP) -> BatchChoice:
+                    margin: float = DEFAULT_MARGIN, cap: int = DEFAULT_CAP, world_size: int = 1,
+                    strategy: Optional[str] = None) -> BatchChoice:
     """``--batch-size auto``: the largest batch that fits ``budget_bytes`` (default: the device's free
-    memory) less ``margin``, at most ``cap``; at least 1 (a run that cannot fit one sample is told so)."""
+    memory) less ``margin``, at most ``cap``; at least 1 (a run that cannot fit one sample is told so).
+
+    With ``world_size`` > 1 the batch is per rank, planned for one rank of ``strategy``; on CPU the ranks
+    of one host share its RAM, so the default budget is this rank's share: the free memory divided by the
+    processes on this host (torchrun's ``LOCAL_WORLD_SIZE``, else ``world_size``). A GPU is one rank's."""
+    import os
+
     from .budget import available_memory, format_bytes
 
     p = plan(model, batch, precision=precision, optimizer=optimizer, loss_fn=loss_fn, device=device,
-             batch_size=min(cap, 32))
-    source = "" if budget_bytes is not None else f" (free memory of {p.device})"
-    budget = budget_bytes if budget_bytes is not None else available_memory(p.device)
+             batch_size=min(cap, 32), world_size=world_size, strategy=strategy)
+    if budget_bytes is not None:
+        budget, source = budget_bytes, ""
+    else:
+        free = available_memory(p.device)
+        share = 1
+        if world_size > 1 and not p.device.startswith("cuda"):
+            share = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        budget = free // share
+        source = (f" (free memory of {p.device}" +
+                  (f" / {share} ranks on this host: {_gib(free)} in all)" if share > 1 else ")"))
     c = p.max_batch_size(budget, margin=margin, cap=cap)
     if c.batch_size < 1:
         raise ValueError(f"--batch-size auto: even one sample needs more than {format_bytes(budget)}{source} less a "
                          f"{margin:.0%} margin in {p.mode}; pick a mode that holds less (ampkit plan --precision all).")
     reason = c.reason.replace(f"fits {_gib(budget)}", f"fits {_gib(budget)}{source}")
+    where = f" per rank of {world_size} ({p.strategy})" if p.strategy else ""
     return BatchChoice(c.batch_size, c.peak_bytes, c.budget_bytes, margin, cap, c.bytes_per_sample,
-                       c.fixed_bytes, f"{reason} in {p.mode}")
+                       c.fixed_bytes, f"{reason} in {p.mode}{where}")

@@ -24,6 +24,7 @@ from ..precision import Precision
 from ..precision.convert import ComputeCopies
 from ..utils.batch import batch_size_of, batch_target, call_model
 from ..utils.tree import iter_tensors, map_tensors
+from .ranks import check_strategy, ddp_bucket_bytes, fake_group, fsdp_storage_counted, shard_fake
 from .tracker import LiveBytes, fake_mode
 
 __all__ = ["trace_step", "run_steps", "split_batch", "make_precision", "build_optimizer"]
@@ -51,8 +52,9 @@ def make_precision(precision: Union[str, Precision], device: Any) -> Precision:
     return Precision(precision, device=device)
 
 
-def build_optimizer(name: Union[str, Callable], params, device: torch.device):
-    """The optimizer ``ampkit train`` builds (fused where torch has the kernel), or ``name(params)``."""
+def build_optimizer(name: Union[str, Callable], params, device: torch.device, sharded: bool = False):
+    """The optimizer ``ampkit train`` builds (fused where torch has the kernel; for ``sharded`` DTensor
+    parameters torch has fused Adam/AdamW but no fused SGD), or ``name(params)``."""
     if callable(name):
         return name(params)
     fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
@@ -62,7 +64,7 @@ def build_optimizer(name: Union[str, Callable], params, device: torch.device):
     if key == "adam":
         return torch.optim.Adam(params, lr=1e-3, **fused)
     if key == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **fused)
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **({} if sharded else fused))
     raise ValueError(f"Unknown optimizer {name!r}: use adamw, adam or sgd, or a callable params -> optimizer.")
 
 
@@ -98,24 +100,74 @@ def fake_batch(batch: Any, mode, device: torch.device, size: Optional[int] = Non
 
 def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision] = "auto",
                optimizer: Union[str, Callable] = "adamw", loss_fn: Optional[Callable] = None,
-               device: Any = None, batch_size: Optional[int] = None) -> Dict[str, Any]:
-    """Trace ``STEPS`` training steps on fake tensors; returns the peak, its breakdown and more."""
-    prec = make_precision(precision, device)
+               device: Any = None, batch_size: Optional[int] = None, world_size: int = 1,
+               strategy: Optional[str] = None) -> Dict[str, Any]:
+    """Trace ``STEPS`` training steps on fake tensors; returns the peak, its breakdown and more.
+
+    With ``strategy`` (``ddp`` | ``fsdp``) the step is one rank's of ``world_size`` (``ranks.py``);
+    ``batch_size`` is then the batch per rank."""
+    strategy = check_strategy(world_size, strategy)
+    target = torch.device(device) if device is not None else None
+    remote = target is not None and target.type == "cuda" and not torch.cuda.is_available()
+    if remote:  # a CUDA target planned from a machine without one
+        prec = remote_cuda_precision(precision)
+    else:
+        prec = make_precision(precision, device)
     dev = prec.device
     mode = fake_mode()
-    live = LiveBytes(dev)
+    live = LiveBytes(torch.device("cuda", target.index or 0) if remote else dev)  # CUDA's 512-byte blocks
     fmodel = fake_model(model, mode, dev)
     fbatch = fake_batch(batch, mode, dev, batch_size)
-    with mode, live:
-        live.track_all(fmodel.parameters(), "weights")
-        live.track_all(fmodel.buffers(), "weights")
-        live.track_all(iter_tensors(fbatch), "inputs")
-        run_steps(fmodel, fbatch, prec, optimizer, loss_fn, live)
-        at_rest = live.current
+    extra: Dict[str, int] = {}
+    if strategy == "fsdp":
+        policy = prec.prepare_fsdp()  # the kind refuses what FSDP cannot shard
+        with fake_group(world_size) as group:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            # a name of its own: DTensor caches its plans per mesh, and an unnamed mesh of the same ranks
+            # would equal the run's own (a cached plan would then name the fake group, gone by then)
+            mesh = DeviceMesh.from_group(group, dev.type, mesh_dim_names=("ampkit_plan",))
+            with mode:  # set up and sharded before the count: the rank's step, not the model's loading
+                fmodel = shard_fake(prec.setup(fmodel, None)[0], policy, mesh)
+            with mode, live, fsdp_storage_counted(live):
+                live.track_all(fmodel.parameters(), "weights")
+                live.track_all(fmodel.buffers(), "weights")
+                live.track_all(iter_tensors(fbatch), "inputs")
+                run_steps(fmodel, fbatch, prec, optimizer, loss_fn, live, sharded=True)
+                at_rest = live.current
+    else:
+        with mode, live:
+            live.track_all(fmodel.parameters(), "weights")
+            live.track_all(fmodel.buffers(), "weights")
+            live.track_all(iter_tensors(fbatch), "inputs")
+            stepped, _ = run_steps(fmodel, fbatch, prec, optimizer, loss_fn, live)
+            at_rest = live.current
+        if strategy == "ddp":  # held from the wrap on: on top of every moment of the step
+            extra["ddp_buckets"] = ddp_bucket_bytes(stepped, live.device)
+    breakdown = live.breakdown()
+    breakdown.update(extra)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return {"peak_bytes": int(live.peak), "peak_phase": live.peak_phase, "breakdown": live.breakdown(),
-            "at_rest_bytes": int(at_rest), "num_params": int(n_params), "mode": prec.name,
-            "device": str(dev), "batch_size": batch_size if batch_size is not None else batch_size_of(batch)}
+    return {"peak_bytes": int(live.peak) + sum(extra.values()), "peak_phase": live.peak_phase,
+            "breakdown": breakdown, "at_rest_bytes": int(at_rest) + sum(extra.values()),
+            "num_params": int(n_params), "mode": prec.name, "device": str(live.device),
+            "batch_size": batch_size if batch_size is not None else batch_size_of(batch),
+            "world_size": world_size, "strategy": strategy, "unseen": REMOTE_CUDA_UNSEEN if remote else None}
+
+
+REMOTE_CUDA_UNSEEN = ("planned without a GPU (CPU fake tensors, CUDA's 512-byte blocks, CPU autocast's op lists): "
+                      "not seen: the CUDA context, the caching allocator's reserved-but-free blocks and "
+                      "fragmentation, cuBLAS/cuDNN workspaces")
+
+
+def remote_cuda_precision(precision: Union[str, Precision]) -> Precision:
+    """The precision of a CUDA target on a machine without CUDA: the mode built for the CPU, whose
+    conversion of model and optimizer is the same code (torch cannot run autograd on fake CUDA tensors
+    in a build without CUDA, so the trace stays on CPU fake tensors)."""
+    name = precision.requested if isinstance(precision, Precision) else str(precision)
+    if name.strip().lower() in ("auto", "none", ""):
+        raise ValueError("precision 'auto' measures the device it runs on: name the mode to plan a CUDA target "
+                         "from a machine without one (e.g. bf16-mixed).")
+    return make_precision(precision, "cpu")
 
 
 class _NoTracker:
@@ -126,22 +178,30 @@ class _NoTracker:
 
 
 def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[str, Callable] = "adamw",
-              loss_fn: Optional[Callable] = None, live: Optional[LiveBytes] = None, steps: int = STEPS):
+              loss_fn: Optional[Callable] = None, live: Optional[LiveBytes] = None, steps: int = STEPS,
+              sharded: bool = False, wrap: Optional[Callable[[nn.Module], nn.Module]] = None):
     """The Trainer's steps (ampkit/train/loop.py, one micro-batch per step): optimizer built, model and
     optimizer set up by the precision, then forward under autocast, loss, backward, step, zero_grad.
+    ``sharded``: the model is already set up and sharded with ``fully_shard`` (as ``ampkit train
+    --strategy fsdp`` does it): the optimizer is built over its shards. ``wrap``: applied to the model once
+    set up (DDP, as ``ampkit train`` wraps it), for the measured calibration on real process groups.
     The same code runs on fake tensors (traced) and on real ones (``benchmarks/plan_calibration.py``)."""
     live = live if live is not None else _NoTracker()
     loss_fn = loss_fn or default_loss
     inputs, targets = split_batch(batch)
-    opt = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], prec.device)
-    model, opt = prec.setup(model, opt)
+    opt = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], prec.device, sharded)
+    if sharded:
+        prec.scaler.register_names(model)
+    else:
+        model, opt = prec.setup(model, opt)
     model.train()
     _tag_state(live, model, opt)
     _tag_compute_copies(live, model)
+    runner = wrap(model) if wrap is not None else model
     for _ in range(steps):
         live.phase = "forward"
         with prec.autocast():
-            out = call_model(model, inputs)
+            out = call_model(runner, inputs)
             loss = loss_fn(out, targets)
         del out
         live.phase = "backward"

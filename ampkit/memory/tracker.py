@@ -13,7 +13,7 @@ for the op that holds them.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -26,6 +26,8 @@ __all__ = ["fake_mode", "LiveBytes", "Record"]
 
 # CUDA's caching allocator hands out blocks in multiples of 512 bytes (MemTracker rounds the same way)
 _CUDA_BLOCK = 512
+# op namespaces of the process group's collectives (their tensors are communication buffers)
+_COLLECTIVES = ("c10d", "_c10d_functional")
 
 
 def fake_mode() -> FakeTensorMode:
@@ -68,7 +70,7 @@ class LiveBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.peak_phase = "setup"
-        self.at_peak: List[Record] = []
+        self.at_peak: List[Tuple[Record, int]] = []  # (record, its bytes at the peak)
         self.phase = "setup"
         self._raised = False
 
@@ -81,7 +83,12 @@ class LiveBytes(TorchDispatchMode):
 
     def track(self, t) -> Optional[Record]:
         """Count ``t``'s storage if it is new; returns its record (None for non-tensors)."""
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta" and not isinstance(t, FakeTensor):
+        if not isinstance(t, torch.Tensor):
+            return None
+        local = getattr(t, "_local_tensor", None)  # a DTensor (FSDP2's shards): this rank's local tensor
+        if isinstance(local, torch.Tensor):
+            t = local
+        if t.device.type == "meta" and not isinstance(t, FakeTensor):
             return None
         st = t.untyped_storage()
         key = id(st)
@@ -110,22 +117,44 @@ class LiveBytes(TorchDispatchMode):
             if rec is not None and category is not None:
                 rec.category = category
 
+    def resized(self, t: torch.Tensor, category: Optional[str] = None) -> None:
+        """``t``'s storage was resized in place (FSDP2 frees and re-allocates its unsharded parameters with
+        ``untyped_storage().resize_``, no new storage): count its new size."""
+        st = t.untyped_storage()
+        rec = self.live.get(id(st))
+        if rec is None or rec.ref() is not st:
+            rec = self.track(t)
+        else:
+            n = self._bytes(st)
+            self.current += n - rec.nbytes
+            rec.nbytes = n
+            if self.current > self.peak:
+                self.peak, self.peak_phase, self._raised = self.current, self.phase, True
+        self._snapshot_if_raised()
+        if rec is not None and category is not None and rec.category is None:
+            rec.category = category
+
     def _snapshot_if_raised(self) -> None:
         if self._raised:  # one copy per op that raised the peak, not per storage
-            self.at_peak = list(self.live.values())
+            self.at_peak = [(r, r.nbytes) for r in self.live.values()]
             self._raised = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             self.track(t)
+        if getattr(func, "namespace", "") in _COLLECTIVES:  # the buffers a collective sends or receives
+            for t in tree_flatten((args, kwargs, out))[0]:
+                rec = self.track(t)
+                if rec is not None and rec.category is None:
+                    rec.category = "comm_buffers"
         self._snapshot_if_raised()
         extra = workspace_bytes(func, args, self.device)
         if extra and self.current + extra > self.peak:  # the kernel's own buffers, live while it ran
             self.peak, self.peak_phase = self.current + extra, self.phase
             ws = Record(None, extra, args[0].dtype, self.phase)
             ws.category = "workspace"
-            self.at_peak = [*self.live.values(), ws]
+            self.at_peak = [*((r, r.nbytes) for r in self.live.values()), (ws, extra)]
         return out
 
     # ------------------------------------------------------------------ reading
@@ -134,7 +163,7 @@ class LiveBytes(TorchDispatchMode):
         forward: kept for backward) or ``temporaries`` (made by backward or the optimizer step); fp8
         storages are ``fp8_casts`` (the weight and activation casts of the fp8 GEMMs)."""
         out: Dict[str, int] = {}
-        for rec in self.at_peak:
+        for rec, nbytes in self.at_peak:
             cat = rec.category
             if cat is None:
                 if "float8" in str(rec.dtype):
@@ -145,5 +174,5 @@ class LiveBytes(TorchDispatchMode):
                     cat = "other"
                 else:
                     cat = "temporaries"
-            out[cat] = out.get(cat, 0) + rec.nbytes
+            out[cat] = out.get(cat, 0) + nbytes
         return out

@@ -18,8 +18,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from . import checks
-from . import step as stepping
+from . import checks, step as stepping
 from .choice import Choice, choose_mode, global_policy, set_global_policy
 from .capability import device_info
 from .hooks import KindHooks
@@ -263,12 +262,10 @@ class Precision(KindHooks, metaclass=_ByKind):
 
     def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
         """Make the optimizer's grads real (unscaled) and record the non-finite check (once per step), as
-        ``GradScaler.unscale_``: then ``torch.nn.utils.clip_grad_norm_`` clips what the step applies, over
-        ``model.parameters()`` or the optimizer's params, in every mode. With a
-        :class:`~ampkit.optim.MasterWeightOptimizer` (a 16-bit model, apex's layout) the unscaled master grads
-        are also written back into the model's grads, and the step takes any change made there. Unscaled modes have
-        nothing to unscale: the check is ``_norm`` (a gradient norm computed anyway) or one read-only pass,
-        never a scale-1 unscale."""
+        ``GradScaler.unscale_``: then ``clip_grad_norm_`` over ``model.parameters()`` or the optimizer's params
+        clips what the step applies, in every mode (a ``MasterWeightOptimizer``'s unscaled master grads are
+        written back into the model's). Unscaled modes check ``_norm`` (a norm computed anyway) or make one
+        read-only pass, never a scale-1 unscale."""
         stepping.unscale(self, optimizer, _norm, to_model=True)
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
@@ -290,14 +287,11 @@ class Precision(KindHooks, metaclass=_ByKind):
 
     # ------------------------------------------------------------------ state
     def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-        """The model's full-precision weights, keyed like ``model.state_dict()`` and loadable into the model
-        built in fp32 (strict): the model's own fp32 params where it has them (the master modes' are the
-        masters), the masters of a ``MasterWeightOptimizer`` passed in, weight + Kahan buffer (in fp32)
-        in bf16-pure with Kahan compensation, fp32 casts of 16-bit tensors otherwise, buffers included, tied
-        weights one tensor (``ampkit.precision.export``). ``optimizer``: the one holding the masters or
-        buffers, by default the one ``setup`` returned. For ``torch.save`` or
-        ``model.save_pretrained(dir, state_dict=precision.fp32_state_dict(model))``; tensors that need no
-        cast alias the live ones, as ``state_dict``'s do."""
+        """The model's full-precision weights, keyed like ``model.state_dict()``, loadable into the fp32 model
+        (strict; ``ampkit.precision.export``): the model's own fp32 params where it has them (the master modes'
+        are the masters), a ``MasterWeightOptimizer``'s masters, bf16-pure's weight + Kahan buffer in fp32,
+        fp32 casts of 16-bit tensors otherwise; buffers included, tied weights one tensor. ``optimizer``: the
+        one holding masters or buffers (default: the one ``setup`` returned). Uncast tensors alias the live ones."""
         opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
         return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
 

@@ -31,13 +31,14 @@ import torch
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-    "latest_checkpoint", "prune_checkpoints", "remove_partial_writes", "rng_state", "set_rng_state", "model_signature",
+    "latest_checkpoint", "prune_checkpoints", "remove_partial_writes", "sharded_path", "rng_state", "set_rng_state",
+    "model_signature",
 ]
 
 FORMAT = "ampkit-checkpoint"
 VERSION = 1
-_NAME = re.compile(r"^step-(\d+)\.pt$")
-_TEMP = re.compile(r"^\.tmp-.*\.pt$")
+_NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # step-N.pt: one file; step-N/: sharded (ampkit/train/sharded.py)
+_TEMP = re.compile(r"^\.tmp-.*")
 
 
 class CheckpointError(ValueError):
@@ -142,8 +143,12 @@ def _os_error(e: BaseException) -> Optional[OSError]:
 
 
 def load_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
-    """Load and validate a checkpoint; never unpickles code (weights_only=True)."""
+    """Load and validate a single-file checkpoint; never unpickles code (weights_only=True). Either layout
+    (a sharded checkpoint is a directory): ``ampkit.train.sharded.read_checkpoint``."""
     if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "manifest.json")):
+            raise CheckpointError(f"checkpoint {path!r} is sharded (a directory): read it with "
+                                  "ampkit.train.sharded.read_checkpoint (or consolidate, for the whole state).")
         raise CheckpointError(f"checkpoint {path!r} is a directory: pass one of its step-*.pt files, "
                               "or --out RUN_DIR --resume auto to continue from the latest one.")
     if not os.path.isfile(path):
@@ -220,17 +225,19 @@ def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}.pt")
 
 
+def sharded_path(directory: str, step: int) -> str:
+    """The directory of a sharded checkpoint (ampkit/train/sharded.py) of ``step``."""
+    return os.path.join(directory, f"step-{step:08d}")
+
+
 def remove_partial_writes(directory: Optional[str]) -> List[str]:
-    """Delete temporary files of saves that a crash interrupted; never touches a step-*.pt file."""
+    """Delete temporary files and directories of saves that a crash interrupted; never touches a checkpoint."""
     removed = []
     if directory and os.path.isdir(directory):
         for name in os.listdir(directory):
             if _TEMP.match(name):
-                try:
-                    os.unlink(os.path.join(directory, name))
-                    removed.append(name)
-                except OSError:
-                    pass
+                _remove(os.path.join(directory, name))
+                removed.append(name)
     return removed
 
 
@@ -238,7 +245,17 @@ def prune_checkpoints(directory: str, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` checkpoints (never the newest one)."""
     paths = list_checkpoints(directory)
     for p in paths[: max(0, len(paths) - max(1, keep_last))]:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
+        _remove(p)
+
+
+def _remove(path: str) -> None:
+    """Delete a file or a (sharded checkpoint's) directory; errors ignored."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass

@@ -6,10 +6,11 @@ a process group (gloo on CPU, nccl on CUDA with ``cuda:LOCAL_RANK``). The Traine
 world size from whatever group is initialised, so library users can also create the group
 themselves.
 
-Checkpoints have one format whatever the strategy: full (unsharded) model and optimizer state
-dicts keyed like a single-process ``optimizer.state_dict()``. Under FSDP they are gathered with
-``torch.distributed.checkpoint.state_dict`` (every rank takes part, rank 0 writes) and scattered
-back on load, so a checkpoint written by 1 process, DDP or FSDP resumes under any of them.
+One process and DDP write single-file checkpoints: full (unsharded) model and optimizer state dicts
+keyed like a single-process ``optimizer.state_dict()``. FSDP writes sharded ones (``sharded.py``, each
+rank its shard). `full_state` / `load_full_state` gather and scatter the full state under FSDP (a
+single-file checkpoint resumed under FSDP, and the Trainer's ``state_dict()``), so a checkpoint
+written by 1 process, DDP or FSDP resumes under any of them.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import checkpoint as ckpt
+from . import sharded
 from .config import TrainConfig, load_config_file
 from .distributed import rescale_position
 from .rundir import RunDirError, checkpoint_dir
@@ -68,7 +69,7 @@ class ResumePlan:
         path = path or self.path
         if self._read is None or self._read[0] != path:
             try:
-                self._read = (path, ckpt.load_checkpoint(path, map_location="cpu"))
+                self._read = (path, sharded.read_checkpoint(path, map_location="cpu"))
             except Exception as e:  # kept: raised where the checkpoint is needed, as a fresh read would
                 self._read = (path, e)
         got = self._read[1]
@@ -160,7 +161,8 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
     """Refuse a checkpoint that cannot continue this run (incomplete, other options or model); say what
     other schedule options change (``steps_per_epoch`` None: the schedule is the user's own). Returns
     ``cfg`` with the checkpoint's lr, which continues in its optimizer and scheduler state."""
-    missing = [k for k in ("model", "optimizer", "precision", "progress", "rng") if k not in ck]
+    needed = ("precision", "progress", "rng") + (() if "sharded" in ck else ("model", "optimizer"))
+    missing = [k for k in needed if k not in ck]
     if missing:
         raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
                                    "incomplete or was not written by the ampkit Trainer.")
@@ -311,7 +313,7 @@ def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], Non
         if out is None and os.path.basename(parent) == "checkpoints":
             out = os.path.dirname(parent)
     if not out:  # a checkpoint outside a run directory: its own copy of the options, into a new --out
-        if not path or not os.path.isfile(path):
+        if not path or not os.path.exists(path):
             return None, None
         saved = dict(plan.load(path).get("config") or {})
         saved.pop("resume", None)
@@ -327,7 +329,7 @@ def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], Non
                 note(f"{e}; using the checkpoint's copy of the run's options")
     if saved is None:
         path = path or checkpoint_to_resume("auto", out)
-        if not path or not os.path.isfile(path):
+        if not path or not os.path.exists(path):
             return out, None
         saved = dict(plan.load(path).get("config") or {})
     saved.pop("resume", None)

@@ -95,7 +95,8 @@ def check_config(cfg: TrainConfig, train_data: Dataset) -> None:
         raise ValueError(f"Unknown strategy {cfg.strategy!r}: use {' or '.join(_dist.STRATEGIES)}.")
     if cfg.strategy == "fsdp" and not _dist.is_initialized():
         raise ValueError("strategy 'fsdp' needs torch.distributed: launch with "
-                         "torchrun --nproc-per-node N -m ampkit train --strategy fsdp ...")
+                         "torchrun --nproc-per-node N -m ampkit train --strategy fsdp ..." +
+                         (" (or --strategy ddp to continue an FSDP run's checkpoint in one process)" if cfg.resume else ""))
     if cfg.memory_format not in MEMORY_FORMATS:
         raise ValueError(f"Unknown memory_format {cfg.memory_format!r}: use {', '.join(MEMORY_FORMATS)}.")
 

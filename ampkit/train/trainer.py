@@ -31,7 +31,7 @@ from ..precision import NonFiniteGradientsError
 from ..utils.tree import to_device
 from . import checkpoint as ckpt
 from . import distributed as _dist
-from . import resume, setup
+from . import resume, setup, sharded
 from .batches import Batches, unwrap_loaders
 from .config import TrainConfig
 from .evaluate import default_loss, evaluate_shards
@@ -174,9 +174,11 @@ class Trainer:
 
     def state_dict(self) -> Dict[str, Any]:
         model_state, optim_state = self._model_optim_state()
+        return {"model": model_state, "optimizer": optim_state, **self._run_state()}
+
+    def _run_state(self) -> Dict[str, Any]:
+        """Everything of a checkpoint but the model and the optimizer."""
         return {
-            "model": model_state,
-            "optimizer": optim_state,
             "precision": self.precision.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "progress": {"epoch": self.epoch, "batch": self.batch_in_epoch, "global_step": self.global_step,
@@ -190,18 +192,21 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Optional[str]:
-        """Write a checkpoint of the run's state (every rank calls it); its path on the rank that wrote it."""
+        """Write a checkpoint of the run's state (every rank calls it); its path on the ranks that wrote it
+        (under FSDP each rank writes its shard: `ampkit.train.sharded`; otherwise rank 0 writes one file)."""
         directory = checkpoint_dir(self.run_dir)
-        if directory is None or not _dist.is_main_process():
-            if directory is not None and self._fsdp:
-                self._model_optim_state()  # rank 0 gathers the shards: take part
+        if directory is None or not (self._fsdp or _dist.is_main_process()):
             _dist.barrier()
             return None
-        path = ckpt.checkpoint_path(directory, self.attempted_steps)
-        state = self.state_dict()
+        path = (ckpt.sharded_path if self._fsdp else ckpt.checkpoint_path)(directory, self.attempted_steps)
+        state = self._run_state() if self._fsdp else self.state_dict()
         with self.stop.writing():  # a second Ctrl-C here lets the write finish, then stops
-            ckpt.save_checkpoint(state, path)
-            ckpt.prune_checkpoints(directory, self.config.keep_last)
+            if self._fsdp:  # a collective: each rank writes its shard
+                sharded.save_sharded(self.raw_model, self.optimizer, state, path)
+            else:
+                ckpt.save_checkpoint(state, path)
+            if _dist.is_main_process():
+                ckpt.prune_checkpoints(directory, self.config.keep_last)
         self.last_checkpoint = path
         _dist.barrier()
         if self.stop.forced:
@@ -210,7 +215,7 @@ class Trainer:
 
     def load_checkpoint(self, path: str) -> None:
         """Continue from the checkpoint at ``path``: its options and model checked, every state loaded."""
-        self._apply_checkpoint(ckpt.load_checkpoint(path, map_location=self.device), path)
+        self._apply_checkpoint(sharded.read_checkpoint(path, map_location=self.device), path)
 
     def _apply_checkpoint(self, ck: Dict[str, Any], path: str, options_checked: bool = False) -> None:
         self.config = resume.check_checkpoint(ck, path, self.config, self.world_size,
@@ -221,13 +226,11 @@ class Trainer:
         built = [g["weight_decay"] for g in self.optimizer.param_groups] if self._own_optimizer else []
         try:
             self.precision.load_state_dict(ck["precision"])
-            if self._fsdp:
-                _dist.load_full_state(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
-            else:
-                self.raw_model.load_state_dict(ck["model"])
-                self.optimizer.load_state_dict(_dist.keep_implementation(ck["optimizer"], self.optimizer))
+            sharded.load_model_and_optimizer(self.raw_model, self.optimizer, ck, self._fsdp)
             if self.scheduler is not None and ck.get("scheduler"):
                 self.scheduler.load_state_dict(ck["scheduler"])
+        except ckpt.CheckpointError:  # a damaged or refused shard: said as it is
+            raise
         except (KeyError, RuntimeError, ValueError) as e:
             raise ckpt.CheckpointError(f"checkpoint {path!r} does not match this run: {str(e).splitlines()[0]}") from e
         self.epoch, self.batch_in_epoch, self.global_step, self.attempted_steps = resume.saved_position(

@@ -21,7 +21,7 @@ def _reset_global_policy():
         ("mixed_bfloat16", "bf16-mixed", "bfloat16", "float32"),
         ("float16", "fp16-pure", "float16", "float16"),
         ("bfloat16", "bf16-pure", "bfloat16", "bfloat16"),
-        ("bf16-master", "bf16-master", "bfloat16", "float32"),  # the variables are the fp32 masters
+        ("bf16-master", "bf16-master", "bfloat16", "float32"),  # the trained weights are the fp32 masters
         ("O2", "fp16-master", "float16", "float32"),
     ],
 )

@@ -23,7 +23,7 @@ MASTER = ["bf16-master", "fp16-master"]
 
 
 def _precision(mode, **kw):
-    if mode.startswith("fp8"):
+    if mode.startswith(("fp8", "mx")):
         pytest.importorskip("torchao")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 / emulated bf16 on this CPU
@@ -330,3 +330,29 @@ def test_fp16_pure_optimizer_built_after_setup_gets_the_eps_check():
         prec.step(opt)
     assert opt.param_groups[0]["eps"] == prec.min_adam_eps
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _RunningMean(nn.Module):
+    """A module (not a norm) that updates a floating buffer in place in its forward, as EMA codebooks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x):
+        y = self.proj(x)
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(y.mean(0), alpha=0.5)
+        return y + self.mean
+
+
+@pytest.mark.parametrize("mode", MASTER)
+def test_a_buffer_changed_in_forward_is_written_back_in_fp32(mode):
+    prec = _precision(mode)
+    model, _ = prec.setup(_RunningMean())
+    assert model.mean.dtype == torch.float32
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with prec.autocast():
+        model(x)
+    assert model.mean.dtype == torch.float32 and model.mean.abs().sum() > 0 and "mean" not in vars(model)

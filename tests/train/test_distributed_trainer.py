@@ -15,8 +15,9 @@ from torch.utils.data import TensorDataset
 
 from ampkit import Trainer
 from ampkit.train import RunDirError, TrainingInterrupted
-from ampkit.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from ampkit.train.checkpoint import CheckpointError, list_checkpoints
 from ampkit.train.distributed import rescale_position, shard_indices
+from ampkit.train.sharded import consolidate, read_checkpoint
 from distributed_helpers import init_rank, run_ranks
 
 BASE = dict(progress=False, lr_schedule="constant", optimizer="sgd", lr=0.1, weight_decay=0.0, device="cpu",
@@ -132,7 +133,9 @@ def test_logged_train_loss_is_the_mean_over_ranks(runs):
 def test_signal_on_one_rank_stops_both_at_the_same_step(runs, strategy):
     (steps0, batch0, path0), (steps1, batch1, path1) = (runs["ranks"][r][strategy]["stopped"] for r in (0, 1))
     assert steps0 == steps1 == 4 and batch0 == batch1 == 4  # the log boundary after the signal, mid-epoch
-    assert path0 and os.path.exists(path0) and path1 is None  # rank 0 alone writes
+    assert path0 and os.path.exists(path0)
+    # DDP: rank 0 alone writes the one file; FSDP: each rank writes its shard of the one checkpoint directory
+    assert path1 is None if strategy == "ddp" else path1 == path0 and os.path.isdir(path0)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -148,10 +151,14 @@ def test_two_process_resume_is_exact(runs, strategy):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_one_process_resumes_a_two_process_checkpoint(runs, strategy, tmp_path):
     path = runs["ranks"][0][strategy]["stopped"][2]
-    ck = load_checkpoint(path)
+    ck = read_checkpoint(path)
     assert ck["progress"]["world_size"] == 2
-    assert all(not hasattr(v, "device_mesh") for v in ck["model"].values())  # full tensors, not shards
-    assert set(ck["optimizer"]["state"]) == set(range(len(ck["model"])))  # keyed like optimizer.state_dict()
+    if strategy == "ddp":
+        assert all(not hasattr(v, "device_mesh") for v in ck["model"].values())  # full tensors
+        assert set(ck["optimizer"]["state"]) == set(range(len(ck["model"])))  # keyed like optimizer.state_dict()
+    else:  # one shard per rank; the model and optimizer are read by the resume, resharded to one process
+        assert "model" not in ck and sorted(f for f in ck["sharded"]["files"] if f.endswith(".distcp")) == [
+            "__0_0.distcp", "__1_0.distcp"]
     t = Trainer(_model(seed=5), TRAIN, EVAL, out=str(tmp_path / "one"), resume=path,
                 **dict(BASE, batch_size=GLOBAL_BATCH))
     t.fit()
@@ -164,7 +171,7 @@ def test_fsdp_mixed_precision_policy_trains(runs):
     assert s0["summary"]["precision"] == "bf16-mixed"
     assert all(torch.equal(a, b) for a, b in zip(s0["params"], s1["params"]))
     assert all(p.dtype == torch.float32 for p in s0["params"])  # the shards (masters) stay fp32
-    ck = load_checkpoint(s0["checkpoint"])  # written after the final evaluation's bf16 forward
+    ck = consolidate(s0["checkpoint"])  # written after the final evaluation's bf16 forward
     assert all(torch.equal(a, b) for a, b in zip(ck["model"].values(), s0["params"]))
     assert s0["summary"]["eval_loss"] == pytest.approx(runs["ref_summary"]["eval_loss"], rel=0.05)
 

@@ -1,0 +1,286 @@
+"""Sharded checkpoints (ampkit/train/sharded.py): `ampkit train --strategy fsdp` on 2 gloo ranks writes one
+shard per rank; the checkpoint resumes bitwise on 2 ranks (each rank reading only its half), continues on
+1 process, and a single-file checkpoint still resumes under FSDP. A damaged shard is one line (exit 2); a
+.metadata that would run code is refused; a kill mid-save leaves the previous checkpoint loadable.
+``get_state_dict``/``set_state_dict`` continue every mode bitwise under DDP (one process:
+tests/precision/test_dcp_state_dict.py).
+"""
+import contextlib
+import io
+import json
+import math
+import os
+import pickle
+import shutil
+import signal
+import zlib
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from ampkit.cli import main
+from ampkit.train import sharded
+from ampkit.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, remove_partial_writes,
+                                     sharded_path)
+from dcp_state_helpers import CASES, IDS, continued, equal
+from distributed_helpers import init_rank, run_ranks
+
+ARGS = ["train", "--data", "digits", "--model", "mlp", "--precision", "fp32", "--save-every", "3", "--keep-last", "5",
+        "--no-progress", "--num-threads", "1", "--lr-schedule", "constant", "--seed", "3"]
+FSDP = ARGS + ["--strategy", "fsdp", "--batch-size", "32"]
+
+
+def _quiet(argv):
+    """main(argv) -> (exit code, stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def _flip(path, at=None):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2 if at is None else at] ^= 0x5A
+    open(path, "wb").write(bytes(data))
+
+
+def _worker(rank, tmp):
+    init_rank(rank, tmp)
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    out = {"full": _quiet(FSDP + ["--max-steps", "6", "--out", f"{tmp}/full"]),
+           "part": _quiet(FSDP + ["--max-steps", "3", "--out", f"{tmp}/part"])}
+    read, real = [], FileSystemReader.read_data
+
+    def counting(self, plan, planner):  # tensor elements this rank reads from the shards
+        read.append(sum(math.prod(r.lengths) for r in plan.items if r.type == LoadItemType.TENSOR))
+        return real(self, plan, planner)
+
+    FileSystemReader.read_data = counting
+    out["resume"] = _quiet(["train", "--out", f"{tmp}/part", "--resume", "auto", "--max-steps", "6"])
+    FileSystemReader.read_data = real
+    out["read"] = sum(read)
+    # a single-file checkpoint (one process wrote it) resumes under FSDP
+    out["from_single"] = _quiet(FSDP + ["--max-steps", "6", "--out", f"{tmp}/from-single",
+                                        "--resume", f"{tmp}/single/checkpoints/step-00000003.pt"])
+    # a damaged shard: the same one line on both ranks, exit 2
+    if rank == 0:
+        shutil.copytree(f"{tmp}/full", f"{tmp}/damaged")
+        _flip(f"{tmp}/damaged/checkpoints/step-00000006/__1_0.distcp")
+    dist.barrier()
+    out["damaged"] = _quiet(["train", "--out", f"{tmp}/damaged", "--resume", "auto", "--max-steps", "9"])
+    # a full disk on rank 1 alone: the same one line on both ranks, nothing left behind, no rank left waiting
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real_write = FileSystemWriter.write_data
+    if rank == 1:
+        def full_disk(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+        FileSystemWriter.write_data = full_disk
+    try:
+        sharded.save_sharded(*_tiny(), {}, sharded_path(f"{tmp}/full-disk", 1))
+        out["full_disk"] = "written"
+    except CheckpointError as e:
+        out["full_disk"] = str(e)
+    FileSystemWriter.write_data = real_write
+    # get_state_dict / set_state_dict under DDP, every mode
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out["ddp_state_dict"] = {}
+    for case, (mode, kw) in zip(IDS, CASES):
+        try:
+            (ref_model, ref_optim), (model, optim) = continued(mode, kw, wrap=DDP)
+            out["ddp_state_dict"][case] = equal(model, ref_model) and equal(optim, ref_optim) or "not bitwise"
+        except Exception as e:
+            out["ddp_state_dict"][case] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("sharded"))
+    code, err = _quiet(ARGS + ["--batch-size", "64", "--max-steps", "3", "--out", f"{tmp}/single"])
+    assert code == 0, err
+    run_ranks(_worker, tmp, timeout=300.0)
+    return {"tmp": tmp, "ranks": [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]}
+
+
+def _ck(tmp, run, step):
+    return sharded_path(os.path.join(tmp, run, "checkpoints"), step)
+
+
+_equal = equal
+
+
+def test_each_rank_writes_its_shard_and_a_resume_on_two_ranks_is_bitwise(runs):
+    tmp = runs["tmp"]
+    for r in (0, 1):
+        for name in ("full", "part", "resume"):
+            assert runs["ranks"][r][name][0] == 0, runs["ranks"][r][name][1]
+    ck = _ck(tmp, "full", 6)
+    assert sorted(os.listdir(ck)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "state.pt"]
+    assert json.load(open(os.path.join(ck, "manifest.json")))["world_size"] == 2
+    assert [os.path.basename(p) for p in list_checkpoints(os.path.join(tmp, "full", "checkpoints"))] == [
+        "step-00000003", "step-00000006"]
+    full, resumed = sharded.consolidate(ck), sharded.consolidate(_ck(tmp, "part", 6))
+    assert _equal(full["model"], resumed["model"]) and _equal(full["optimizer"], resumed["optimizer"])
+    assert _equal(full["precision"], resumed["precision"]) and full["progress"] == resumed["progress"]
+    # no rank read the whole state: each read about its half of the tensor elements
+    total = sum(t.numel() for t in full["model"].values()) + sum(
+        t.numel() for s in full["optimizer"]["state"].values() for t in s.values() if isinstance(t, torch.Tensor))
+    reads = [runs["ranks"][r]["read"] for r in (0, 1)]
+    assert sum(reads) >= total and max(reads) < 0.7 * total, (reads, total)
+
+
+def test_one_process_continues_a_two_rank_checkpoint(runs, tmp_path):
+    tmp = runs["tmp"]
+    code, err = _quiet(["train", "--out", str(tmp_path / "one"), "--resume", _ck(tmp, "part", 3), "--strategy",
+                        "ddp", "--batch-size", "64", "--max-steps", "6"])
+    assert code == 0, err
+    one = load_checkpoint(str(tmp_path / "one" / "checkpoints" / "step-00000006.pt"))  # one process: one file
+    two = sharded.consolidate(_ck(tmp, "full", 6))
+    assert one["progress"]["global_step"] == two["progress"]["global_step"] == 6
+    for k, v in two["model"].items():  # the same global batch, summed in another order
+        torch.testing.assert_close(one["model"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_a_single_file_checkpoint_resumes_under_fsdp(runs):
+    for r in (0, 1):
+        assert runs["ranks"][r]["from_single"][0] == 0, runs["ranks"][r]["from_single"][1]
+    got = sharded.consolidate(_ck(runs["tmp"], "from-single", 6))
+    ref = sharded.consolidate(_ck(runs["tmp"], "full", 6))
+    for k, v in ref["model"].items():  # 3 of the 6 steps summed in one process: Adam's 1/sqrt(v) amplifies the order
+        torch.testing.assert_close(got["model"][k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_a_write_failing_on_one_rank_fails_on_every_rank_and_leaves_nothing(runs):
+    errors = [runs["ranks"][r]["full_disk"] for r in (0, 1)]
+    assert errors[0] == errors[1] and "No space left on device; earlier checkpoints are intact" in errors[0], errors
+    assert os.listdir(os.path.join(runs["tmp"], "full-disk")) == []
+
+
+def test_a_damaged_shard_is_one_line_exit_2_naming_the_earlier_checkpoint(runs):
+    (code0, err0), (code1, err1) = (runs["ranks"][r]["damaged"] for r in (0, 1))
+    assert code0 == code1 == 2
+    lines = [l for l in err0.splitlines() if l.startswith("ampkit train: error:")]
+    assert len(lines) == 1 and "Traceback" not in err0, err0
+    assert "'__1_0.distcp'" in lines[0] and "CRC-32" in lines[0] and "step-00000003" in lines[0], lines[0]
+    assert lines[0].split("error: ")[1] in err1  # the same error on both ranks (none left waiting in a collective)
+
+
+# ---------------------------------------------------------------------- one process: the files themselves
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if seed == 0:
+        model(torch.randn(3, 4)).square().sum().backward()
+        opt.step()
+    return model, opt
+
+
+def test_round_trip_in_one_process_is_bitwise(tmp_path):
+    model, opt = _tiny()
+    path = sharded.save_sharded(model, opt, {"progress": {"epoch": 1}}, sharded_path(str(tmp_path), 7))
+    ck = sharded.read_checkpoint(path)
+    assert ck["progress"] == {"epoch": 1} and "model" not in ck
+    model2, opt2 = _tiny(seed=1)
+    sharded.load_sharded(model2, opt2, ck["sharded"])
+    assert _equal(model.state_dict(), model2.state_dict()) and _equal(opt.state_dict(), opt2.state_dict())
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda p: _flip(os.path.join(p, "__0_0.distcp")), "'__0_0.distcp' do not match their CRC-32"),
+    (lambda p: os.truncate(os.path.join(p, "__0_0.distcp"), 10), "'__0_0.distcp' has 10 bytes"),
+    (lambda p: os.unlink(os.path.join(p, "__0_0.distcp")), "file '__0_0.distcp' is missing"),
+    (lambda p: _flip(os.path.join(p, ".metadata")), "'.metadata' do not match"),
+    (lambda p: open(os.path.join(p, "manifest.json"), "w").write("{"), "manifest.json cannot be read"),
+])
+def test_damage_to_any_file_is_named(tmp_path, damage, said):
+    model, opt = _tiny()
+    path = sharded.save_sharded(model, opt, {}, sharded_path(str(tmp_path), 1))
+    damage(path)
+    with pytest.raises(CheckpointError, match=said) as e:
+        sharded.load_sharded(*_tiny(seed=1), sharded.read_checkpoint(path)["sharded"])
+    assert e.value.damaged
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (exec, ("open(__import__('os').environ['AMPKIT_TEST_MARKER'], 'w').write('ran')",))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("AMPKIT_TEST_MARKER", str(marker))
+    model, opt = _tiny()
+    path = sharded.save_sharded(model, opt, {}, sharded_path(str(tmp_path), 1))
+    meta = os.path.join(path, ".metadata")
+    with open(meta, "wb") as f:
+        pickle.dump(_RunsCode(), f)
+    manifest = json.load(open(os.path.join(path, "manifest.json")))  # checksums that match: only the unpickler guards
+    data = open(meta, "rb").read()
+    manifest["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    json.dump(manifest, open(os.path.join(path, "manifest.json"), "w"))
+    with pytest.raises(CheckpointError, match=r"was refused: its .metadata names the Python object builtins.exec"):
+        sharded.load_sharded(*_tiny(seed=1), sharded.read_checkpoint(path)["sharded"])
+    assert not marker.exists()
+
+
+def _killed_save(directory, point):
+    """Save once more, SIGKILLed at ``point`` of the write."""
+    import os as _os
+
+    model, opt = _tiny()
+    if point == "mid-shard":
+        _os.fsync = lambda fd: _os.kill(_os.getpid(), signal.SIGKILL)  # the shard written, not yet synced
+    else:
+        _os.rename = lambda *a: _os.kill(_os.getpid(), signal.SIGKILL)  # everything written, before the rename
+    sharded.save_sharded(model, opt, {"progress": {"epoch": 2}}, sharded_path(directory, 2))
+
+
+@pytest.mark.parametrize("point", ["mid-shard", "before-rename"])
+def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, point):
+    directory = str(tmp_path)
+    model, opt = _tiny()
+    first = sharded.save_sharded(model, opt, {"progress": {"epoch": 1}}, sharded_path(directory, 1))
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    p = mp.get_context(method).Process(target=_killed_save, args=(directory, point))
+    p.start()
+    p.join(120)
+    assert p.exitcode == -signal.SIGKILL
+    assert list_checkpoints(directory) == [first]  # the torn save is no checkpoint
+    assert [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+    ck = sharded.read_checkpoint(first)
+    model2, opt2 = _tiny(seed=1)
+    sharded.load_sharded(model2, opt2, ck["sharded"])
+    assert _equal(model.state_dict(), model2.state_dict()) and ck["progress"] == {"epoch": 1}
+    remove_partial_writes(directory)
+    assert os.listdir(directory) == ["step-00000001"]
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_get_and_set_state_dict_under_ddp_continue_bitwise(runs, case):
+    assert runs["ranks"][0]["ddp_state_dict"][case] is True
+    assert runs["ranks"][1]["ddp_state_dict"][case] is True
+
+
+def test_a_failed_write_changes_nothing(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, opt = _tiny()
+    first = sharded.save_sharded(model, opt, {}, sharded_path(str(tmp_path), 1))
+
+    def full_disk(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step-00000002'?: No space left on device; "
+                                              "earlier checkpoints are intact"):
+        sharded.save_sharded(model, opt, {}, sharded_path(str(tmp_path), 2))
+    assert os.listdir(tmp_path) == ["step-00000001"] and list_checkpoints(str(tmp_path)) == [first]
