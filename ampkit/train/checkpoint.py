@@ -31,7 +31,7 @@ import torch
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-    "latest_checkpoint", "prune_checkpoints", "remove_partial_writes", "sharded_path", "rng_state", "set_rng_state",
+    "latest_checkpoint", "prune_checkpoints", "remove_partial_writes", "sharded_path", "fsync_dir", "rng_state", "set_rng_state",
     "model_signature",
 ]
 
@@ -120,15 +120,21 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> str:
                 "(free disk space or fix permissions, then resume with --resume auto)."
             ) from e
         raise
+    fsync_dir(directory)
+    return path
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename into ``directory`` durable (the directory entry itself); a file system that cannot
+    fsync a directory only loses that guarantee."""
     try:
-        dfd = os.open(directory, os.O_RDONLY)
+        fd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(dfd)
+            os.fsync(fd)
         finally:
-            os.close(dfd)
+            os.close(fd)
     except OSError:
         pass
-    return path
 
 
 def _os_error(e: BaseException) -> Optional[OSError]:

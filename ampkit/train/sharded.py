@@ -64,17 +64,6 @@ def _crc32(path: str) -> Tuple[int, int]:
             crc, size = zlib.crc32(block, crc), size + len(block)
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 def _rank_world() -> Tuple[int, int]:
     from .distributed import rank_and_world
 
@@ -206,13 +195,13 @@ def _finish(tmp: str, path: str, state: Dict[str, Any], files: Dict[str, Tuple[i
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    ckpt.fsync_dir(tmp)
     old = None
     if os.path.lexists(path):  # a save of the same step again: the new one replaces it
         old = tempfile.mkdtemp(prefix=f".tmp-old-{os.path.basename(path)}-", dir=os.path.dirname(path))
         os.rename(path, os.path.join(old, "ck"))
     os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    ckpt.fsync_dir(os.path.dirname(path))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
