@@ -165,9 +165,9 @@ def measure_rank(build, precision, strategy: str, optimizer="adamw", loss_fn=Non
 
         model, batch = build()
         prec = make_precision(precision, device)
-        policy = prec.prepare_fsdp()
+        prec.prepare_fsdp()
         mesh = DeviceMesh.from_group(dist.group.WORLD, torch.device(device).type)
-        model = shard_fake(prec.setup(model, None)[0], policy, mesh)
+        model = shard_fake(prec.setup(model, None)[0], prec, mesh)
         gc.collect()
         held = resident_bytes(model) + sum(t.untyped_storage().nbytes() for t in iter_tensors(batch))
         meter = PeakMeter(device).start()

@@ -16,12 +16,14 @@ for the run (``gradient_as_bucket_view=False``, torch's default and ``ampkit tra
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["STRATEGIES", "fake_group", "fsdp_units", "shard_fake", "fsdp_storage_counted", "ddp_bucket_bytes",
+from ..precision.sharding import shard_units
+
+__all__ = ["STRATEGIES", "fake_group", "shard_fake", "fsdp_storage_counted", "ddp_bucket_bytes",
            "check_strategy"]
 
 STRATEGIES = ("ddp", "fsdp")
@@ -64,21 +66,10 @@ def fake_group(world_size: int) -> Iterator["torch.distributed.ProcessGroup"]:
         dist.destroy_process_group()
 
 
-def fsdp_units(model: nn.Module) -> List[nn.Module]:
-    """The blocks ``ampkit train --strategy fsdp`` shards on their own: the entries of every ModuleList
-    (transformer layers and the like) that hold parameters; the root takes the rest."""
-    return [m for module in model.modules() if isinstance(module, nn.ModuleList)
-            for m in module if any(True for _ in m.parameters())]
-
-
-def shard_fake(model: nn.Module, policy, mesh) -> nn.Module:
-    """``fully_shard`` each block, then the root, with ``policy`` (in place; fake or real parameters)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for unit in fsdp_units(model):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
+def shard_fake(model: nn.Module, precision, mesh) -> nn.Module:
+    """Shard ``model`` (fake or real parameters) as ``ampkit train --strategy fsdp`` does
+    (:func:`ampkit.precision.sharding.shard_units`), on ``mesh``."""
+    return shard_units(model, precision, mesh)
 
 
 @contextlib.contextmanager

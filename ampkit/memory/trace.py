@@ -120,7 +120,7 @@ def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision]
     fbatch = fake_batch(batch, mode, dev, batch_size)
     extra: Dict[str, int] = {}
     if strategy == "fsdp":
-        policy = prec.prepare_fsdp()  # the kind refuses what FSDP cannot shard
+        prec.prepare_fsdp()  # the kind refuses what FSDP cannot shard; contiguous parameters only
         with fake_group(world_size) as group:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -128,7 +128,7 @@ def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision]
             # would equal the run's own (a cached plan would then name the fake group, gone by then)
             mesh = DeviceMesh.from_group(group, dev.type, mesh_dim_names=("ampkit_plan",))
             with mode:  # set up and sharded before the count: the rank's step, not the model's loading
-                fmodel = shard_fake(prec.setup(fmodel, None)[0], policy, mesh)
+                fmodel = shard_fake(prec.setup(fmodel, None)[0], prec, mesh)
             with mode, live, fsdp_storage_counted(live):
                 live.track_all(fmodel.parameters(), "weights")
                 live.track_all(fmodel.buffers(), "weights")
@@ -183,14 +183,15 @@ def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[st
     """The Trainer's steps (ampkit/train/loop.py, one micro-batch per step): optimizer built, model and
     optimizer set up by the precision, then forward under autocast, loss, backward, step, zero_grad.
     ``sharded``: the model is already set up and sharded with ``fully_shard`` (as ``ampkit train
-    --strategy fsdp`` does it): the optimizer is built over its shards. ``wrap``: applied to the model once
+    --strategy fsdp`` does it): the optimizer is built over its shards and wrapped by the precision. ``wrap``: applied to the model once
     set up (DDP, as ``ampkit train`` wraps it), for the measured calibration on real process groups.
     The same code runs on fake tensors (traced) and on real ones (``benchmarks/plan_calibration.py``)."""
     live = live if live is not None else _NoTracker()
     loss_fn = loss_fn or default_loss
     inputs, targets = split_batch(batch)
     opt = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], prec.device, sharded)
-    if sharded:
+    if sharded:  # as the Trainer under --strategy fsdp: the kind's optimizer over the shards
+        opt = prec.wrap_optimizer(opt)
         prec.scaler.register_names(model)
     else:
         model, opt = prec.setup(model, opt)

@@ -61,6 +61,19 @@ def test_fsdp_gathers_the_compute_dtype(llama):
     assert mixed.breakdown["unsharded"] < fp32.breakdown["unsharded"] and mixed.peak_bytes < fp32.peak_bytes
 
 
+def test_fsdp_plans_the_master_and_pure_modes_as_the_trainer_shards_them(llama):
+    """The planner shards as ``ampkit train --strategy fsdp`` does (norms in fp32 groups of their own, the
+    kind's optimizer over the shards): the master modes keep fp32 shards, the pure modes 16-bit ones and
+    bf16-pure its Kahan buffers, each per rank."""
+    model, batch = llama
+    fp32 = ampkit.plan(model, batch, precision="fp32", device="cpu", world_size=4, strategy="fsdp")
+    master = ampkit.plan(model, batch, precision="bf16-master", device="cpu", world_size=4, strategy="fsdp")
+    pure = ampkit.plan(model, batch, precision="bf16-pure", device="cpu", world_size=4, strategy="fsdp")
+    assert master.breakdown["weights"] == fp32.breakdown["weights"]
+    assert pure.breakdown["weights"] < 0.6 * fp32.breakdown["weights"]
+    assert pure.breakdown.get("compensation", 0) > 0
+
+
 def test_ddp_adds_its_gradient_buckets(llama):
     model, batch = llama
     for mode, elem in (("fp32", 4), ("bf16-pure", 2)):
