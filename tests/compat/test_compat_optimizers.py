@@ -170,22 +170,41 @@ def test_normalization_layers_are_torch_layers():
     assert isinstance(FusedRMSNorm(8), nn.RMSNorm)
 
 
-def test_parallel(tmp_path):
-    import torch.distributed as dist
+_PARALLEL_CHILD = r"""
+import os, sys
+import pytest, torch
+import torch.distributed as dist
+from torch import nn
+from ampkit.compat.apex.parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
 
-    net = convert_syncbn_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
-    assert isinstance(net[1], SyncBatchNorm)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        plain = nn.Linear(4, 2)
-        model = DistributedDataParallel(nn.Linear(4, 2), message_size=1000, allreduce_always_fp32=True)
-        model.module.load_state_dict(plain.state_dict())
-        x = torch.randn(8, 4)
-        model(x).sum().backward()
-        plain(x).sum().backward()
-        torch.testing.assert_close(model.module.weight.grad, plain.weight.grad)
-        with pytest.raises(ValueError, match="gradient_average=False"):
-            DistributedDataParallel(nn.Linear(2, 2), gradient_average=False)
-    finally:
-        dist.destroy_process_group()
+net = convert_syncbn_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+assert isinstance(net[1], SyncBatchNorm)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+plain = nn.Linear(4, 2)
+model = DistributedDataParallel(nn.Linear(4, 2), message_size=1000, allreduce_always_fp32=True)
+model.module.load_state_dict(plain.state_dict())
+x = torch.randn(8, 4)
+model(x).sum().backward()
+plain(x).sum().backward()
+torch.testing.assert_close(model.module.weight.grad, plain.weight.grad)
+with pytest.raises(ValueError, match="gradient_average=False"):
+    DistributedDataParallel(nn.Linear(2, 2), gradient_average=False)
+print("ok", flush=True)
+os._exit(0)
+"""
+
+
+def test_parallel(tmp_path):
+    """apex's DDP wrapper on a one-process gloo group. In a child process that exits without running the
+    process group's destructor: torch's ProcessGroupGloo destructor, run when DDP's reducer is freed after
+    ``destroy_process_group``, was seen to deadlock joining its worker threads (a hang in the suite)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", _PARALLEL_CHILD, str(tmp_path / "pg")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
