@@ -112,8 +112,9 @@ def check(
         audit: record which dtype each module's matmul/conv/softmax/norm ran in.
         fp8_skip, fp8_force: with fp8 precisions, Linear names kept in bf16 / converted although
             first or last (as ``Precision(fp8_skip=..., fp8_force=...)``).
-        fp8_filter, fp8_gpu, fp8_tokens: the fp8 filter (``'ends'``, ``'auto'``: per-layer roofline, ``'all'``),
-            the GPU class it judges for (default: this GPU's, ``'h100'`` on a CPU) and tokens per GEMM.
+        fp8_filter, fp8_gpu, fp8_tokens: the fp8 filter (``'auto'``, the default: per-layer roofline; ``'ends'``;
+            ``'all'``), the GPU class it judges for (default: this GPU's, on a CPU ``'h100'``, ``'b200'`` for mxfp8)
+            and tokens per GEMM.
 
     Keys: ``device``, ``auto``, ``loss_scale``, ``reference``, ``verdicts``, ``modules``,
     ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``; with an fp8
@@ -147,9 +148,12 @@ def check(
         audits[name] = DtypeAudit(m)
         return audits[name]
 
+    fp8_options = {k: v for k, v in (("fp8_skip", tuple(fp8_skip)), ("fp8_force", tuple(fp8_force)),
+                                      ("fp8_filter", fp8_filter), ("fp8_gpu", fp8_gpu), ("fp8_tokens", fp8_tokens))
+                   if v}  # the fp8 modes' end-to-end runs convert what the fp8 section measures
     if ref.nonfinite is None:
         verdicts = amp_verdicts(model, batch, loss_fn, names, dev, forward_fn=forward_fn, loss_scale=loss_scale,
-                                fp32_modules=fp32_modules, _reference=ref,
+                                fp32_modules=fp32_modules, fp8_options=fp8_options, _reference=ref,
                                 _forward_ctx=audit_ctx if audit else None)
     else:
         why = "the fp32 reference itself is non-finite: fix the model first (see reference.first_nonfinite)"
