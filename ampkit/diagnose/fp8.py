@@ -175,7 +175,9 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
         "recipes": recipes,
         "model_sqnr": model_sqnr,
         "coverage": {k: v for k, v in cov.items() if k not in ("sizes", "kept")},
-        "roofline": _roofline_note(cov),
+        "roofline": _roofline_note(cov) + ("" if gpu or gpu_class(device) else
+                                           f"; {filt.target} is the default target class on "
+                                           f"{torch.device(device).type} (--fp8-gpu names another)"),
         "recommendation": _recommend(recipes, chosen, cov, device),
         "bars": {k: {"ok": a, "unsafe": b} for k, (a, b) in FP8_BARS.items()},
         "requested": list(requested),

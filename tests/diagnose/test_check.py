@@ -225,6 +225,7 @@ def test_check_with_the_default_auto_filter_recommends_no_fp8_when_nothing_pays(
     assert r["auto"]["mode"] != "fp8-rowwise" and "no layer runs in fp8" in r["auto"]["reason"], r["auto"]
     assert "fp8 advice: bf16-mixed" in r.text()
     assert f["roofline"].startswith("on h100 at 8192 tokens per GEMM") and "fp8 would not pay" in f["roofline"]
+    assert f["roofline"].endswith("h100 is the default target class on cpu (--fp8-gpu names another)")
     assert f["recipes"]["fp8-rowwise"]["applies"] is False
     assert r["recommendation"]["precision"] != "fp8-rowwise"
     assert "roofline: on h100" in r.text()
