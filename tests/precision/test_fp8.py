@@ -357,6 +357,13 @@ def test_cli_train_fp8_and_resume_exactly(tmp_path, monkeypatch, capsys):
     assert main(common + ["--max-steps", "4", "--out", "whole"]) == 0
     assert main(common + ["--max-steps", "2", "--out", "split"]) == 0
     assert main(common + ["--max-steps", "4", "--out", "split", "--resume", "auto"]) == 0
+    # resuming under another filter (here auto, which converts none of these layers) is refused in one line
+    saved = {f: open(f"split/{f}", "rb").read() for f in ("config.toml", "checkpoints/step-00000004.pt")}
+    capsys.readouterr()
+    assert main(common + ["--fp8-filter", "auto", "--max-steps", "6", "--out", "split", "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8 filter converts other layers" in err and "--fp8-filter" in err
+    assert all(open(f"split/{f}", "rb").read() == v for f, v in saved.items())
     sys.modules.pop("fp8_cli_mod", None)
     a, b = (torch.load(f"{d}/checkpoints/step-00000004.pt", weights_only=True) for d in ("whole", "split"))
     hist = "blocks.layers.1.linear1.amax_history_input"
