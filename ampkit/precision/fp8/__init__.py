@@ -18,7 +18,8 @@ from .quant import amax, fake_quantise, quantise, saturates, scale_from_amax
 from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, MXFP8Scaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
                       recipe_for)
 from .roofline import DEFAULT_GPU, GPUS, MIN_SPEEDUP, TOKENS, default_gpu, estimate, gpu_class
-from .swap import DEFAULT_RULE, MIN_FLOP_SHARE, RULES, Fp8Filter, has_gemm, convert_to_fp8, coverage, coverage_warning, fp8_layers, plan, skip_label
+from .swap import (DEFAULT_RULE, MIN_FLOP_SHARE, RULES, Fp8Filter, has_gemm, convert_to_fp8, coverage, coverage_warning,
+                   fp8_layers, plan, skip_label)
 
 __all__ = [
     "Fp8Plan", "DelayedScaling", "TensorwiseScaling", "RowwiseScaling", "MXFP8Scaling", "RECIPES", "recipe_for", "Recipe",

@@ -6,9 +6,9 @@ projections; :mod:`.detect`). The default filter (``"auto"``) converts one when 
 multiples of 16 (what fp8 tensor cores need), it is neither the model's first nor its last candidate
 (embedding-side and output projections are the most sensitive layers; TE and torchao users keep
 them in bf16) and its roofline on the target GPU class predicts a gain (:mod:`.roofline`); ``"ends"``
-drops the roofline condition, ``"all"`` the first/last one too. ``skip`` names are kept in bf16 whatever their dims; ``force`` names are converted
-even when first/last (dims must still be multiples of 16). A name matches a module and everything
-under it.
+drops the roofline condition, ``"all"`` the first/last one too. ``skip`` names are kept in bf16
+whatever their dims; ``force`` names are converted even when first/last or under the roofline (dims
+must still be multiples of 16). A name matches a module and everything under it.
 
 :func:`coverage` counts what converts and why the rest does not, with the converted share of the
 candidates' FLOPs (a GEMM's FLOPs per token are proportional to its weight's size); ``setup`` warns
