@@ -319,9 +319,11 @@ def test_ddp_reduces_amax_so_ranks_scale_alike(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_fsdp_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match="fp8.*--strategy ddp"):  # the kind answers what FSDP accepts
-        ampkit.Precision("fp8-delayed", "cpu").fsdp_policy()
+def test_fsdp_policy_gathers_in_bf16_and_reduces_in_fp32():
+    """FSDP shards fp8-delayed as the other fp8 recipes (its histories are replicated buffers, equal on every
+    rank; tests/train/test_fsdp_modes.py trains and checkpoints it on 2 ranks)."""
+    policy = ampkit.Precision("fp8-delayed", "cpu").fsdp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 
 def test_bench_row_marked_emulated(tmp_path, monkeypatch):
