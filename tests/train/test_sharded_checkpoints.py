@@ -161,8 +161,20 @@ def _four(rank, tmp):
     from ampkit.train.distributed import shard_fsdp
 
     init_rank(rank, f"{tmp}/four", world=4)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    read, real = [], FileSystemReader.read_data
+
+    def counting(self, plan, planner):  # tensor elements this rank reads from the shards
+        read.append(sum(math.prod(r.lengths) for r in plan.items if r.type == LoadItemType.TENSOR))
+        return real(self, plan, planner)
+
+    FileSystemReader.read_data = counting
     out = {"resume": _quiet(["train", "--out", f"{tmp}/four-resume", "--resume", _ck(tmp, "part", 3), "--strategy",
                              "fsdp", "--batch-size", "16", "--max-steps", "6"])}
+    FileSystemReader.read_data = real
+    out["read"] = sum(read)
     for mode in RESHARD_MODES:
         model, opt, _ = _block_run(mode, rank, 4, steps=0)
         with torch.no_grad():
@@ -426,6 +438,10 @@ def test_the_cli_continues_a_two_rank_run_on_four_ranks(runs, four):
     assert sorted(f for f in os.listdir(ck) if f.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     got, ref = sharded.consolidate(ck), sharded.consolidate(_ck(tmp, "full", 6))
     assert got["progress"]["global_step"] == ref["progress"]["global_step"] == 6
+    total = sum(t.numel() for t in ref["model"].values()) + sum(
+        t.numel() for s in ref["optimizer"]["state"].values() for t in s.values() if isinstance(t, torch.Tensor))
+    reads = [four[r]["read"] for r in range(4)]
+    assert sum(reads) >= total and max(reads) < 0.4 * total, (reads, total)  # each rank about a quarter
     for k, v in ref["model"].items():
         torch.testing.assert_close(got["model"][k], v, rtol=1e-5, atol=1e-6)
     for name, st in ref["optimizer"]["state"].items():
