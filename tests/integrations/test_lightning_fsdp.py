@@ -1,7 +1,7 @@
 """ampkit's Lightning plugins under FSDP2 on 2 gloo processes: the Trainer with ``ModelParallelStrategy`` (the
 module sharded in ``configure_model`` by ``plugin.shard``) and Fabric with ``ModelParallelStrategy(parallelize_fn=
 plugin.shard)``, each mode against the same global batch in one process within the mode's noise (as
-tests/train/test_fsdp_modes.py). Lightning's ``strategy="fsdp"`` is FSDP1, which Lightning and torch run on CUDA
+tests/train/test_fsdp_modes.py); the Trainer's sharded checkpoint resumes bf16-pure bit for bit. Lightning's ``strategy="fsdp"`` is FSDP1, which Lightning and torch run on CUDA
 only (docs/DISTRIBUTED.md, "Lightning")."""
 import functools
 import os
@@ -27,9 +27,9 @@ def _plugin(cls, mode):
 
 
 class _Module(L.LightningModule):
-    def __init__(self):
+    def __init__(self, seed=0):
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.net = _Net()
 
     def configure_model(self):
@@ -49,17 +49,20 @@ def _strategy(**kwargs):
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **kwargs)
 
 
-def _trainer(mode):
+def _trainer(mode, steps=STEPS, save=None, resume=None, seed=0):
+    """``steps`` steps (from the checkpoint ``resume``), then the checkpoint ``save`` if given."""
     from ampkit.integrations.lightning import AmpkitPrecision
 
     plugin = _plugin(AmpkitPrecision, mode)
     # each rank's 4 samples are one batch: every step is the 8-sample batch of the one-process run
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(), plugins=plugin, max_steps=STEPS,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(), plugins=plugin, max_steps=steps,
                         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    module = _Module()
-    trainer.fit(module, data)
+    module = _Module(seed)
+    trainer.fit(module, data, ckpt_path=resume)
+    if save:
+        trainer.save_checkpoint(save)  # Lightning's sharded (DCP) checkpoint: each rank its shard
     return {"params": _full(module.net), "skipped": plugin.skipped_steps, "steps": plugin.optimizer_steps,
             "dtypes": {n: p.dtype for n, p in module.net.named_parameters()}}
 
@@ -96,6 +99,9 @@ def _ranks(rank, tmp):
         warnings.simplefilter("ignore")
         for mode in TRAINER_MODES:
             out[("trainer", mode)] = _trainer(mode)
+        # bf16-pure stopped at step 2 and resumed from Lightning's checkpoint (Kahan buffers in the shards)
+        _trainer("bf16-pure", steps=2, save=f"{tmp}/ckpt")
+        out["resumed"] = _trainer("bf16-pure", resume=f"{tmp}/ckpt", seed=1)  # other weights until the load
         for mode in FABRIC_MODES:
             out[("fabric", mode)] = _fabric(mode, rank)
         try:  # shards made by fully_shard alone: a pure mode cannot cast them, and says how to shard
@@ -147,3 +153,11 @@ def test_a_pure_mode_on_shards_made_by_fully_shard_says_how_to_shard(ranks):
     for r in (0, 1):
         said = ranks[r]["plain"]
         assert "precision_plugin.shard(module" in said and "instead of fully_shard" in said, said
+
+
+def test_trainer_resumes_bf16_pure_from_its_sharded_checkpoint_bitwise(ranks):
+    """``trainer.save_checkpoint`` under ModelParallelStrategy writes DCP shards of the model and of the optimizer
+    ampkit steps (the compensated one, its Kahan buffers); ``fit(ckpt_path=...)`` continues bit for bit."""
+    for r in (0, 1):
+        whole, resumed = ranks[r][("trainer", "bf16-pure")]["params"], ranks[r]["resumed"]["params"]
+        assert all(torch.equal(whole[k], resumed[k]) for k in whole)
