@@ -161,3 +161,16 @@ def test_trainer_resumes_bf16_pure_from_its_sharded_checkpoint_bitwise(ranks):
     for r in (0, 1):
         whole, resumed = ranks[r][("trainer", "bf16-pure")]["params"], ranks[r]["resumed"]["params"]
         assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_lightnings_fsdp1_strategy_takes_only_its_own_plugin():
+    """What docs/DISTRIBUTED.md says of ``strategy="fsdp"``: Lightning's FSDP1 strategy refuses any precision
+    plugin but its FSDPPrecision (and needs CUDA), so ampkit's modes go through ModelParallelStrategy."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from ampkit.integrations.lightning import AmpkitPrecision
+
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        FSDPStrategy(precision_plugin=AmpkitPrecision("bf16-master", "cpu"))
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        L.Trainer(accelerator="cpu", devices=1, strategy="fsdp")
