@@ -49,7 +49,7 @@ def _strategy(**kwargs):
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **kwargs)
 
 
-def _trainer(mode, steps=STEPS, save=None, resume=None, seed=0):
+def _trainer(mode, steps=STEPS, save=None, resume=None, seed=0, cls=_Module):
     """``steps`` steps (from the checkpoint ``resume``), then the checkpoint ``save`` if given."""
     from ampkit.integrations.lightning import AmpkitPrecision
 
@@ -59,7 +59,7 @@ def _trainer(mode, steps=STEPS, save=None, resume=None, seed=0):
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(), plugins=plugin, max_steps=steps,
                         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    module = _Module(seed)
+    module = cls(seed)
     trainer.fit(module, data, ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)  # Lightning's sharded (DCP) checkpoint: each rank its shard
@@ -104,9 +104,13 @@ def _ranks(rank, tmp):
         out["resumed"] = _trainer("bf16-pure", resume=f"{tmp}/ckpt", seed=1)  # other weights until the load
         for mode in FABRIC_MODES:
             out[("fabric", mode)] = _fabric(mode, rank)
+        try:  # a parameter outside the module given to plugin.shard: one line, before any step
+            _trainer("bf16-master", cls=_WithExtra)
+            out["outside"] = "trained"
+        except ValueError as e:
+            out["outside"] = str(e)
         try:  # shards made by fully_shard alone: a pure mode cannot cast them, and says how to shard
-            _Module.configure_model = lambda self: _plain_shard(self.net, self.device_mesh["data_parallel"])
-            _trainer("bf16-pure")
+            _trainer("bf16-pure", cls=_ShardedByHand)
             out["plain"] = "trained"
         except ValueError as e:
             out["plain"] = str(e)
@@ -114,12 +118,19 @@ def _ranks(rank, tmp):
     dist.destroy_process_group()
 
 
-def _plain_shard(net, mesh):
-    from torch.distributed.fsdp import fully_shard
+class _WithExtra(_Module):
+    def __init__(self, seed=0):
+        super().__init__(seed)
+        self.extra = nn.Parameter(torch.zeros(3))
 
-    for block in net.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+
+class _ShardedByHand(_Module):
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.net.blocks:
+            fully_shard(block, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +185,9 @@ def test_lightnings_fsdp1_strategy_takes_only_its_own_plugin():
         FSDPStrategy(precision_plugin=AmpkitPrecision("bf16-master", "cpu"))
     with pytest.raises(ValueError, match="requires a GPU accelerator"):
         L.Trainer(accelerator="cpu", devices=1, strategy="fsdp")
+
+
+def test_a_parameter_outside_the_sharded_module_is_one_line(ranks):
+    for r in (0, 1):
+        said = ranks[r]["outside"]
+        assert "1 parameters lie outside it ('extra', ...)" in said and "shard the module that holds" in said, said
