@@ -41,6 +41,7 @@ from torch import nn
 
 try:
     from lightning.fabric import Fabric as _Fabric
+    from lightning.fabric.wrappers import _FabricOptimizer
     from lightning.fabric.plugins.precision import Precision as _FabricPrecision
     from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
 except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -235,6 +236,11 @@ class AmpkitFabricPrecision(_Core, _FabricPrecision):
         return module
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """As the Trainer plugin's; also takes the optimizer ``fabric.setup_optimizers`` returned. An optimizer
+        set up that way (``ModelParallelStrategy`` needs it: it is built over the shards) is prepared at its
+        first step: call this on it before a ``fabric.load`` that comes first."""
+        if isinstance(optimizer, _FabricOptimizer):
+            optimizer = optimizer.optimizer
         known = id(optimizer) in self._prepared or any(o is optimizer for o in self._prepared.values())
         made = super().prepare_optimizer(optimizer)
         if not known:
@@ -306,6 +312,10 @@ class _StateRoute:
             return None
         self.busy = True
         try:
+            if not self.made.state and hasattr(self.made, "init_state"):
+                # not stepped yet: its state as the first step makes it (Kahan buffers included), so that the
+                # template a sharded fabric.load (DCP's get_optimizer_state_dict) reads into has every entry
+                self.made.init_state()
             out = self.made.state_dict() if self.made is not self.original else state_dict
         finally:
             self.busy = False

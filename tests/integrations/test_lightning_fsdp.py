@@ -67,7 +67,8 @@ def _trainer(mode, steps=STEPS, save=None, resume=None, seed=0, cls=_Module):
             "dtypes": {n: p.dtype for n, p in module.net.named_parameters()}}
 
 
-def _fabric(mode, rank):
+def _fabric(mode, rank, steps=STEPS, save=None, resume=None, seed=0):
+    """``steps`` steps (from ``fabric.load(resume)``), then ``fabric.save(save)`` if given."""
     from lightning.fabric.strategies import ModelParallelStrategy
 
     from ampkit.integrations.lightning import AmpkitFabricPrecision
@@ -76,16 +77,22 @@ def _fabric(mode, rank):
     fabric = L.Fabric(accelerator="cpu", devices=2, plugins=plugin, strategy=ModelParallelStrategy(
         parallelize_fn=plugin.shard, data_parallel_size=2, tensor_parallel_size=1))
     fabric.launch()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = fabric.setup_module(_Net())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume:
+        plugin.prepare_optimizer(optimizer)  # set up by setup_optimizers: prepared before the load
+        fabric.load(resume, state)
     x, y = _data()
-    for _ in range(STEPS):
+    for _ in range(state["step"], steps):
         loss = nn.functional.cross_entropy(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4])
         fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
+    if save:
+        fabric.save(save, {**state, "step": steps})  # DCP shards: model, the optimizer ampkit steps, its state
     return {"params": _full(model.module), "skipped": plugin.skipped_steps, "steps": plugin.optimizer_steps}
 
 
@@ -104,6 +111,8 @@ def _ranks(rank, tmp):
         out["resumed"] = _trainer("bf16-pure", resume=f"{tmp}/ckpt", seed=1)  # other weights until the load
         for mode in FABRIC_MODES:
             out[("fabric", mode)] = _fabric(mode, rank)
+        _fabric("bf16-pure", rank, steps=2, save=f"{tmp}/fabric-ckpt")
+        out["fabric-resumed"] = _fabric("bf16-pure", rank, resume=f"{tmp}/fabric-ckpt", seed=1)
         try:  # a parameter outside the module given to plugin.shard: one line, before any step
             _trainer("bf16-master", cls=_WithExtra)
             out["outside"] = "trained"
@@ -166,11 +175,14 @@ def test_a_pure_mode_on_shards_made_by_fully_shard_says_how_to_shard(ranks):
         assert "precision_plugin.shard(module" in said and "instead of fully_shard" in said, said
 
 
-def test_trainer_resumes_bf16_pure_from_its_sharded_checkpoint_bitwise(ranks):
-    """``trainer.save_checkpoint`` under ModelParallelStrategy writes DCP shards of the model and of the optimizer
-    ampkit steps (the compensated one, its Kahan buffers); ``fit(ckpt_path=...)`` continues bit for bit."""
+@pytest.mark.parametrize("engine", ["trainer", "fabric"])
+def test_bf16_pure_resumes_from_the_engines_sharded_checkpoint_bitwise(ranks, engine):
+    """``trainer.save_checkpoint`` / ``fabric.save`` under ModelParallelStrategy write DCP shards of the model and of
+    the optimizer ampkit steps (the compensated one, its Kahan buffers); ``fit(ckpt_path=...)`` / ``fabric.load``
+    into a run started from other weights continue bit for bit."""
     for r in (0, 1):
-        whole, resumed = ranks[r][("trainer", "bf16-pure")]["params"], ranks[r]["resumed"]["params"]
+        whole = ranks[r][(engine, "bf16-pure")]["params"]
+        resumed = ranks[r]["resumed" if engine == "trainer" else "fabric-resumed"]["params"]
         assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
