@@ -133,6 +133,9 @@ class _Core:
         self.ampkit.prepare_fsdp()  # the check (fp8-delayed is refused), contiguous parameters
         if id(module) not in self._converted:
             module = _Core.convert_module(self, module)
+        elif any(not p.is_contiguous() for p in module.parameters()):  # Fabric converted it first
+            raise ValueError("plugin.shard: the module's weights were put in channels_last, which FSDP cannot shard: "
+                             "build the plugin with channels_last=False.")
         if mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -203,3 +203,16 @@ def test_a_parameter_outside_the_sharded_module_is_one_line(ranks):
     for r in (0, 1):
         said = ranks[r]["outside"]
         assert "1 parameters lie outside it ('extra', ...)" in said and "shard the module that holds" in said, said
+
+
+@pytest.mark.cpu_caps("amx")  # a CPU where the rule puts 16-bit conv weights in channels_last
+def test_shard_refuses_weights_fabric_put_in_channels_last():
+    """Fabric converts before its parallelize_fn: a conv model the rule put in channels_last (CPU, 16-bit compute)
+    cannot be sharded, and ``shard`` says how to avoid it, before any collective."""
+    from ampkit.integrations.lightning import AmpkitFabricPrecision
+
+    plugin = AmpkitFabricPrecision("bf16-master", "cpu")
+    model = plugin.convert_module(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)))
+    assert not all(p.is_contiguous() for p in model.parameters())
+    with pytest.raises(ValueError, match="channels_last=False"):
+        plugin.shard(model)
