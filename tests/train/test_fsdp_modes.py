@@ -48,7 +48,9 @@ def _precision(mode, **kwargs):
         warnings.simplefilter("ignore")
         # fp16: a start scale the tiny model's gradients do not overflow at (the one-process and per-rank
         # batches differ in size, so the first overflow step could differ)
-        return ampkit.Precision(mode, "cpu", **{**({"init_scale": 1024.0} if "fp16" in mode else {}), **kwargs})
+        # fp8: the first/last rule (the default roofline filter converts none of these 16-wide layers)
+        return ampkit.Precision(mode, "cpu", **{**({"init_scale": 1024.0} if "fp16" in mode else {}),
+                                                **({"fp8_filter": "ends"} if mode.startswith("fp8") else {}), **kwargs})
 
 
 def _train(model, opt, prec, x, y):
