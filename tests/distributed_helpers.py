@@ -40,3 +40,16 @@ def run_ranks(fn, *args, timeout: float = 150.0, nprocs: int = WORLD) -> None:
                 if p.is_alive():
                     p.kill()
             pytest.fail(f"distributed workers still running after {timeout:.0f} s (a hang?)")
+
+
+def leave_rank() -> None:
+    """End a rank that wrapped models in DDP: a barrier (no rank still in a collective), then exit without the
+    process group's destructor. torch's ProcessGroupGloo destructor, run when DDP's reducer is freed after
+    ``destroy_process_group`` or at exit, was seen to deadlock joining its worker threads (a hung suite)."""
+    import os
+    import sys
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

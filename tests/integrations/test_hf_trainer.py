@@ -267,7 +267,7 @@ HF2_MODES = ("bf16-mixed", "bf16-pure")
 def _two_ranks(rank, tmp):
     """HF's Trainer in each of 2 processes as torchrun starts them (the environment says rank and world size;
     the group is up): HF's own bf16=True, then AmpkitTrainer in bf16-mixed and bf16-pure; HF wraps the model in DDP."""
-    from distributed_helpers import init_rank
+    from distributed_helpers import init_rank, leave_rank
 
     init_rank(rank, tmp)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
@@ -282,7 +282,7 @@ def _two_ranks(rank, tmp):
         out[mode] = {"weights": weights(t.model), "steps": t.precision.optimizer_steps,
                      "wrapped": type(t.model_wrapped).__name__}
     torch.save(out, f"{tmp}/out{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_rank()  # HF's DDP models are alive: no destroy_process_group
 
 
 def test_two_processes_under_hfs_ddp(tmp_path):

@@ -14,7 +14,7 @@ from torch import nn
 L = pytest.importorskip("lightning")
 pytest.importorskip("torch.distributed.fsdp")
 
-from distributed_helpers import init_rank, run_ranks  # noqa: E402
+from distributed_helpers import init_rank, leave_rank, run_ranks  # noqa: E402
 from train.test_fsdp_modes import STEPS, _Net, _data, _full, _max_diff, _one_process  # noqa: E402
 
 TRAINER_MODES = ("bf16-master", "bf16-pure", "fp16-pure")
@@ -97,8 +97,6 @@ def _fabric(mode, rank, steps=STEPS, save=None, resume=None, seed=0):
 
 
 def _ranks(rank, tmp):
-    import torch.distributed as dist
-
     init_rank(rank, tmp)  # Lightning finds the group initialised and joins it
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     out = {}
@@ -124,7 +122,7 @@ def _ranks(rank, tmp):
         except ValueError as e:
             out["plain"] = str(e)
     torch.save(out, f"{tmp}/out{rank}.pt")
-    dist.destroy_process_group()
+    leave_rank()
 
 
 class _WithExtra(_Module):
