@@ -1,7 +1,9 @@
 """Sharded checkpoints (ampkit/train/sharded.py): `ampkit train --strategy fsdp` on 2 gloo ranks writes one
 shard per rank; the checkpoint resumes bitwise on 2 ranks (each rank reading only its half), continues on
-1 process, and a single-file checkpoint still resumes under FSDP. A damaged shard is one line (exit 2); a
-.metadata that would run code is refused; a kill mid-save leaves the previous checkpoint loadable.
+1 process and on 4 (each reading a quarter), and a single-file checkpoint still resumes under FSDP; a block
+model's 2-rank checkpoint loads bitwise into 1 process and into 4 ranks. A damaged shard is one line (exit 2,
+on 2 and on 4 ranks); a .metadata that would run code is refused; a kill mid-save leaves the previous
+checkpoint loadable. The 4-rank group (one spawn) also trains two modes against one process.
 ``get_state_dict``/``set_state_dict`` continue every mode bitwise under DDP (one process:
 tests/precision/test_dcp_state_dict.py).
 """
