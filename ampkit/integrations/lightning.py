@@ -24,6 +24,12 @@ are prepared there, and what their ``state_dict()`` returns (so what ``fabric.sa
 the optimizer ampkit steps (fp32 masters, moments, Kahan buffers, rounding noise) plus the precision's own
 (mode, loss scale and its counters) under ``"ampkit_precision"``; ``fabric.load`` (their ``load_state_dict``)
 restores both. ``plugin.fp32_state_dict(model)`` is the full-precision export (masters, Kahan-folded weights).
+
+FSDP: Lightning's FSDP2 route, ``ModelParallelStrategy``, with ``plugin.shard`` sharding the model the way the mode
+needs (every mode but fp8-delayed): in ``configure_model`` (Trainer,
+``self.trainer.precision_plugin.shard(self.net, self.device_mesh["data_parallel"])``) or as the Fabric strategy's
+``parallelize_fn``. ``strategy="fsdp"`` is FSDP1, which accepts only Lightning's ``FSDPPrecision`` and which
+Lightning and torch run on CUDA only (docs/DISTRIBUTED.md).
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from torch import nn
 
 try:
     from lightning.fabric import Fabric as _Fabric
+    from lightning.fabric.wrappers import _FabricOptimizer
     from lightning.fabric.plugins.precision import Precision as _FabricPrecision
     from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
 except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -77,6 +84,8 @@ class _Core:
                                              else "32-true")  # fp8 modes: fp32 params, bf16-mixed around fp8 GEMMs
         self._fp32_copies: Dict[int, torch.Tensor] = {}
         self._prepared: Dict[int, torch.optim.Optimizer] = {}
+        self._converted: set = set()  # ids of the modules converted, and of those `shard` sharded
+        self._sharded: set = set()
 
     # -- telemetry
     @property
@@ -93,8 +102,56 @@ class _Core:
 
     # -- module
     def convert_module(self, module: nn.Module) -> nn.Module:
+        sharded = [m for m in module.modules() if id(m) in self._sharded]
+        if sharded:  # converted and sharded by `shard` (in configure_model): the rest must be inside it
+            _check_covered(module, sharded)
+            return module
         self._fp32_copies = self.ampkit.fp32_copies(module)  # master kinds: masters start from these
-        return self.ampkit.convert_module(module)
+        try:
+            module = self.ampkit.convert_module(module)
+        except ValueError as e:
+            if "fully_shard" not in str(e):
+                raise
+            raise ValueError(f"precision={self.ampkit.name!r} casts the parameters, which fully_shard already "
+                             "sharded: in configure_model, shard with self.trainer.precision_plugin.shard(module, "
+                             "self.device_mesh['data_parallel']) instead of fully_shard (Fabric: "
+                             "ModelParallelStrategy(parallelize_fn=plugin.shard)).") from e
+        self._converted.add(id(module))
+        return module
+
+    def shard(self, module: nn.Module, mesh: Any = None) -> nn.Module:
+        """FSDP2 for Lightning's ``ModelParallelStrategy``, every mode: ``module`` converted (unless this plugin
+        converted it already: Fabric converts before its ``parallelize_fn``) and then ``fully_shard`` per block
+        and root with the mode's policy, the modules the mode keeps fp32 as fp32 groups of their own
+        (ampkit's FSDP sharding), ranks starting from rank 0's weights. ``mesh``: the strategy's
+        ``device_mesh["data_parallel"]`` (the whole mesh: its data-parallel part; default: every rank). Trainer: call it in ``configure_model``;
+        Fabric: ``ModelParallelStrategy(parallelize_fn=plugin.shard)``. Returns ``module``, sharded in place."""
+        import torch.distributed as dist
+
+        from ..precision.sharding import shard_units
+
+        self.ampkit.prepare_fsdp()  # the check (fp8-delayed is refused), contiguous parameters
+        if id(module) not in self._converted:
+            module = _Core.convert_module(self, module)
+        elif any(not p.is_contiguous() for p in module.parameters()):  # Fabric converted it first
+            raise ValueError("plugin.shard: the module's weights were put in channels_last, which FSDP cannot shard: "
+                             "build the plugin with channels_last=False.")
+        if mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.ampkit.device.type, (dist.get_world_size(),))
+        elif mesh.ndim > 1:  # Fabric passes ModelParallelStrategy's whole mesh: shard over its data-parallel part
+            if "data_parallel" not in (mesh.mesh_dim_names or ()):
+                raise ValueError(f"plugin.shard: the mesh has {mesh.ndim} dimensions and none named 'data_parallel': "
+                                 "pass the data-parallel mesh (mesh['data_parallel']).")
+            mesh = mesh["data_parallel"]
+        group = mesh.get_group()
+        with torch.no_grad():  # FSDP does not broadcast, unlike DDP
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, group=group, group_src=0)
+        shard_units(module, self.ampkit, mesh)
+        self._sharded.add(id(module))
+        return module
 
     def forward_context(self):
         return self.ampkit.autocast()
@@ -155,6 +212,15 @@ class _Core:
             self.ampkit.load_state_dict(state_dict)
 
 
+def _check_covered(module: nn.Module, sharded: List[nn.Module]) -> None:
+    """Every parameter of ``module`` lies in a module `shard` converted: else one line saying what to shard."""
+    inside = {id(p) for m in sharded for p in m.parameters()}
+    left = [n for n, p in module.named_parameters() if id(p) not in inside]
+    if left:
+        raise ValueError(f"plugin.shard(...) converted part of the model; {len(left)} parameters lie outside it "
+                         f"({left[0]!r}, ...): shard the module that holds every trained parameter.")
+
+
 class AmpkitFabricPrecision(_Core, _FabricPrecision):
     """``lightning.Fabric(plugins=AmpkitFabricPrecision(mode, **ampkit_kwargs))``.
 
@@ -173,6 +239,11 @@ class AmpkitFabricPrecision(_Core, _FabricPrecision):
         return module
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """As the Trainer plugin's; also takes the optimizer ``fabric.setup_optimizers`` returned. An optimizer
+        set up that way (``ModelParallelStrategy`` needs it: it is built over the shards) is prepared at its
+        first step: call this on it before a ``fabric.load`` that comes first."""
+        if isinstance(optimizer, _FabricOptimizer):
+            optimizer = optimizer.optimizer
         known = id(optimizer) in self._prepared or any(o is optimizer for o in self._prepared.values())
         made = super().prepare_optimizer(optimizer)
         if not known:
@@ -244,6 +315,10 @@ class _StateRoute:
             return None
         self.busy = True
         try:
+            if not self.made.state and hasattr(self.made, "init_state"):
+                # not stepped yet: its state as the first step makes it (Kahan buffers included), so that the
+                # template a sharded fabric.load (DCP's get_optimizer_state_dict) reads into has every entry
+                self.made.init_state()
             out = self.made.state_dict() if self.made is not self.original else state_dict
         finally:
             self.busy = False

@@ -170,6 +170,18 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
         """Create the optimizer's own state for ``p`` (called once, at its first step)."""
 
+    def init_state(self) -> None:
+        """Create every parameter's state now, as its first step would (``_buckets``), without updating anything:
+        the template ``torch.distributed.checkpoint`` loads a sharded checkpoint into. The next step is the same."""
+        for group in self.param_groups:
+            kahan = group["compensation"] == "kahan"
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state, group)
+                if kahan and p.dtype in LOW_PRECISION and "compensation" not in state:
+                    state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     def _update(self, group: Dict[str, Any], params: List[torch.Tensor], grads: List[torch.Tensor],
                 states: List[Dict[str, Any]], target: _Target) -> None:
         raise NotImplementedError

@@ -258,3 +258,44 @@ def test_says_once_that_ampkit_clips(tmp_path, caplog):
         logging.disable_propagation()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpkitTrainer:")]
     assert len(said) == 1 and "fp16-mixed" in said[0] and "max_grad_norm=1 is clipped by ampkit" in said[0], said
+
+
+# ---------------------------------------------------------------------- 2 processes (torchrun's environment, gloo)
+HF2_MODES = ("bf16-mixed", "bf16-pure")
+
+
+def _two_ranks(rank, tmp):
+    """HF's Trainer in each of 2 processes as torchrun starts them (the environment says rank and world size;
+    the group is up): HF's own bf16=True, then AmpkitTrainer in bf16-mixed and bf16-pure; HF wraps the model in DDP."""
+    from distributed_helpers import init_rank, leave_rank
+
+    init_rank(rank, tmp)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
+    hf = T.Trainer(model=gpt2(), args=targs(f"{tmp}/hf", bf16=True, max_steps=3), train_dataset=Tokens())
+    hf.train()
+    out = {"hf": weights(hf.model), "wrapped": type(hf.model_wrapped).__name__}
+    for mode in HF2_MODES:
+        t = AmpkitTrainer(model=gpt2(), args=targs(f"{tmp}/{mode}", max_steps=3), train_dataset=Tokens(),
+                          precision=mode)
+        t.train()
+        out[mode] = {"weights": weights(t.model), "steps": t.precision.optimizer_steps,
+                     "wrapped": type(t.model_wrapped).__name__}
+    torch.save(out, f"{tmp}/out{rank}.pt")
+    leave_rank()  # HF's DDP models are alive: no destroy_process_group
+
+
+def test_two_processes_under_hfs_ddp(tmp_path):
+    """Each mode trains under HF's DDP with the ranks equal; bf16-mixed is bitwise HF's own bf16=True there too."""
+    from distributed_helpers import run_ranks
+
+    run_ranks(_two_ranks, str(tmp_path), timeout=240)
+    r0, r1 = (torch.load(tmp_path / f"out{r}.pt") for r in (0, 1))
+    assert r0["wrapped"] == "DistributedDataParallel"
+    assert_bitwise(r0["bf16-mixed"]["weights"], r0["hf"])
+    start = weights(gpt2())
+    for mode in HF2_MODES:
+        assert r0[mode]["wrapped"] == "DistributedDataParallel" and r0[mode]["steps"] == r1[mode]["steps"] == 3
+        assert_bitwise(r0[mode]["weights"], r1[mode]["weights"])
+        assert not torch.equal(r0[mode]["weights"]["transformer.h.0.mlp.c_fc.weight"].float(),
+                               start["transformer.h.0.mlp.c_fc.weight"].float())

@@ -136,3 +136,28 @@ def test_8bit_states_through_torchao():
     state = opt.state[model[0].weight]
     assert type(state["exp_avg"]).__name__ == "OptimState8bit"
     assert "8-bit optimizer state" in prec.describe()
+
+
+@pytest.mark.parametrize("cls, kw", [(AdamW, {"lr": 1e-2}), (SGD, {"lr": 0.1, "momentum": 0.9}), (SGD, {"lr": 0.1})])
+def test_init_state_makes_the_first_steps_state_and_changes_no_step(cls, kw):
+    """``init_state()`` (the template a sharded load reads into) creates what the first step creates, Kahan buffers
+    included, and the steps after it are bitwise those of an optimizer that never called it."""
+    runs = []
+    for early in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(16, 4).to(torch.bfloat16)
+        opt = cls(model.parameters(), **kw)
+        if early:
+            before = {p: dict(s) for p, s in opt.state.items()}
+            opt.init_state()
+            assert not before and all("compensation" in opt.state[p] for p in model.parameters())
+            made = {k: v.dtype for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
+        for i in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if early:
+            assert made == {k: v.dtype for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -1,7 +1,9 @@
 """Sharded checkpoints (ampkit/train/sharded.py): `ampkit train --strategy fsdp` on 2 gloo ranks writes one
 shard per rank; the checkpoint resumes bitwise on 2 ranks (each rank reading only its half), continues on
-1 process, and a single-file checkpoint still resumes under FSDP. A damaged shard is one line (exit 2); a
-.metadata that would run code is refused; a kill mid-save leaves the previous checkpoint loadable.
+1 process and on 4 (each reading a quarter), and a single-file checkpoint still resumes under FSDP; a block
+model's 2-rank checkpoint loads bitwise into 1 process and into 4 ranks. A damaged shard is one line (exit 2,
+on 2 and on 4 ranks); a .metadata that would run code is refused; a kill mid-save leaves the previous
+checkpoint loadable. The 4-rank group (one spawn) also trains two modes against one process.
 ``get_state_dict``/``set_state_dict`` continue every mode bitwise under DDP (one process:
 tests/precision/test_dcp_state_dict.py).
 """
@@ -26,6 +28,7 @@ from ampkit.train.checkpoint import (CheckpointError, list_checkpoints, load_che
                                      sharded_path)
 from dcp_state_helpers import CASES, IDS, continued, equal
 from distributed_helpers import init_rank, run_ranks
+from train.test_fsdp_modes import _Net, _data, _full, _max_diff, _one_process, _precision, _train
 
 ARGS = ["train", "--data", "digits", "--model", "mlp", "--precision", "fp32", "--save-every", "3", "--keep-last", "5",
         "--no-progress", "--num-threads", "1", "--lr-schedule", "constant", "--seed", "3"]
@@ -98,7 +101,106 @@ def _worker(rank, tmp):
             out["ddp_state_dict"][case] = equal(model, ref_model) and equal(optim, ref_optim) or "not bitwise"
         except Exception as e:
             out["ddp_state_dict"][case] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    # a block model sharded per block in two modes, trained and saved: what the resharded loads must give back
+    for mode in RESHARD_MODES:
+        model, opt, _ = _block_run(mode, rank, 2, steps=2)
+        sharded.save_sharded(model, opt, {}, f"{tmp}/blocks-{mode}")
+        saved = _full_states(model, opt)
+        if rank == 0:
+            torch.save(saved, f"{tmp}/blocks-{mode}.pt")
     torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+RESHARD_MODES = ("bf16-master", "bf16-pure")
+FOUR_MODES = ("bf16-master", "fp16-pure")  # the modes also checked against one process on 4 ranks
+
+
+def _block_run(mode, rank, world, steps):
+    """The block model of tests/train/test_fsdp_modes.py sharded per block (``world`` > 1) or plain, AdamW
+    wrapped by ``mode``, ``steps`` steps on this rank's share of the 8-sample batch."""
+    import torch.distributed as dist
+
+    from ampkit.train.distributed import shard_fsdp
+
+    torch.manual_seed(0)
+    prec = _precision(mode)
+    if world > 1 and dist.is_initialized():
+        prec.prepare_fsdp()
+        model = shard_fsdp(prec.setup(_Net())[0], prec)
+        opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
+    else:
+        model = _Net()
+        model, opt = prec.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
+    x, y = _data()
+    share = len(x) // world
+    for _ in range(steps):
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(x[rank * share:(rank + 1) * share]).float(),
+                                               y[rank * share:(rank + 1) * share])
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad(set_to_none=True)
+    return model, opt, prec
+
+
+def _full_states(model, opt):
+    """(model, optimizer) state as full tensors keyed by parameter name, whatever the sharding (collective
+    under a process group)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    full = {"model": {k: v.detach().clone() for k, v in msd.items()}, "optimizer": {}}
+    for name, st in osd["state"].items():
+        full["optimizer"][name] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    return full
+
+
+def _four(rank, tmp):
+    """4 ranks, one process group: a 2-rank run continued on 4 through the CLI, the 2-rank block checkpoints
+    loaded on 4, a damaged shard, and two modes trained on 4 ranks against one process."""
+    import torch.distributed as dist
+
+    from ampkit.train.distributed import shard_fsdp
+
+    init_rank(rank, f"{tmp}/four", world=4)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    read, real = [], FileSystemReader.read_data
+
+    def counting(self, plan, planner):  # tensor elements this rank reads from the shards
+        read.append(sum(math.prod(r.lengths) for r in plan.items if r.type == LoadItemType.TENSOR))
+        return real(self, plan, planner)
+
+    FileSystemReader.read_data = counting
+    out = {"resume": _quiet(["train", "--out", f"{tmp}/four-resume", "--resume", _ck(tmp, "part", 3), "--strategy",
+                             "fsdp", "--batch-size", "16", "--max-steps", "6"])}
+    FileSystemReader.read_data = real
+    out["read"] = sum(read)
+    for mode in RESHARD_MODES:
+        model, opt, _ = _block_run(mode, rank, 4, steps=0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # nothing of the fresh run's own weights may survive the load
+        sharded.load_sharded(model, opt, sharded.read_checkpoint(f"{tmp}/blocks-{mode}")["sharded"])
+        out[f"blocks-{mode}"] = _full_states(model, opt)
+    if rank == 0:
+        shutil.copytree(f"{tmp}/full", f"{tmp}/damaged4")
+        _flip(f"{tmp}/damaged4/checkpoints/step-00000006/__0_0.distcp")
+    dist.barrier()
+    out["damaged"] = _quiet(["train", "--out", f"{tmp}/damaged4", "--resume", "auto", "--batch-size", "16",
+                             "--max-steps", "9"])
+    x, y = _data()
+    for mode in FOUR_MODES:  # as tests/train/test_fsdp_modes.py runs them on 2 ranks
+        torch.manual_seed(0)
+        prec = _precision(mode)
+        prec.prepare_fsdp()
+        model = shard_fsdp(prec.setup(_Net())[0], prec)
+        opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        _train(model, opt, prec, x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+        out[mode] = {"params": _full(model), "skipped": prec.skipped_steps}
+    torch.save(out, os.path.join(tmp, f"four{rank}.pt"))
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +210,14 @@ def runs(tmp_path_factory):
     assert code == 0, err
     run_ranks(_worker, tmp, timeout=300.0)
     return {"tmp": tmp, "ranks": [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def four(runs):
+    tmp = runs["tmp"]
+    os.makedirs(f"{tmp}/four")
+    run_ranks(_four, tmp, timeout=300.0, nprocs=4)
+    return [torch.load(os.path.join(tmp, f"four{r}.pt"), weights_only=False) for r in range(4)]
 
 
 def _ck(tmp, run, step):
@@ -284,3 +394,79 @@ def test_a_failed_write_changes_nothing(tmp_path, monkeypatch):
                                               "earlier checkpoints are intact"):
         sharded.save_sharded(model, opt, {}, sharded_path(str(tmp_path), 2))
     assert os.listdir(tmp_path) == ["step-00000001"] and list_checkpoints(str(tmp_path)) == [first]
+
+
+# ---------------------------------------------------------------------- another world size: 1 and 4 processes
+def _same_state(got, saved):
+    assert got["model"].keys() == saved["model"].keys() and got["optimizer"].keys() == saved["optimizer"].keys()
+    for k, v in saved["model"].items():
+        assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), k
+    for name, st in saved["optimizer"].items():
+        assert got["optimizer"][name].keys() == st.keys(), name
+        for k, v in st.items():
+            same = torch.equal(got["optimizer"][name][k], v) if torch.is_tensor(v) else got["optimizer"][name][k] == v
+            assert same, (name, k)
+
+
+@pytest.mark.parametrize("mode", RESHARD_MODES)
+def test_a_two_rank_checkpoint_loads_exactly_in_one_process(runs, mode):
+    """Resharded to one process: each weight and each optimizer state (moments, step, bf16-pure's Kahan
+    buffers) is bitwise what the two ranks held together when they saved."""
+    tmp = runs["tmp"]
+    model, opt, _ = _block_run(mode, 0, 1, steps=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    sharded.load_sharded(model, opt, sharded.read_checkpoint(f"{tmp}/blocks-{mode}")["sharded"])
+    _same_state(_full_states(model, opt), torch.load(f"{tmp}/blocks-{mode}.pt", weights_only=False))
+
+
+@pytest.mark.parametrize("mode", RESHARD_MODES)
+def test_a_two_rank_checkpoint_loads_exactly_on_four_ranks(runs, four, mode):
+    saved = torch.load(f"{runs['tmp']}/blocks-{mode}.pt", weights_only=False)
+    for r in range(4):
+        _same_state(four[r][f"blocks-{mode}"], saved)
+
+
+def test_the_cli_continues_a_two_rank_run_on_four_ranks(runs, four):
+    """``ampkit train --strategy fsdp`` saved on 2 ranks x 32, resumed on 4 ranks x 16 (the same global batch):
+    each rank reads its quarter, and the run ends where the uninterrupted 2-rank run ends (the gradients of
+    the same samples summed in another order: 1e-5)."""
+    tmp = runs["tmp"]
+    for r in range(4):
+        assert four[r]["resume"][0] == 0, four[r]["resume"][1]
+    ck = _ck(tmp, "four-resume", 6)
+    assert json.load(open(os.path.join(ck, "manifest.json")))["world_size"] == 4
+    assert sorted(f for f in os.listdir(ck) if f.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    got, ref = sharded.consolidate(ck), sharded.consolidate(_ck(tmp, "full", 6))
+    assert got["progress"]["global_step"] == ref["progress"]["global_step"] == 6
+    total = sum(t.numel() for t in ref["model"].values()) + sum(
+        t.numel() for s in ref["optimizer"]["state"].values() for t in s.values() if isinstance(t, torch.Tensor))
+    reads = [four[r]["read"] for r in range(4)]
+    assert sum(reads) >= total and max(reads) < 0.4 * total, (reads, total)  # each rank about a quarter
+    for k, v in ref["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=1e-5, atol=1e-6)
+    for name, st in ref["optimizer"]["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(got["optimizer"]["state"][name][k], v, rtol=1e-4, atol=1e-7)
+
+
+def test_a_damaged_shard_is_the_same_one_line_on_four_ranks(four):
+    errors = [four[r]["damaged"] for r in range(4)]
+    assert all(code == 2 for code, _ in errors), errors
+    lines = [[l for l in err.splitlines() if l.startswith("ampkit train: error:")] for _, err in errors]
+    assert all(len(ls) == 1 for ls in lines) and lines[0][0].count("\n") == 0, lines
+    assert "'__0_0.distcp'" in lines[0][0] and "CRC-32" in lines[0][0] and "step-00000003" in lines[0][0], lines[0]
+    assert all(ls == lines[0] for ls in lines)  # every rank says it, none left waiting in a collective
+
+
+@pytest.mark.parametrize("mode", FOUR_MODES)
+def test_four_ranks_match_one_process_within_the_modes_noise(four, mode):
+    """As the 2-rank test in tests/train/test_fsdp_modes.py: within twice the mode's own one-process distance
+    from fp32 (the batch split 4 ways and reduced in another order rounds differently in 16 bits)."""
+    one, ref = _one_process(mode), _one_process("fp32")
+    noise = _max_diff(one, ref)
+    for r in range(4):
+        assert four[r][mode]["skipped"] == 0
+        assert _max_diff(four[r][mode]["params"], one) <= 2 * noise + 1e-6
+    assert all(torch.equal(four[0][mode]["params"][k], four[3][mode]["params"][k]) for k in one)
