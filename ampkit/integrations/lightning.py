@@ -75,7 +75,6 @@ class _Core:
         self.ampkit = Precision(lightning_precision_name(precision), device, **{"fused_optimizer": False, **kwargs})
         self.precision = _LIGHTNING_NAME.get(self.ampkit.name, "bf16-mixed" if self.ampkit.fp8 is not None
                                              else "32-true")  # fp8 modes: fp32 params, bf16-mixed around fp8 GEMMs
-        self._fp32_copies: Dict[int, torch.Tensor] = {}
         self._prepared: Dict[int, torch.optim.Optimizer] = {}
 
     # -- telemetry
@@ -93,7 +92,6 @@ class _Core:
 
     # -- module
     def convert_module(self, module: nn.Module) -> nn.Module:
-        self._fp32_copies = self.ampkit.fp32_copies(module)  # master kinds: masters start from these
         return self.ampkit.convert_module(module)
 
     def forward_context(self):
@@ -117,7 +115,7 @@ class _Core:
             return made
         if any(o is optimizer for o in self._prepared.values()):
             return optimizer  # already the one ampkit steps
-        made = self.ampkit.wrap_optimizer(optimizer, fp32_params=self._fp32_copies)
+        made = self.ampkit.wrap_optimizer(optimizer)
         self._prepared[id(optimizer)] = made
         if made is not optimizer and getattr(made, "optimizer", None) is not optimizer:
             _share_groups(optimizer, made)

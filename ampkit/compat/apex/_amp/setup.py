@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ....optim.master import MasterWeightOptimizer
-from ....precision.policy import Precision
+from ....precision import Precision
 from ....precision.scaling.loss_scaler import LossScaler
 from ..fp16_utils import FP16_Optimizer
 from ..opt_levels import describe, resolve_properties
