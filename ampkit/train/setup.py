@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from ..data import check_labels
 from ..precision import Precision, Tuned, compile_model, compile_step
+from ..precision.auto import RESUMED, resumed_mode
 from ..precision.convert import is_norm
 from ..precision.modes import AUTO, MODES
 from ..tuning import needs_tuning, tune
@@ -145,11 +146,10 @@ def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: B
     A resumed auto run keeps its checkpoint's mode (``saved_mode``); with no checkpoint yet, auto
     chooses as a fresh start does. Several processes keep the defaults
     (every rank must run the same mode and layout, and timings differ per rank)."""
-    modes = prec.requested == AUTO
-    if modes and saved_mode:  # a checkpoint to continue (a run that stopped before its first: chosen afresh)
-        if saved_mode and saved_mode != prec.name and saved_mode in MODES:
-            prec = prec.retuned(Tuned(mode=saved_mode, mode_reason="the resumed run's precision"))
-        modes = False
+    kept = resumed_mode(prec.requested, saved_mode)  # precision.auto: a resumed auto keeps its checkpoint's mode
+    if kept in MODES and kept != prec.name:
+        prec = prec.retuned(Tuned(mode=kept, mode_reason=RESUMED))
+    modes = prec.requested == AUTO and kept is None
     if not needs_tuning(prec, model, modes) or not cfg.autotune or not single_process:
         return prec
     x, y = batches.first(cfg.batch_size)
