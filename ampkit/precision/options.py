@@ -10,8 +10,9 @@ routed here, once, to their owner:
 * :class:`Fp8Config`: the fp8 modes' recipe and layer filter (keywords ``fp8_recipe``, ``fp8_skip``...).
 
 Each group checks its own ranges and says, in one line, which of its options a mode does not use
-(:meth:`refused`); ``Precision`` asks every group once. A new option group is one dataclass here with a
-``refused`` method and one field of :class:`PrecisionOptions`.
+(:meth:`refused`); ``Precision`` asks every group once. A new option group is one dataclass here (its
+fields, ``PREFIX`` for its keywords, ``refused``) and one field of :class:`PrecisionOptions`: the keywords
+route themselves from the fields.
 """
 from __future__ import annotations
 
@@ -149,6 +150,8 @@ class Fp8Config:
     (``ampkit.precision.fp8.DelayedScaling(...)``), Linear names kept in bf16 or converted although
     first/last, the layer filter rule and the GPU class and tokens it judges speed for (docs/FP8.md)."""
 
+    PREFIX = "fp8_"  # the keywords are fp8_recipe, fp8_skip...; a plain class attribute, not a field
+
     recipe: Any = None
     skip: Sequence[str] = ()
     force: Sequence[str] = ()
@@ -171,14 +174,6 @@ class Fp8Config:
                 "(fp8_filter/fp8_gpu/fp8_tokens too), or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
 
 
-#: PrecisionOptions field -> (its group class, the prefix of its keywords), in the order refusals are checked
-_GROUPS = {"optimizer": (OptimizerOptions, ""), "fp8": (Fp8Config, "fp8_"), "scaling": (ScalerOptions, ""),
-           "model": (ModelOptions, "")}
-#: each flat keyword of ``Precision(...)`` -> (group field, the group's field)
-_KEYWORDS = {prefix + f.name: (group, f.name) for group, (cls, prefix) in _GROUPS.items()
-             for f in dataclasses.fields(cls) if f.init}
-
-
 @dataclass(frozen=True)
 class PrecisionOptions:
     """Every keyword of ``Precision(...)`` (``name`` and ``tuned`` aside), checked once and grouped by owner.
@@ -191,10 +186,11 @@ class PrecisionOptions:
 
     device: Any = None
     strategy: Optional[str] = None
-    scaling: ScalerOptions = ScalerOptions()
-    model: ModelOptions = ModelOptions()
+    # the groups, in the order their refusals are checked
     optimizer: OptimizerOptions = OptimizerOptions()
     fp8: Fp8Config = Fp8Config()
+    scaling: ScalerOptions = ScalerOptions()
+    model: ModelOptions = ModelOptions()
 
     def __post_init__(self) -> None:
         if self.strategy is not None and self.strategy not in STRATEGIES:
@@ -229,3 +225,10 @@ class PrecisionOptions:
     def refusal(self, mode: Mode) -> Optional[str]:
         """The one-line error for the first option given that ``mode`` does not use, else None."""
         return next((text for group in _GROUPS if (text := getattr(self, group).refused(mode))), None)
+
+
+#: the option groups: PrecisionOptions' fields that hold one, in order
+_GROUPS = tuple(f.name for f in dataclasses.fields(PrecisionOptions) if dataclasses.is_dataclass(f.default))
+#: each flat keyword of ``Precision(...)`` -> (group field, the group's field)
+_KEYWORDS = {getattr(type(getattr(PrecisionOptions, g)), "PREFIX", "") + f.name: (g, f.name) for g in _GROUPS
+             for f in dataclasses.fields(getattr(PrecisionOptions, g)) if f.init}

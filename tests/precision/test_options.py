@@ -134,3 +134,18 @@ def test_strategy_is_given_at_construction():
     q = _quiet("bf16-mixed", "cpu")
     q.prepare_fsdp()  # built without strategy: the old call still turns channels_last off
     assert q.channels_last is False
+
+
+def test_every_keyword_of_the_flat_signature_still_builds():
+    """The grouped options take the same flat keywords ``Precision(...)`` always took, each to its group."""
+    flat = {"loss_scale": 0, "init_scale": 256.0, "growth_interval": 10, "min_scale": 1.0, "max_scale": 2.0**20,
+            "hysteresis": 2, "max_consecutive_skips": 5, "fp32_modules": ["0"], "keep_norm_fp32": True,
+            "cast_outputs": False, "skip_nonfinite": True, "channels_last": False, "op_policy": False,
+            "optimizer_state": "fp32", "fused_optimizer": False}
+    p = _quiet("fp16-master", "cpu", **flat)
+    assert {k: p.options()[k] for k in flat} == {**flat, "fp32_modules": ("0",)}
+    assert p.scaler.get_scale() == 256.0 and p.cast_outputs is False and p.settings.model.channels_last is False
+    fp8 = {"fp8_recipe": None, "fp8_skip": ["a"], "fp8_force": ["b"], "fp8_filter": "all", "fp8_gpu": "h100",
+           "fp8_tokens": 2048}
+    assert _quiet("fp8-rowwise", "cpu", **fp8).settings.fp8 == Fp8Config(None, ("a",), ("b",), "all", "h100", 2048)
+    assert _quiet("bf16-pure", "cpu", compensation="kahan", scaler=None).compensation == "kahan"
