@@ -17,12 +17,11 @@ route themselves from the fields.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from ..optim.state import normalise_state_precision
-from .loss_scale import parse_loss_scale, positive_finite
+from .loss_scale import check_scaler_ranges, parse_loss_scale
 from .modes import Mode
 
 __all__ = ["PrecisionOptions", "ScalerOptions", "ModelOptions", "OptimizerOptions", "Fp8Config", "COMPENSATIONS",
@@ -59,24 +58,8 @@ class ScalerOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "static_scale", parse_loss_scale(self.loss_scale))
-        if self.init_scale is not None and not positive_finite(self.init_scale):
-            raise ValueError(f"init_scale must be a positive finite number (e.g. 65536), got {self.init_scale!r}: "
-                             "a scale of 0 zeroes every gradient, so no step would ever be judged non-finite.")
-        gi = self.growth_interval
-        if isinstance(gi, bool) or not isinstance(gi, numbers.Integral) or gi < 1:
-            raise ValueError(f"growth_interval must be a positive integer (clean steps before the scale grows), "
-                             f"got {gi!r}.")
-        if self.hysteresis < 1:
-            raise ValueError(f"hysteresis must be >= 1 (1 = back off on every overflow), got {self.hysteresis}.")
-        if self.max_consecutive_skips is not None and self.max_consecutive_skips < 1:
-            raise ValueError(f"max_consecutive_skips must be a positive integer or None, got {self.max_consecutive_skips}.")
-        lo, hi = self.min_scale, self.max_scale
-        if lo is not None and not 0 <= lo < float("inf"):
-            raise ValueError(f"min_scale must be a finite number >= 0 or None, got {lo!r}.")
-        if hi is not None and not positive_finite(hi):
-            raise ValueError(f"max_scale must be a positive finite number or None, got {hi!r}.")
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"min_scale ({lo}) must not exceed max_scale ({hi}).")
+        check_scaler_ranges(self.init_scale, self.growth_interval, self.min_scale, self.max_scale, self.hysteresis,
+                            self.max_consecutive_skips)
 
     def refused(self, mode: Mode) -> Optional[str]:
         """The one-line error for a loss scale given to a mode that does not scale, else None."""

@@ -149,3 +149,14 @@ def test_every_keyword_of_the_flat_signature_still_builds():
            "fp8_tokens": 2048}
     assert _quiet("fp8-rowwise", "cpu", **fp8).settings.fp8 == Fp8Config(None, ("a",), ("b",), "all", "h100", 2048)
     assert _quiet("bf16-pure", "cpu", compensation="kahan", scaler=None).compensation == "kahan"
+
+
+@pytest.mark.parametrize("kwargs", [{"growth_interval": 0}, {"hysteresis": 0}, {"max_consecutive_skips": 0},
+                                    {"init_scale": 0.0}, {"min_scale": 4.0, "max_scale": 2.0}, {"max_scale": -1.0}])
+def test_a_loss_scaler_built_directly_words_its_ranges_as_precision_does(kwargs):
+    """One range check (``loss_scale.check_scaler_ranges``) behind ``Precision(...)`` and ``LossScaler(...)``."""
+    with pytest.raises(ValueError) as via_precision:
+        _quiet("fp16-mixed", "cpu", **kwargs)
+    with pytest.raises(ValueError) as direct:
+        scaler_module.LossScaler("cpu", **kwargs)
+    assert str(via_precision.value) == str(direct.value)
