@@ -62,7 +62,7 @@ class MasterPrecision(CastParams):
     kind = "master"
     keeps_fp32_masters = True
     #: False: apex's O2 layout (the parameters cast to 16 bits in place, fp32 masters in the optimizer
-    #: wrapper ``master_optimizer`` builds); set by ``ampkit.compat.apex`` only
+    #: wrapper ``master_optimizer`` builds): ``ampkit.compat.apex``'s subclass
     model_holds_masters = True
 
     def _convert_model(self, model):
