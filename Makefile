@@ -57,8 +57,9 @@ clean:
 
 # On a CUDA machine: install a CUDA torch first, e.g.
 #   make gpu-check TORCH_SPEC='torch --index-url https://download.pytorch.org/whl/cu126'
-# Runs the suite on CUDA, every mode's steps under sync debug "error", bench --paired, fp8 vs bf16 and
-# MFU on GPT-2 124M, the memory plan vs max_memory_allocated; writes benchmarks/gpu-check-<device>-<time>/.
+# Runs the CUDA test files (GPU_CHECK_ARGS='--suite full': all), every mode's steps under sync debug "error",
+# every mode under FSDP2 (nccl) + sharded checkpoint, the fp8 filter, fp8 vs bf16 and MFU on GPT-2 124M, the
+# memory plan vs max_memory_allocated, bench --paired; writes benchmarks/gpu-check-<device>-<time>/.
 # Without CUDA it runs the CPU smoke (tiny sizes, CUDA-only parts skipped with the reason).
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

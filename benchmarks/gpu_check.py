@@ -26,7 +26,7 @@ from typing import Callable, List
 
 import torch
 
-PART_TIMEOUT_S = 600
+PART_TIMEOUT_S = int(os.environ.get("GPU_CHECK_PART_TIMEOUT", "600"))
 
 
 class Check:
@@ -173,11 +173,146 @@ def memory_plan_vs_measured(device: str) -> str:
     return "; ".join(rows)
 
 
+def fsdp_modes(device: str, steps: int = 4) -> str:
+    """Every mode under FSDP2 on this device's backend (nccl on CUDA; one rank per GPU, so one rank on a
+    one-GPU machine): the sharded run against the same steps unsharded, and a sharded checkpoint saved and
+    loaded back into a fresh sharded model (the weights must come back exactly)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch import nn
+
+    import ampkit
+    from ampkit.precision.modes import MODES
+    from ampkit.train import sharded
+    from ampkit.train.sharding import shard_fsdp
+
+    def net():
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()) for _ in range(2)]
+        return nn.Sequential(nn.Linear(32, 64), *blocks, nn.Linear(64, 16)).to(device)
+
+    def train(model, opt, prec):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x, y = torch.randn(16, 32, generator=g).to(device), torch.randint(0, 16, (16,), generator=g).to(device)
+            with prec.autocast():
+                loss = nn.functional.cross_entropy(model(prec.convert_input(x)).float(), y)
+            prec.backward(loss)
+            prec.step(opt, max_norm=1.0)
+            opt.zero_grad(set_to_none=True)
+
+    def full(model):
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu()
+                for k, v in model.state_dict().items()}
+
+    started = not dist.is_initialized()
+    if started:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
+    done, refused, worst = [], [], 0.0
+    try:
+        for mode in MODES:
+            if mode == "fp32":
+                continue
+            kw = {"fused_optimizer": False}
+            try:
+                prec = ampkit.Precision(mode, device, **kw)
+                prec.prepare_fsdp()
+            except Exception as e:
+                refused.append(f"{mode} ({str(e).splitlines()[0][:70]})")
+                continue
+            ref_prec = ampkit.Precision(mode, device, **kw)
+            ref = net()
+            ref, ref_opt = ref_prec.setup(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+            train(ref, ref_opt, ref_prec)
+            model = shard_fsdp(prec.setup(net())[0], prec)
+            opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+            train(model, opt, prec)
+            a, b = full(model), full(ref)
+            diff = max((a[k] - b[k]).abs().max().item() for k in a)
+            worst = max(worst, diff)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "ck")
+                sharded.save_sharded(model, opt, {"precision": prec.state_dict()}, path)
+                prec2 = ampkit.Precision(mode, device, **kw)
+                prec2.prepare_fsdp()
+                fresh = shard_fsdp(prec2.setup(net())[0], prec2)
+                opt2 = prec2.wrap_optimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+                sharded.load_model_and_optimizer(fresh, opt2, sharded.read_sharded(path), fsdp=True)
+                c = full(fresh)
+                exact = all(torch.equal(a[k], c[k]) for k in a)
+            done.append(f"{mode} (vs unsharded {diff:.1e}, checkpoint {'exact' if exact else 'DIFFERS'})")
+            if not exact:
+                raise RuntimeError(f"{mode}: the sharded checkpoint did not load back exactly")
+    finally:
+        if started:
+            dist.destroy_process_group()
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    return (f"{backend}, 1 rank: {len(done)} modes: {'; '.join(done)}"
+            + (f"; refused: {'; '.join(refused)}" if refused else ""))
+
+
+def fp8_filter_report(device: str) -> str:
+    """fp8 that proves it is on: which Linears the auto filter converts for GPT-2 124M and a Llama-8B-sized
+    MLP on this device, in the precision's own words (describe())."""
+    import warnings
+
+    from torch import nn
+
+    import ampkit
+    from ampkit.models import gpt2
+
+    rows = []
+    builders = {"gpt2-124M": gpt2,
+                "llama8b-mlp": lambda: nn.Sequential(nn.Linear(4096, 14336, bias=False), nn.SiLU(),
+                                                      nn.Linear(14336, 4096, bias=False), nn.Linear(4096, 4096))}
+    for name, make in builders.items():
+        for recipe in ("fp8-tensorwise", "fp8-rowwise"):
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    prec = ampkit.Precision(recipe, device, fp8_filter="auto")
+                    with torch.device("meta"):
+                        model = make()
+                    prec.setup(model.to_empty(device=device))
+                said = [str(w.message).splitlines()[0][:160] for w in caught if "fp8" in str(w.message)]
+                rows.append(f"{name} {recipe}: {prec.describe()}" + (f" [setup said: {said[0]}]" if said else ""))
+            except Exception as e:
+                rows.append(f"{name} {recipe}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    return " || ".join(rows)
+
+
+#: the test files whose paths change on a CUDA device (autocast/GradScaler on cuda, sync-free steps, CUDA
+#: graphs, the torch/apex compat suites): the rest of the suite is CPU-only and runs in CI
+CUDA_TESTS = ["tests/precision/test_sync_free.py", "tests/precision/test_compile_cudagraphs.py",
+              "tests/precision/test_scaler_extras.py", "tests/precision/test_scaler_torch_suite.py",
+              "tests/precision/test_precision.py", "tests/compat/test_compat_torch_amp.py",
+              "tests/compat/test_compat_fp16_utils.py", "tests/compat/test_compat_apex_amp.py"]
+
+
+def suite(c: "Check", which: str) -> str:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"] + (CUDA_TESTS if which == "cuda" else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=PART_TIMEOUT_S)
+    c.commands.append(" ".join(cmd))
+    with open(os.path.join(c.out, "suite.log"), "w") as f:
+        f.write(p.stdout + p.stderr)
+    last = (p.stdout.strip().splitlines() or ["no output"])[-1]
+    if p.returncode != 0:
+        raise RuntimeError(f"exit {p.returncode}: {last} (suite.log has the failures)")
+    return last
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, CUDA-only parts skipped (automatic without CUDA)")
     ap.add_argument("--out", help="output folder (default benchmarks/gpu-check-<device>-<UTC time>)")
-    ap.add_argument("--skip-suite", action="store_true", help="do not run the test suite")
+    ap.add_argument("--suite", choices=("cuda", "full", "none"), default="cuda",
+                    help="tests run on CUDA: the files that exercise CUDA paths (default), all of them, or none")
+    ap.add_argument("--skip-suite", dest="suite", action="store_const", const="none", help="= --suite none")
+    ap.add_argument("--parts", help="comma-separated: steps,fsdp,fp8-filter,suite,fp8,paired,mfu,memory,mfu-compiled "
+                                    "(default: all)")
     args = ap.parse_args(argv)
     cpu = args.cpu_smoke or not torch.cuda.is_available()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
@@ -188,26 +323,37 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     c = Check(out, cpu)
     no_cuda = "needs CUDA (this run is the CPU smoke)"
-    if args.skip_suite or cpu:
-        c.rows.append(("test suite on CUDA", "skipped", 0.0,
-                       "--skip-suite" if args.skip_suite else "CPU: the suite runs in CI (`make test`)"))
-    else:
-        c.part("test suite on CUDA", lambda: c.sh([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"])
-               .strip().splitlines()[-1])
-    c.part("every mode's steps, sync debug 'error'", lambda: sync_free_steps(c.device))
+    want = set(args.parts.split(",")) if args.parts else None
+    gpt = ["--steps", "10", "--warmup", "3", "--repeats", "1"]
     small = ["--models", "mlp", "--precisions", "fp32", "--steps", "1", "--warmup", "1", "--repeats", "1"]
-    c.part("bench --paired (ampkit vs plain loop)",
-           lambda: paired_summary(c.bench("paired", "--paired", *(small if cpu else ["--quick"]))))
-    c.part("fp8 _scaled_mm vs bf16, GPT-2 124M",
-           lambda: mfu_summary(c.bench("fp8", "--models", "gpt2", "--precisions", "bf16-mixed,fp8-tensorwise",
-                                       "--runners", "ampkit")), cuda_only="fp8 _scaled_mm needs an sm89+ GPU")
-    c.part("MFU GPT-2 124M bf16 eager",
-           lambda: mfu_summary(c.bench("mfu-eager", "--models", "gpt2", "--precisions", "bf16-mixed",
-                                       "--runners", "ampkit")), cuda_only=no_cuda + "; MFU against a GPU's peak")
-    c.part("MFU GPT-2 124M bf16 compiled",
-           lambda: mfu_summary(c.bench("mfu-compiled", "--models", "gpt2", "--precisions", "bf16-mixed",
-                                       "--runners", "ampkit", "--compile")), cuda_only=no_cuda)
-    c.part("memory plan vs max_memory_allocated", lambda: memory_plan_vs_measured(c.device))
+    parts = [
+        ("steps", "every mode's steps, sync debug 'error'", lambda: sync_free_steps(c.device), ""),
+        ("fsdp", "every mode under FSDP2 + sharded checkpoint", lambda: fsdp_modes(c.device), ""),
+        ("fp8-filter", "fp8 auto filter: GPT-2 124M, Llama-8B MLP", lambda: fp8_filter_report(c.device), ""),
+        ("suite", "test suite on CUDA", lambda: suite(c, args.suite), "CPU: the suite runs in CI (`make test`)"),
+        # "ends": GPT-2 124M is below the roofline's size, so the default filter would run no fp8 GEMM at all
+        ("fp8", "fp8 _scaled_mm vs bf16, GPT-2 124M (--fp8-filter ends)",
+         lambda: mfu_summary(c.bench("fp8", "--models", "gpt2", "--precisions", "bf16-mixed,fp8-tensorwise,fp8-rowwise",
+                                     "--runners", "ampkit", "--fp8-filter", "ends", *gpt)),
+         "fp8 _scaled_mm needs an sm89+ GPU"),
+        ("paired", "bench --paired (ampkit vs plain loop)",
+         lambda: paired_summary(c.bench("paired", "--paired", *(small if cpu else ["--quick"]))), ""),
+        ("mfu", "MFU GPT-2 124M bf16 eager",
+         lambda: mfu_summary(c.bench("mfu-eager", "--models", "gpt2", "--precisions", "bf16-mixed",
+                                     "--runners", "ampkit", *gpt)), no_cuda + "; MFU against a GPU's peak"),
+        ("memory", "memory plan vs max_memory_allocated", lambda: memory_plan_vs_measured(c.device), ""),
+        ("mfu-compiled", "MFU GPT-2 124M bf16 compiled",
+         lambda: mfu_summary(c.bench("mfu-compiled", "--models", "gpt2", "--precisions", "bf16-mixed",
+                                     "--runners", "ampkit", "--compile", *gpt)), no_cuda),
+    ]
+    for key, name, fn, cuda_only in parts:
+        if want is not None and key not in want:
+            continue
+        if key == "suite" and args.suite == "none":
+            c.rows.append((name, "skipped", 0.0, "--suite none"))
+            continue
+        c.part(name, fn, cuda_only=cuda_only)
+        c.write()  # after every part: a run stopped at its limit keeps what it measured
     path = c.write()
     print(f"wrote {path}")
     return 1 if any(s in ("FAILED", "timeout") for _, s, _, _ in c.rows) else 0

@@ -138,4 +138,6 @@ def settings_command(s: Settings) -> str:
         parts.append("--compile")
     if s.paired:
         parts.append("--paired")
+    if s.fp8_filter:
+        parts += ["--fp8-filter", s.fp8_filter]
     return " ".join(parts)

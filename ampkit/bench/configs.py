@@ -71,6 +71,7 @@ class Settings:
     quick: bool = False
     paired: bool = False  # also time each ampkit mode against its plain loop in one process, alternating
     data: Optional[str] = None  # --data as ampkit train reads it: the models' batches (None: each model's own)
+    fp8_filter: Optional[str] = None  # --fp8-filter for the fp8 rows: auto (the modes' default) | ends | all
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -197,6 +198,12 @@ def config_key(cfg: Dict) -> Tuple[str, str, str]:
     return cfg["model"], cfg["precision"], cfg["runner"]
 
 
+def _row_options(s: Settings, mode: str) -> Dict:
+    """The settings a row passes on only where given: ``--data``; ``--fp8-filter`` to the fp8 modes' rows."""
+    return {**({"data": s.data} if s.data else {}),
+            **({"fp8_filter": s.fp8_filter} if s.fp8_filter and mode in MODES and MODES[mode].kind == "fp8" else {})}
+
+
 def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
     """Configurations to measure (one dict each, sent to a worker) and notes for the report."""
     for name in ("steps", "repeats"):
@@ -258,7 +265,7 @@ def plan(s: Settings) -> Tuple[List[Dict], List[str]]:
                 configs.append({
                     "model": model, "precision": p, "resolved_precision": resolved.get(p, p), "runner": runner,
                     "batch_size": batch, "steps": s.steps, "warmup": s.warmup, "device": str(device),
-                    "compile": bool(s.compile), "lr": s.lr, "seed": s.seed, **({"data": s.data} if s.data else {}),
+                    "compile": bool(s.compile), "lr": s.lr, "seed": s.seed, **_row_options(s, resolved.get(p, p)),
                 })
     if s.paired:
         if set(s.runners) != set(RUNNERS):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import torch
+
 __all__ = ["NOT_FASTER", "explain", "low_dtype_of"]
 
 #: a mode less than 5% faster than fp32 counts as "not faster": that is within run-to-run noise
@@ -30,7 +32,15 @@ TOO_SMALL_MS = 1.0  # profiled fp32 matmul/conv time below which "did not drop" 
 
 
 def low_dtype_of(precision: str) -> Optional[str]:
-    return "bf16" if precision.startswith("bf16") else ("fp16" if precision.startswith("fp16") else None)
+    """The 16-bit type a mode's matmuls run in ("bf16"/"fp16"), None for fp32. The fp8 modes count as bf16:
+    their unconverted layers run in bf16 autocast, and their peak is read against bf16's measured peak
+    (an fp8 GEMM peak is not measured)."""
+    from ..precision.modes import MODES
+
+    mode = MODES.get(precision)
+    if mode is None:
+        return "bf16" if precision.startswith("bf16") else ("fp16" if precision.startswith("fp16") else None)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(mode.autocast_dtype)
 
 
 def _pct(x: float) -> str:

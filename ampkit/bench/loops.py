@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -59,11 +59,13 @@ class Step:
             self.step_fn = compile_step(self.precision, self.optimizer)
 
 
-def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float) -> Step:
+def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float,
+                 fp8_filter: Optional[str] = None) -> Step:
     # as the Trainer does: measure what is left open on this model (auto's mode, a conv model's memory
     # format, attention kernels; cached per machine), before the timed steps
     inputs, targets = workload.batches[0]
-    precision = tune(Precision(mode, device), workload.model, inputs, targets, workload.loss_fn)
+    precision = Precision(mode, device, **({"fp8_filter": fp8_filter} if fp8_filter else {}))
+    precision = tune(precision, workload.model, inputs, targets, workload.loss_fn)
     optimizer = build_optimizer(workload.model, "adamw", lr, 0.01, device, eps=precision.min_adam_eps)
     model, optimizer = precision.setup(workload.model, optimizer)
     loss_fn = workload.loss_fn
@@ -119,9 +121,11 @@ def _torch_loop_step(workload: Workload, mode: str, device: torch.device, lr: fl
                                      f"AdamW(fused={fused})")
 
 
-def make_step(runner: str, mode: str, workload: Workload, device: torch.device, lr: float) -> Step:
+def make_step(runner: str, mode: str, workload: Workload, device: torch.device, lr: float,
+              fp8_filter: Optional[str] = None) -> Step:
+    """The runner's step; ``fp8_filter`` (ampkit's fp8 rows) picks which Linears go to fp8."""
     if runner == "ampkit":
-        return _ampkit_step(workload, mode, device, lr)
+        return _ampkit_step(workload, mode, device, lr, fp8_filter)
     if runner == "torch-loop":
         return _torch_loop_step(workload, mode, device, lr)
     raise ValueError(f"Unknown runner {runner!r}: use ampkit or torch-loop.")

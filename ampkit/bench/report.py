@@ -204,8 +204,8 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
     if mfu:
         lines += ["", "## Model FLOPs utilisation (transformer models)", "",
                   "MFU = the model's training FLOPs (6 x matmul weights + 12 x layers x d_model x context, per token; "
-                  "PaLM's definition) per second over the measured GEMM peak of the mode's dtype. `util` above "
-                  "divides the FLOPs torch counts instead (attention backward with the flash recomputation).", "",
+                  "PaLM's definition) per second over the measured GEMM peak of the mode's dtype (fp8 modes: bf16's). "
+                  "`util` above divides the FLOPs torch counts instead (attention backward with the flash recomputation).", "",
                   "| model | precision | runner | tokens/s | model TFLOP/s | MFU |", "|---|---|---|---:|---:|---:|"]
         for r in mfu:
             lines.append(f"| {r['model']} | {r['precision']} | {r['runner']} | {_f(r.get('tokens_per_s'), '.0f')} "

@@ -70,7 +70,7 @@ def measure(cfg: Dict) -> Dict:
     wl = build_workload(cfg["model"], int(cfg["batch_size"]), min(8, steps + warmup), int(cfg["seed"]), device,
                         data=cfg.get("data"))
     n_params = sum(p.numel() for p in wl.model.parameters())
-    step = make_step(cfg["runner"], cfg["precision"], wl, device, float(cfg["lr"]))
+    step = make_step(cfg["runner"], cfg["precision"], wl, device, float(cfg["lr"]), fp8_filter=cfg.get("fp8_filter"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_start = time.perf_counter()
@@ -141,7 +141,7 @@ def measure_paired(cfg: Dict) -> Dict:
     for key, (runner, mode) in (("ampkit", ("ampkit", cfg["precision"])), ("torch-loop", other)):
         wl = build_workload(cfg["model"], int(cfg["batch_size"]), n_batches, int(cfg["seed"]), device,
                             data=cfg.get("data"))
-        pair[key] = (make_step(runner, mode, wl, device, float(cfg["lr"])), wl)
+        pair[key] = (make_step(runner, mode, wl, device, float(cfg["lr"]), fp8_filter=cfg.get("fp8_filter")), wl)
     t_start = time.perf_counter()
     for i in range(max(1, warmup)):
         for key, (step, wl) in pair.items():

@@ -40,6 +40,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paired", action="store_true", help="also run each ampkit mode and its plain loop in one "
                    "process, alternating step by step, and report the paired ratio: robust where processes land in "
                    "different speed regimes (adds one process per ampkit row)")
+    p.add_argument("--fp8-filter", choices=("auto", "ends", "all"),
+                   help="which Linears the fp8 rows convert: auto (the default: the roofline's, none where fp8 "
+                        "cannot gain), ends (all but the first/last and dims not multiples of 16), all")
     p.add_argument("--out", help="directory for bench.json, bench.md, bench.png (default runs/bench-<time>); "
                    "existing results are never overwritten")
 
@@ -53,6 +56,7 @@ def settings_from_args(args):
     over = {k: v for k, v in {
         "models": args.models, "precisions": args.precisions, "runners": args.runners, "steps": args.steps,
         "warmup": args.warmup, "repeats": args.repeats, "batch_size": args.batch_size, "data": args.data,
+        "fp8_filter": args.fp8_filter,
     }.items() if v is not None}
     if args.data and not args.models:  # as train: the data's own model
         from ..data import load_data

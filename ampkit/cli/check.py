@@ -33,11 +33,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-skip", default="",
                    help="with fp8 precisions: comma list of Linear names kept in bf16 (see docs/FP8.md)")
     g.add_argument("--fp8-filter", default=None, choices=("ends", "auto", "all"),
-                   help="with fp8 precisions: which Linears convert: 'ends' (default: dims multiples of 16, not "
-                        "first/last), 'auto' (and the per-layer roofline predicts a gain), 'all'")
+                   help="with fp8 precisions: which Linears convert: 'auto' (default: dims multiples of 16, not "
+                        "first/last, and the per-layer roofline predicts a gain), 'ends' (the same without the "
+                        "roofline), 'all'")
     g.add_argument("--fp8-gpu", default=None,
                    help="GPU class the fp8 roofline judges for (h100, h200, b200, l40s, a100, mi300x; default: "
-                        "this GPU's, h100 on a CPU)")
+                        "this GPU's, on a CPU h100, b200 for mxfp8)")
     g.add_argument("--fp8-tokens", type=int, default=None,
                    help="tokens per GEMM of the training run (batch x sequence) for the roofline (default: 8192)")
     g.add_argument("--loss-scale", type=float, default=2.0**16,

@@ -30,11 +30,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-scale", type=float, help="initial dynamic loss scale (default 65536)")
     g.add_argument("--fp32-modules", type=lambda s: [x for x in s.split(",") if x],
                    help="comma-separated module names kept in fp32 (e.g. head,blocks.3.attn)")
-    g.add_argument("--fp8-filter", choices=["ends", "auto", "all"],
-                   help="fp8 modes: which Linears convert: ends (default: dims multiples of 16, not first/last), "
-                   "auto (and the per-layer roofline on the target GPU predicts a gain), all")
-    g.add_argument("--fp8-gpu", help="fp8 modes: the GPU class --fp8-filter auto judges for (h100, h200, b200, l40s, "
-                   "a100, mi300x; default: this GPU's, h100 on a CPU)")
+    _add_fp8_flags(g)
     g.add_argument("--max-consecutive-skips", type=int,
                    help="stop with a report after this many non-finite steps in a row (default 50)")
     g.add_argument("--memory-format", choices=["auto", "channels_last", "contiguous"],
@@ -110,6 +106,17 @@ def _typed_values(args) -> dict:
             raise ValueError("--precision and --no-amp/--fp16 contradict each other: pass one.")
         values["precision"] = "fp32" if args.no_amp else "fp16-master"
     return values
+
+
+def _add_fp8_flags(g) -> None:
+    g.add_argument("--fp8-filter", choices=["ends", "auto", "all"],
+                   help="fp8 modes: which Linears convert: auto (default: dims multiples of 16, not first/last, and "
+                   "the per-layer roofline on the target GPU predicts a gain), ends (the same without the roofline), "
+                   "all (every layer whose dims fit)")
+    g.add_argument("--fp8-gpu", help="fp8 modes: the GPU class --fp8-filter auto judges for (h100, h200, b200, l40s, "
+                   "a100, mi300x; default: this GPU's, on a CPU h100, b200 for mxfp8)")
+    g.add_argument("--fp8-tokens", type=int, help="fp8 modes: tokens per GEMM of this run (batch x sequence) for "
+                   "--fp8-filter auto's roofline (default 8192)")
 
 
 def _config_from_args(args, announce: bool = False):

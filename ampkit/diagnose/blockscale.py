@@ -201,7 +201,7 @@ def blockscale_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn
     """The ``blockscale`` section of the check report (module docstring); ``requested``: formats asked for;
     ``gpu``/``tokens``: the roofline's target class (default: the first class with the format's GEMMs) and
     tokens per GEMM (default 8192)."""
-    filt = Fp8Filter(keep_ends=False)
+    filt = Fp8Filter(keep_ends=False, rule="all")  # every GEMM layer whose dims fit: the what-if covers them all
     names = list(plan(model, filt))
     cov = coverage(model, filt)
     cov["dims"] = {n: gemm_dims(model.get_submodule(n), gemm_kind(model.get_submodule(n))) for n in names}

@@ -76,6 +76,12 @@ def _validate(model: nn.Module, precisions: Sequence[str], fp32_modules: Sequenc
     return names
 
 
+def _fp8_options(skip: Sequence[str], force: Sequence[str], rule: Optional[str], gpu: Optional[str],
+                 tokens: Optional[int]) -> Dict[str, Any]:
+    """The ``Precision`` keywords of the check's fp8 options (for the fp8 modes' end-to-end runs)."""
+    return dict(fp8_skip=tuple(skip), fp8_force=tuple(force), fp8_filter=rule, fp8_gpu=gpu, fp8_tokens=tokens)
+
+
 def check(
     model: nn.Module,
     batch: Any,
@@ -112,18 +118,18 @@ def check(
         audit: record which dtype each module's matmul/conv/softmax/norm ran in.
         fp8_skip, fp8_force: with fp8 precisions, Linear names kept in bf16 / converted although
             first or last (as ``Precision(fp8_skip=..., fp8_force=...)``).
-        fp8_filter, fp8_gpu, fp8_tokens: the fp8 filter (``'ends'``, ``'auto'``: per-layer roofline, ``'all'``),
-            the GPU class it judges for (default: this GPU's, ``'h100'`` on a CPU) and tokens per GEMM.
+        fp8_filter, fp8_gpu, fp8_tokens: the fp8 filter (``'auto'``, the default: per-layer roofline; ``'ends'``;
+            ``'all'``), the GPU class it judges for (default: this GPU's, on a CPU ``'h100'``, ``'b200'`` for mxfp8)
+            and tokens per GEMM.
 
     Keys: ``device``, ``auto``, ``loss_scale``, ``reference``, ``verdicts``, ``modules``,
     ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``; with an fp8
     precision also ``fp8`` (per-layer fp8 numerics, a verdict per recipe, advice: docs/FP8.md); with a
     block-scaled format (``mxfp8``, ``mxfp4``, ``nvfp4``, ``fp8-blockwise``) also ``blockscale``.
     """
-    names = _validate(model, precisions, fp32_modules, loss_scale, lr)
+    # only block-scaled formats asked for: they are judged against bf16-mixed
+    names = _validate(model, precisions, fp32_modules, loss_scale, lr) or ["bf16-mixed"]
     formats = requested_formats(precisions)
-    if not names:  # only block-scaled formats asked for: they are judged against bf16-mixed
-        names = ["bf16-mixed"]
     dev = resolve_device(device)
     batch = to_device(batch, dev)
     forward_fn = forward_fn or default_forward
@@ -147,10 +153,10 @@ def check(
         audits[name] = DtypeAudit(m)
         return audits[name]
 
-    if ref.nonfinite is None:
+    if ref.nonfinite is None:  # the fp8 modes' end-to-end runs convert the layers the fp8 section measures
         verdicts = amp_verdicts(model, batch, loss_fn, names, dev, forward_fn=forward_fn, loss_scale=loss_scale,
-                                fp32_modules=fp32_modules, _reference=ref,
-                                _forward_ctx=audit_ctx if audit else None)
+                                fp32_modules=fp32_modules, _reference=ref, _forward_ctx=audit_ctx if audit else None,
+                                fp8_options=_fp8_options(fp8_skip, fp8_force, fp8_filter, fp8_gpu, fp8_tokens))
     else:
         why = "the fp32 reference itself is non-finite: fix the model first (see reference.first_nonfinite)"
         verdicts = {n: unmeasured(why, ref.nonfinite) for n in dict.fromkeys(canonical(n, dev) for n in names)}

@@ -159,7 +159,8 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
     recipes = {mode: _recipe_verdict(mode, layers, cov, device) for mode in FP8_ORDER}
     model_sqnr = {}
     for mode in requested:
-        m, p = prepare(model, mode, device, fp8_filter=filt.rule, fp8_gpu=filt.gpu, fp8_tokens=filt.tokens)
+        m, p = prepare(model, mode, device, fp8_skip=filt.skip, fp8_force=filt.force, fp8_filter=filt.rule,
+                       fp8_gpu=filt.gpu, fp8_tokens=filt.tokens)
         got = run_once(m, p, batch, forward_fn, loss_fn)
         g_ref = [ref.grads[k].reshape(-1) for k in ref.grads if k in got.grads]
         g_got = [got.grads[k].reshape(-1) for k in ref.grads if k in got.grads]
@@ -174,7 +175,9 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
         "recipes": recipes,
         "model_sqnr": model_sqnr,
         "coverage": {k: v for k, v in cov.items() if k not in ("sizes", "kept")},
-        "roofline": _roofline_note(cov),
+        "roofline": _roofline_note(cov) + ("" if gpu or gpu_class(device) else
+                                           f"; {filt.target} is the default target class on "
+                                           f"{torch.device(device).type} (--fp8-gpu names another)"),
         "recommendation": _recommend(recipes, chosen, cov, device),
         "bars": {k: {"ok": a, "unsafe": b} for k, (a, b) in FP8_BARS.items()},
         "requested": list(requested),
@@ -217,7 +220,9 @@ def _recommend(recipes: Dict[str, Dict[str, Any]], chosen: List[str], cov: Dict[
         return {"precision": "bf16-mixed", "keep_bf16": [],
                 "reason": f"no Linear/Conv1D qualifies for fp8 under fp8_filter {cov['rule']} "
                           f"({'; '.join(sorted(set(cov['kept'].values()))[:3]) or 'no candidate'}): "
-                          "fp8 would change nothing"}
+                          "fp8 would change nothing"
+                          + ("; --fp8-filter ends (fp8_filter='ends') measures their fp8 numerics anyway"
+                             if cov["rule"] == "auto" and cov["roofline_candidates"] else "")}
     if cov["flop_share"] is not None and cov["flop_share"] < MIN_FLOP_SHARE:
         return {"precision": "bf16-mixed", "keep_bf16": [],
                 "reason": f"only {cov['converted']} of {cov['candidates']} Linear/Conv1D layers "

@@ -132,6 +132,7 @@ def amp_verdicts(
     forward_fn: Optional[Callable] = None,
     loss_scale: float = 2.0**16,
     fp32_modules: Sequence[str] = (),
+    fp8_options: Optional[Dict[str, Any]] = None,
     _reference: Optional[RunResult] = None,
     _forward_ctx: Optional[Callable[[str, nn.Module], Any]] = None,
 ) -> Dict[str, Dict[str, Any]]:
@@ -141,6 +142,8 @@ def amp_verdicts(
     itself is not changed. ``loss_fn(output, target)`` (default: cross-entropy/MSE by target
     dtype); ``forward_fn(model, batch) -> output`` (default ``model(x)``). Where a precision
     produces NaN/inf, ``first_nonfinite`` names the module (see :mod:`ampkit.diagnose.localise`).
+    ``fp8_options``: ``Precision`` keywords for the fp8 modes (``fp8_filter``, ``fp8_skip``, ...), so they
+    convert the layers the run would.
     """
     device = resolve_device(device)
     batch = to_device(batch, device)
@@ -157,7 +160,8 @@ def amp_verdicts(
             results[name] = _record(name, compare(ref, ref), "ok", ["the reference"], ref)
             continue
         try:
-            m, prec = prepare(model, name, device, fp32_modules)
+            m, prec = prepare(model, name, device, fp32_modules,
+                              **((fp8_options or {}) if MODES[name].fp8 is not None else {}))
         except RuntimeError as e:  # e.g. bf16 asked for on a GPU without it
             results[name] = unmeasured(f"not supported here: {e}")
             continue

@@ -24,8 +24,9 @@ class TrainConfig:
     compensation: Optional[str] = None  # bf16-pure only: kahan (default) | stochastic | none
     optimizer_state: Optional[str] = None  # moments in fp32 | bf16 | 8bit (torchao); None = the mode's
     fp32_modules: List[str] = field(default_factory=list)
-    fp8_filter: Optional[str] = None  # fp8 modes: ends (default) | auto (per-layer roofline) | all
-    fp8_gpu: Optional[str] = None  # fp8 modes: the GPU class the roofline judges for (default: this one's, h100 on CPU)
+    fp8_filter: Optional[str] = None  # fp8 modes: auto (default: per-layer roofline) | ends | all
+    fp8_gpu: Optional[str] = None  # fp8 modes: the GPU class the roofline judges for (default: this one's; on CPU h100, b200 for mxfp8)
+    fp8_tokens: Optional[int] = None  # fp8 modes: tokens per GEMM (batch x sequence) the roofline assumes (default 8192)
     memory_format: str = "auto"  # conv models: auto (measured, the faster) | channels_last | contiguous
     eval_precision: str = "train"  # "train" or "fp32" (autocast off)
     # optimisation

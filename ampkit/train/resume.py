@@ -138,11 +138,26 @@ def check_model_signature(ck: Dict[str, Any], mine: list, path: str) -> None:
             f"dtype ({diff[0][0]}: {diff[0][2]} in the checkpoint, {diff[1][2]} here): resume with --precision {was} "
             "(or without --precision: a resumed run keeps its saved options), or start a new run in another --out.")
     if theirs is not None and [list(x) for x in theirs] != mine:
+        _check_fp8_layout(theirs, mine, path)
         diff = next(((a, b) for a, b in zip(theirs, mine) if list(a) != list(b)), None)
         detail = (f"first difference: checkpoint {diff[0][0]} {diff[0][1]} {diff[0][2]} vs model "
                   f"{diff[1][0]} {diff[1][1]} {diff[1][2]}" if diff else
                   f"checkpoint has {len(theirs)} tensors, model has {len(mine)}")
         raise ckpt.CheckpointError(f"checkpoint {path!r} is from a different model ({detail}).")
+
+
+def _check_fp8_layout(theirs: list, mine: list, path: str) -> None:
+    """Same model, but fp8-delayed's amax histories on other layers: the run's fp8 filter converts other layers."""
+    ours, saved = {x[0] for x in mine}, {x[0] for x in theirs}
+    extra, missing = sorted(saved - ours), sorted(ours - saved)
+    if not (extra or missing) or not all(".amax_history_" in n for n in extra + missing):
+        return
+    where = (f"{len(extra)} fp8 amax histories this run does not have (e.g. {extra[0]})" if extra
+             else f"no fp8 amax histories for layers this run converts (e.g. {missing[0]})")
+    raise ckpt.CheckpointError(
+        f"checkpoint {path!r} holds {where}: this run's fp8 filter converts other layers than the checkpoint's run. "
+        "Resume with that run's --fp8-filter (auto, the default, converts only layers the roofline says gain; ends "
+        "every layer whose dims fit but the first and last; all), or start a new run in another --out.")
 
 
 def _master_layout_of_before(ck: Dict[str, Any], theirs: list, mine: list) -> bool:

@@ -135,7 +135,7 @@ def make_precision(precision: Any, cfg: TrainConfig, world_size: int = 1) -> Pre
         loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
         max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
         compensation=cfg.compensation, optimizer_state=cfg.optimizer_state, channels_last=MEMORY_FORMATS[cfg.memory_format],
-        **{k: getattr(cfg, k) for k in ("fp8_filter", "fp8_gpu") if getattr(cfg, k, None) is not None},
+        **{k: getattr(cfg, k) for k in ("fp8_filter", "fp8_gpu", "fp8_tokens") if getattr(cfg, k, None) is not None},
     )
 
 

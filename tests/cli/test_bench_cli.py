@@ -269,3 +269,24 @@ def test_data_without_models_benches_the_datas_own_model(capsys, tmp_path, monke
     code = main(["bench", "--device", "cpu", "--data", "hfish:data", "--out", "b"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "pass the model for them with --models" in err[0], err
+
+
+def test_fp8_filter_reaches_the_fp8_rows_only():
+    """``--fp8-filter ends`` times the fp8 GEMMs of a model the default (roofline) filter converts none of."""
+    import torch
+
+    from ampkit.bench import plan
+    from ampkit.bench.loops import make_step
+    from ampkit.bench.workload import build_workload
+    from ampkit.cli import _build_parser
+    from ampkit.cli.bench import settings_from_args
+
+    args = _build_parser().parse_args(["bench", "--models", "mlp", "--precisions", "fp32,fp8-tensorwise",
+                                       "--runners", "ampkit", "--device", "cpu", "--fp8-filter", "ends"])
+    configs, _ = plan(settings_from_args(args))
+    assert {c["precision"]: c.get("fp8_filter") for c in configs} == {"fp32": None, "fp8-tensorwise": "ends"}
+    described = {}
+    for rule in (None, "ends"):
+        wl = build_workload("mlp", 2, 1, 0, torch.device("cpu"))
+        described[rule] = make_step("ampkit", "fp8-tensorwise", wl, torch.device("cpu"), 1e-3, fp8_filter=rule).describe
+    assert "0 of 3 Linear" in described[None] and "1 of 3 Linear" in described["ends"], described

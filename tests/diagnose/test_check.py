@@ -197,7 +197,7 @@ def test_check_fp8_alone_recommends_the_fp8_mode(monkeypatch):
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
                           nn.Linear(64, 8))
     batch = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
-    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu")
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu", fp8_filter="ends")  # auto converts none
     assert r["fp8"]["recipes"]["fp8-rowwise"]["verdict"] == "ok", r["fp8"]["recipes"]
     # on a CPU the fp8 GEMMs are emulated: the recipe is numerically right, but not sold as a speed pick
     advice = r["fp8"]["recommendation"]
@@ -205,23 +205,31 @@ def test_check_fp8_alone_recommends_the_fp8_mode(monkeypatch):
     assert "(the fastest recipe)" not in advice["reason"]
     assert r["auto"]["mode"] == "fp32" and "emulated on cpu" in r["auto"]["reason"], r["auto"]
     monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)  # as on an sm90 GPU
-    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu")
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu", fp8_filter="ends")
     assert r["auto"]["mode"] == r["recommendation"]["precision"] == "fp8-rowwise", r["auto"]
 
 
-def test_check_with_the_auto_filter_recommends_no_fp8_when_nothing_pays():
+def test_check_with_the_default_auto_filter_recommends_no_fp8_when_nothing_pays(monkeypatch):
+    from ampkit.diagnose import verdict
+
+    monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)  # as on an sm90 GPU
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
                           nn.Linear(64, 8))
     batch = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
-    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu", fp8_filter="auto")
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu")
     f = r["fp8"]
-    assert f["recommendation"]["precision"] == "bf16-mixed"
+    assert f["recommendation"]["precision"] == "bf16-mixed" and f["coverage"]["rule"] == "auto"
     assert "under fp8_filter auto" in f["recommendation"]["reason"] and "roofline" in f["recommendation"]["reason"]
+    assert "--fp8-filter ends" in f["recommendation"]["reason"] and f["layers"] == {}
+    # real fp8 GEMMs, and still no fp8 pick: the mode would convert nothing
+    assert r["auto"]["mode"] != "fp8-rowwise" and "no layer runs in fp8" in r["auto"]["reason"], r["auto"]
+    assert "fp8 advice: bf16-mixed" in r.text()
     assert f["roofline"].startswith("on h100 at 8192 tokens per GEMM") and "fp8 would not pay" in f["roofline"]
+    assert f["roofline"].endswith("h100 is the default target class on cpu (--fp8-gpu names another)")
     assert f["recipes"]["fp8-rowwise"]["applies"] is False
     assert r["recommendation"]["precision"] != "fp8-rowwise"
     assert "roofline: on h100" in r.text()
-    # the default rule converts the middle layers as before, and still says what the roofline thinks
-    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu")
+    # fp8_filter="ends" converts the middle layers, and still says what the roofline thinks
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu", fp8_filter="ends")
     assert r["fp8"]["coverage"]["converted"] == 2 and "fp8 would not pay" in r["fp8"]["roofline"]

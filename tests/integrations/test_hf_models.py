@@ -11,6 +11,7 @@ from ampkit.precision.modes import AUTO, MODES
 from ampkit.train import Trainer
 
 from hf_models import ARCHS, BATCHES, DictDataset, build
+from precision_helpers import fp8_ends
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -33,7 +34,7 @@ def test_five_line_loop_trains_in_every_mode(arch, mode):
     batch = BATCHES[arch](0)
     ints = {k: v.clone() for k, v in batch.items() if not v.is_floating_point()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-4)
-    precision = ampkit.Precision(mode, "cpu")
+    precision = ampkit.Precision(mode, "cpu", **fp8_ends(mode))
     model, optimizer = precision.setup(model, optimizer)
     losses = []
     for _ in range(6):
@@ -67,7 +68,7 @@ def test_trainer_trains_dict_datasets_in_every_mode(arch):
     """The Trainer on a dataset of dicts and a model that returns its own loss: no loss_fn needed."""
     for mode in ALL_MODES:
         trainer = Trainer(build(arch), DictDataset(arch, 16), DictDataset(arch, 8, seed=1), precision=mode,
-                          batch_size=4, epochs=2, lr=3e-3, autotune=False, progress=False)
+                          **fp8_ends(mode), batch_size=4, epochs=2, lr=3e-3, autotune=False, progress=False)
         summary = trainer.fit()
         losses = [r["loss"] for r in trainer.history if r.get("kind") == "train"]
         assert summary["optimizer_steps"] + summary["skipped_steps"] == 8 and summary["skipped_steps"] <= 2, (mode, summary)

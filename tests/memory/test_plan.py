@@ -122,11 +122,12 @@ def test_hugging_face_dict_batch():
 def test_fp8_casts_are_counted():
     pytest.importorskip("torchao")
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-    p = ampkit.plan(model, (torch.randn(32, 64), torch.randint(0, 10, (32,))), precision="fp8-tensorwise", device="cpu")
+    prec = ampkit.Precision("fp8-tensorwise", "cpu", fp8_filter="ends")  # the default (auto) converts none here
+    p = ampkit.plan(model, (torch.randn(32, 64), torch.randint(0, 10, (32,))), precision=prec, device="cpu")
     live, _, _ = _real_trace(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                                            nn.Linear(256, 10)), (torch.randn(32, 64), torch.randint(0, 10, (32,))),
-                             "fp8-tensorwise")
-    assert p.peak_bytes == live.peak
+                             prec)
+    assert p.peak_bytes == live.peak and p.breakdown.get("fp8_casts", 0) > 0
 
 
 def test_max_batch_size_fits_the_budget_less_the_margin():

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 import ampkit
 from ampkit.models import GPT
+from precision_helpers import fp8_ends
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,7 +32,7 @@ def _trained(mode, compensation, model=None, steps=3, loss_of=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 / emulated bf16 on this CPU
-        prec = ampkit.Precision(mode, "cpu", **({"compensation": compensation} if compensation else {}))
+        prec = ampkit.Precision(mode, "cpu", **({"compensation": compensation} if compensation else {}), **fp8_ends(mode))
         model, opt = prec.setup(model, opt)
     for step in range(steps):
         x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))

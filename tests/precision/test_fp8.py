@@ -67,10 +67,10 @@ def test_precision_fp8_options_errors():
 def test_filter_plan_dims_ends_and_names():
     m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.Linear(48, 40), nn.Linear(40, 64),
                       nn.Linear(64, 32))
-    p = plan(m)
+    p = plan(m, Fp8Filter(rule="ends"))
     assert p["0"].startswith("bf16: first") and p["5"].startswith("bf16: first")
     assert p["2"] == "fp8" and "not multiples of 16" in p["3"] and "not multiples" in p["4"]
-    p = plan(m, Fp8Filter(skip=("2",), force=("0",)))
+    p = plan(m, Fp8Filter(skip=("2",), force=("0",), rule="ends"))
     assert p["0"] == "fp8" and p["2"] == "bf16: kept by name"
 
 
@@ -79,7 +79,7 @@ def test_swap_keeps_parameters_and_optimizer():
         m = _tiny_gpt()
         before = {n: p for n, p in m.named_parameters()}
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        prec = ampkit.Precision(mode, "cpu")
+        prec = ampkit.Precision(mode, "cpu", fp8_filter="ends")
         m, opt = prec.setup(m, opt)
         assert fp8_layers(m) == ["blocks.layers.0.linear2", "blocks.layers.1.linear1", "blocks.layers.1.linear2"]
         assert all(before[n] is p for n, p in m.named_parameters())  # same objects: the optimizer still holds them
@@ -126,7 +126,7 @@ def test_delayed_histories_are_state_and_resume_exactly():
     def run(steps, state=None):
         m = _tiny_gpt()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        prec = ampkit.Precision("fp8-delayed", "cpu", fp8_recipe=DelayedScaling(amax_history_len=4))
+        prec = ampkit.Precision("fp8-delayed", "cpu", fp8_recipe=DelayedScaling(amax_history_len=4), fp8_filter="ends")
         m, opt = prec.setup(m, opt)
         if state:
             m.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
@@ -154,7 +154,7 @@ def test_transformer_sqnr_bars_each_recipe():
     model = Encoder()
     x = torch.randint(0, 64, (8, 32))
     r = fp8_check(model, (x, torch.randint(0, 64, (8, 32))), as_loss_fn(None), default_forward, CPU,
-                  ["fp8-tensorwise", "fp8-rowwise", "fp8-delayed"])
+                  ["fp8-tensorwise", "fp8-rowwise", "fp8-delayed"], rule="ends")
     for mode, s in r["model_sqnr"].items():
         assert s["layers_in_fp8"] == 4
         assert s["output_sqnr"] >= 18, (mode, s)
@@ -176,7 +176,7 @@ def test_planted_outlier_flagged_for_tensorwise_not_rowwise():
 
     torch.manual_seed(0)
     r = fp8_check(Outlier(), (torch.randn(32, 32), torch.randint(0, 16, (32,))), as_loss_fn(None),
-                  default_forward, CPU, [])
+                  default_forward, CPU, [], rule="ends")
     tw, rw = r["recipes"]["fp8-tensorwise"], r["recipes"]["fp8-rowwise"]
     assert tw["verdict"] == "unsafe" and "b" in tw["keep_bf16"]
     assert r["layers"]["b"]["fp8-tensorwise"]["output_sqnr"] > 18  # the global figure hides it...
@@ -212,7 +212,7 @@ def test_check_layer_numbers_are_precision_fp8s():
     batch = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
     seen = {}
     model[2].register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach().float()))
-    r = fp8_check(model, batch, as_loss_fn(None), default_forward, CPU, requested=[])
+    r = fp8_check(model, batch, as_loss_fn(None), default_forward, CPU, requested=[], rule="ends")
     w = model[2].weight.detach().to(torch.bfloat16).float()
     x = seen["x"]
     expect = sqnr(x @ w.t(), fake_quantise(x, E4M3) @ fake_quantise(w, E4M3).t())
@@ -224,6 +224,7 @@ def _train(mode, steps=200, **kw):
     torch.manual_seed(0)
     model = GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    kw = {**kw, "fp8_filter": "ends"} if mode != "bf16-mixed" else kw  # tiny layers: the roofline converts none
     prec = ampkit.Precision(mode, "cpu", op_policy=False, **kw)
     model, opt = prec.setup(model, opt)
     xs, ys = data.train.tensors
@@ -264,7 +265,7 @@ def test_no_torchao_noise_without_fp8():
     assert r.returncode == 0, r.stderr
     assert r.stderr == "" and "Failed to load" not in r.stdout
     r = _run("import ampkit, torch; from ampkit.models import GPT; "
-             "ampkit.Precision('fp8-rowwise', 'cpu').setup(GPT(64, 64, 2, 4, 32))")
+             "ampkit.Precision('fp8-rowwise', 'cpu', fp8_filter='ends').setup(GPT(64, 64, 2, 4, 32))")
     assert r.returncode == 0, r.stderr
     assert r.stderr == "", r.stderr  # torchao's loader messages went to the ampkit.fp8 logger
 
@@ -274,7 +275,7 @@ def test_check_api_and_cli_report_fp8(capsys):
 
     torch.manual_seed(0)
     rep = ampkit.check(Encoder(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))),
-                       precisions=["fp8-delayed"], device="cpu")
+                       precisions=["fp8-delayed"], device="cpu", fp8_filter="ends")
     fp8_rows = [e for e in rep["audit"]["fp8-delayed"] if e["type"] == "DelayedScalingLinear"]
     assert len(fp8_rows) == 4 and all("fp8 GEMM, emulated" in " ".join(e["flags"]) for e in fp8_rows)
     assert set(rep["fp8"]["recipes"]) == {"fp8-tensorwise", "fp8-rowwise", "fp8-delayed"}
@@ -293,7 +294,7 @@ def _ddp_rank(rank, tmp):
     init_rank(rank, tmp)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
-    prec = ampkit.Precision("fp8-delayed", "cpu", op_policy=False)
+    prec = ampkit.Precision("fp8-delayed", "cpu", op_policy=False, fp8_filter="ends")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = prec.setup(model, opt)
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -318,9 +319,11 @@ def test_ddp_reduces_amax_so_ranks_scale_alike(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_fsdp_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match="fp8.*--strategy ddp"):  # the kind answers what FSDP accepts
-        ampkit.Precision("fp8-delayed", "cpu").fsdp_policy()
+def test_fsdp_policy_gathers_in_bf16_and_reduces_in_fp32():
+    """FSDP shards fp8-delayed as the other fp8 recipes (its histories are replicated buffers, equal on every
+    rank; tests/train/test_fsdp_modes.py trains and checkpoints it on 2 ranks)."""
+    policy = ampkit.Precision("fp8-delayed", "cpu").fsdp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 
 def test_bench_row_marked_emulated(tmp_path, monkeypatch):
@@ -337,7 +340,9 @@ def test_bench_row_marked_emulated(tmp_path, monkeypatch):
                  "profile": False})
     sys.modules.pop("fp8_bench_mod", None)
     assert r["emulated"] == "emulated: numerics only, not a speed claim"
-    assert "1 of 3 Linear/Conv1D layers in fp8" in r["loop"] and r["resolved_precision"] == "fp8-tensorwise"
+    # the default filter (auto): a 32x32 layer gains nothing on the default target class, and the row says so
+    assert "0 of 3 Linear/Conv1D layers in fp8 (0% of their FLOPs" in r["loop"] and "fp8_filter auto" in r["loop"]
+    assert r["resolved_precision"] == "fp8-tensorwise"
 
 
 def test_cli_train_fp8_and_resume_exactly(tmp_path, monkeypatch, capsys):
@@ -349,11 +354,18 @@ def test_cli_train_fp8_and_resume_exactly(tmp_path, monkeypatch, capsys):
         "def data(seed=0):\n    return sequences(n=48, seq_len=16, vocab=64, seed=seed)\n"
         "def make(**kw):\n    return GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    common = ["train", "--data", "fp8_cli_mod:data", "--model", "fp8_cli_mod:make", "--precision", "fp8-delayed",
+    common = ["train", "--data", "fp8_cli_mod:data", "--model", "fp8_cli_mod:make", "--precision", "fp8-delayed", "--fp8-filter", "ends",
               "--no-progress", "--batch-size", "8", "--lr-schedule", "constant", "--save-every", "2"]
     assert main(common + ["--max-steps", "4", "--out", "whole"]) == 0
     assert main(common + ["--max-steps", "2", "--out", "split"]) == 0
     assert main(common + ["--max-steps", "4", "--out", "split", "--resume", "auto"]) == 0
+    # resuming under another filter (here auto, which converts none of these layers) is refused in one line
+    saved = {f: open(f"split/{f}", "rb").read() for f in ("config.toml", "checkpoints/step-00000004.pt")}
+    capsys.readouterr()
+    assert main(common + ["--fp8-filter", "auto", "--max-steps", "6", "--out", "split", "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8 filter converts other layers" in err and "--fp8-filter" in err
+    assert all(open(f"split/{f}", "rb").read() == v for f, v in saved.items())
     sys.modules.pop("fp8_cli_mod", None)
     a, b = (torch.load(f"{d}/checkpoints/step-00000004.pt", weights_only=True) for d in ("whole", "split"))
     hist = "blocks.layers.1.linear1.amax_history_input"

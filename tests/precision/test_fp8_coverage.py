@@ -12,7 +12,7 @@ from torch.nn import functional as F
 import ampkit
 from ampkit.diagnose.fp8 import sqnr
 from ampkit.models import SimpleCNN
-from ampkit.precision.fp8 import (DelayedScalingConv1D, coverage, fp8_layers, gemm_kind, is_conv1d,
+from ampkit.precision.fp8 import (DelayedScalingConv1D, Fp8Filter, coverage, fp8_layers, gemm_kind, is_conv1d,
                                   plan)
 
 hf = pytest.importorskip("hf_models")
@@ -44,7 +44,7 @@ def test_hf_gpt2_conv1d_converts_matches_bf16_and_trains(mode):
     assert sum(isinstance(m, Conv1D) for m in model.modules()) == 8  # 4 per block: c_attn, c_proj, c_fc, c_proj
     before = dict(model.named_parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt, prec, warned = _setup(model, mode, opt)
+    model, opt, prec, warned = _setup(model, mode, opt, fp8_filter="ends")
     assert not warned  # 7 of 9 layers, 81% of the GEMM FLOPs
     layers = fp8_layers(model)
     assert len(layers) == 7 and "transformer.h.1.attn.c_attn" in layers and "lm_head" not in layers
@@ -128,9 +128,10 @@ def test_conv1d_detected_by_behaviour_without_transformers_class():
     assert is_conv1d(Conv1D(32, 16)) and gemm_kind(Conv1D(32, 16)) == "conv1d"
     assert not is_conv1d(Conv1DLookalike(32, 16)) and gemm_kind(nn.Conv1d(4, 4, 3)) is None
     model = nn.Sequential(Conv1D(32, 16), Conv1D(64, 32), Conv1D(32, 64), Conv1D(16, 32))
-    assert [v for v in plan(model).values()] == ["bf16: first/last Conv1D (force it by name to convert)", "fp8",
+    assert [v for v in plan(model, Fp8Filter(rule="ends")).values()] == [
+        "bf16: first/last Conv1D (force it by name to convert)", "fp8",
                                                  "fp8", "bf16: first/last Conv1D (force it by name to convert)"]
-    model, _, prec, _ = _setup(model, "fp8-delayed")
+    model, _, prec, _ = _setup(model, "fp8-delayed", fp8_filter="ends")
     assert [type(m).__name__ for m in model] == ["Conv1D", "DelayedScalingConv1D", "DelayedScalingConv1D", "Conv1D"]
     assert isinstance(model[1], DelayedScalingConv1D) and model[1].weight.shape == (32, 64)
 
@@ -165,9 +166,9 @@ def test_models_with_nothing_to_convert_warn_why(mode):
 
 def test_small_share_warns_mostly_bf16():
     model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 32), nn.Linear(32, 32), nn.Linear(32, 1024))
-    cov = coverage(model)
+    cov = coverage(model, Fp8Filter(rule="ends"))
     assert cov["converted"] == 2 and cov["flop_share"] < 0.05
-    _, _, _, warned = _setup(model, "fp8-delayed")
+    _, _, _, warned = _setup(model, "fp8-delayed", fp8_filter="ends")
     assert len(warned) == 1 and "only 2 of 4 Linear/Conv1D layers (3% of their FLOPs) run in fp8" in warned[0]
 
 
@@ -179,7 +180,7 @@ def test_trainer_summary_records_fp8_coverage(tmp_path):
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = Trainer(model, data, precision="fp8-delayed", out=str(tmp_path / "run"), max_steps=2,
+        trainer = Trainer(model, data, precision="fp8-delayed", fp8_filter="ends", out=str(tmp_path / "run"), max_steps=2,
                           batch_size=8, progress=False)
         trainer.fit()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -44,7 +44,7 @@ class Net(nn.Module):
 def _setup(model, mode="fp8-delayed", opt=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU's emulated-bf16 note
-        prec = ampkit.Precision(mode, "cpu", op_policy=False)
+        prec = ampkit.Precision(mode, "cpu", op_policy=False, fp8_filter="ends")  # tiny layers: auto converts none
         return (*prec.setup(model, opt), prec)
 
 

@@ -43,6 +43,13 @@ def test_auto_converts_llama8b_sized_layers(recipe):
     assert p["inp"].startswith("bf16: first/last") and p["out"].startswith("bf16: first/last")
 
 
+def test_auto_is_the_default_filter():
+    assert Fp8Filter().rule == "auto" and Fp8Filter().target == "h100"
+    assert Fp8Filter(recipe="mxfp8").target == "b200"  # the first class with MX GEMMs
+    assert plan(_meta(LLAMA8B)) == plan(_meta(LLAMA8B), Fp8Filter(rule="auto", gpu="h100"))
+    assert plan(_meta(GPT2))["mid.0"].startswith("bf16: roofline")
+
+
 def test_torchaos_size_filter_is_the_reference():
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear_utils import _auto_filter_for_rowwise, _auto_filter_for_tensorwise
@@ -94,31 +101,41 @@ def test_coverage_says_what_the_roofline_would_convert_under_any_rule():
 def test_share_zero_says_so_at_setup_and_in_describe_and_summary():
     torch.manual_seed(0)
     model = Stack(GPT2[:2])
-    p = Precision("fp8-rowwise", "cpu", fp8_filter="auto")
+    p = Precision("fp8-rowwise", "cpu")  # the default filter: auto
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p.setup(model, None)
     notes = [str(w.message) for w in caught if "fp8" in str(w.message)]
     assert len(notes) == 1 and "\n" not in notes[0], notes
     assert notes[0].startswith("fp8-rowwise: no layer runs in fp8, so this run is bf16-mixed")
-    assert "2 too small to gain (roofline)" in notes[0] and "fp8_filter='all'" in notes[0]
+    assert "2 too small to gain (roofline)" in notes[0]  # and how to convert them anyway:
+    assert "fp8_filter='ends' or 'all', --fp8-filter ends|all, converts them anyway" in notes[0]
     d = p.describe()
     assert "0 of 4 Linear/Conv1D layers in fp8 (0% of their FLOPs" in d
-    assert "fp8_filter auto: roofline on h100 at 8192 tokens per GEMM (target class; this run is emulated)" in d
+    # on a CPU the roofline judges for the default class, and the line says that it is the default
+    assert ("fp8_filter auto: roofline on h100 at 8192 tokens per GEMM (the default target class on cpu; "
+            "fp8_gpu= names another)") in d and "emulated: numerics only" in d
     s = p.fp8.summary()
     assert s["flop_share"] == 0 and s["converted"] == [] and s["filter"] == "auto" and s["target_gpu"] == "h100"
+    assert s["target_gpu_from"] == "default"
     assert s["kept"]["mid.0"].startswith("roofline") and s["kept"]["inp"].startswith("first/last")
 
 
-def test_the_default_rule_names_what_the_roofline_would_do():
+def test_the_ends_rule_converts_and_names_what_the_roofline_would_do():
     torch.manual_seed(0)
-    p = Precision("fp8-tensorwise", "cpu")
+    p = Precision("fp8-tensorwise", "cpu", fp8_filter="ends")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p.setup(Stack(GPT2[:2]), None)
     assert p.fp8.summary()["converted"] == ["mid.0", "mid.1"]
-    assert "fp8_filter ends; the roofline on h100 at 8192 tokens per GEMM" in p.describe()
+    assert "fp8_filter ends; the roofline on h100 at 8192 tokens per GEMM (the default target" in p.describe()
     assert "would convert 0 of 2" in p.describe()
+    p = Precision("fp8-tensorwise", "cpu", fp8_filter="ends", fp8_gpu="h200")  # a class named: not "the default"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p.setup(Stack(GPT2[:2]), None)
+    assert "the roofline on h200 at 8192 tokens per GEMM would convert 0 of 2" in p.describe()
+    assert p.fp8.summary()["target_gpu_from"] == "fp8_gpu"
 
 
 @pytest.mark.parametrize("kwargs,match", [({"fp8_filter": "fast"}, "fp8_filter='fast' is not a filter: use 'auto'"),
@@ -131,7 +148,7 @@ def test_bad_filter_options_are_one_line_errors(kwargs, match):
         Precision("bf16-mixed", "cpu", **kwargs)
 
 
-def test_cli_train_with_the_auto_filter_says_nothing_converts(tmp_path, monkeypatch, capsys):
+def test_cli_train_with_the_default_filter_says_nothing_converts(tmp_path, monkeypatch, capsys):
     import json
     import sys
 
@@ -145,14 +162,16 @@ def test_cli_train_with_the_auto_filter_says_nothing_converts(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     common = ["train", "--data", "roofline_cli_mod:data", "--model", "roofline_cli_mod:make", "--no-progress",
               "--batch-size", "8", "--max-steps", "1"]
-    assert main(common + ["--precision", "fp8-rowwise", "--fp8-filter", "auto", "--out", "run"]) == 0
+    assert main(common + ["--precision", "fp8-rowwise", "--fp8-tokens", "16384", "--out", "run"]) == 0
     err = capsys.readouterr().err
-    assert "fp8-rowwise: no layer runs in fp8, so this run is bf16-mixed" in err
+    assert "fp8-rowwise: no layer runs in fp8, so this run is bf16-mixed" in err and "--fp8-filter ends|all" in err
     fp8 = json.load(open("run/summary.json"))["fp8"]
-    assert fp8["filter"] == "auto" and fp8["converted"] == [] and fp8["flop_share"] == 0
+    assert fp8["filter"] == "auto" and fp8["converted"] == [] and fp8["flop_share"] == 0 and fp8["tokens"] == 16384
     assert all(why.startswith(("roofline", "first/last")) for why in fp8["kept"].values()), fp8["kept"]
     # a filter option with a mode that has no fp8 is a one-line usage error
     assert main(common + ["--precision", "bf16-mixed", "--fp8-filter", "auto", "--out", "bad"]) == 2
     err = capsys.readouterr().err
     assert "apply to the fp8 modes only" in err and not (tmp_path / "bad").exists()
+    assert main(common + ["--precision", "fp8-rowwise", "--fp8-tokens", "0", "--out", "bad"]) == 2
+    assert "fp8_tokens must be a positive int" in capsys.readouterr().err and not (tmp_path / "bad").exists()
     sys.modules.pop("roofline_cli_mod", None)

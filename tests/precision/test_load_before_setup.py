@@ -13,6 +13,7 @@ from torch.nn import functional as F
 import ampkit
 from ampkit.models import GPT
 from ampkit.optim import CompensatedOptimizer, MasterWeightOptimizer
+from precision_helpers import fp8_ends
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,7 +33,7 @@ def _model():
 def _precision(mode, compensation):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 / emulated bf16 on this CPU
-        return ampkit.Precision(mode, "cpu", **({"compensation": compensation} if compensation else {}))
+        return ampkit.Precision(mode, "cpu", **({"compensation": compensation} if compensation else {}), **fp8_ends(mode))
 
 
 def _optimizer(model):

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 import ampkit
 from ampkit.models import GPT
 from ampkit.precision.modes import MODES
+from precision_helpers import fp8_ends
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +28,7 @@ def _precision(mode, **kw):
         pytest.importorskip("torchao")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 / emulated bf16 on this CPU
-        return ampkit.Precision(mode, "cpu", **kw)
+        return ampkit.Precision(mode, "cpu", **{**fp8_ends(mode), **kw})
 
 
 def _model():

@@ -427,15 +427,24 @@ def test_pickle_gradscaler(scaler_cls, device, lazy_init_scale):
 ])
 @pytest.mark.parametrize("separate_unscale", [True, False])
 def test_grad_scaling_autocast_fused_optimizers(scaler_cls, device, optimizer_ctor, optimizer_kwargs, separate_unscale):
+    """The fused optimizer under the scaler against the for-loop one under torch's scaler (torch's
+    tolerance), and, the claim this port exists for, against torch's own GradScaler with the same fused
+    optimizer: equal bit for bit. On CUDA the fused Adam kernel drifts further from the for-loop than
+    torch's tolerance allows, in torch's scaler as in ampkit's (an H200, torch 2.11: 9.2e-5 absolute,
+    1.04e-2 relative after 4 steps at lr 0.1), so the CUDA tolerance of that comparison is 2e-2 relative."""
     optimizer_kwargs = {**optimizer_kwargs, "fused": True}
     (mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn, _) = _create_scaling_case(
         optimizer_ctor=optimizer_ctor, optimizer_kwargs=optimizer_kwargs, device=device)
+    mod_torch = copy.deepcopy(mod_scaling)
+    opt_torch = optimizer_ctor(mod_torch.parameters(), **{"lr": 1.0, **optimizer_kwargs})
     kwargs = copy.deepcopy(optimizer_kwargs)
     kwargs["fused"] = False
     kwargs.setdefault("lr", 1.0)  # _create_scaling_case's default
     opt_control = optimizer_ctor(mod_control.parameters(), **kwargs)
     scaler_scaling = scaler_cls(device, init_scale=128.0)
     scaler_control = torch.amp.GradScaler(device, init_scale=128.0)
+    scaler_torch = torch.amp.GradScaler(device, init_scale=128.0)
+    atol, rtol = (1e-5, 2e-2) if device == "cuda" else (1e-5, 1e-3)
     for input, target in data:
         opt_control.zero_grad()
         with torch.autocast(device_type=device, dtype=torch.half):
@@ -444,23 +453,27 @@ def test_grad_scaling_autocast_fused_optimizers(scaler_cls, device, optimizer_ct
         scaler_control.step(opt_control)
         scaler_control.update()
 
-        opt_scaling.zero_grad()
-        with torch.autocast(device_type=device, dtype=torch.half):
-            loss_scaling = loss_fn(mod_scaling(input), target)
-        scaler_scaling.scale(loss_scaling).backward()
-        if separate_unscale:
-            scaler_scaling.unscale_(opt_scaling)
-        scaler_scaling.step(opt_scaling)
-        scaler_scaling.update()
+        for mod, opt, scaler in ((mod_scaling, opt_scaling, scaler_scaling), (mod_torch, opt_torch, scaler_torch)):
+            opt.zero_grad()
+            with torch.autocast(device_type=device, dtype=torch.half):
+                loss = loss_fn(mod(input), target)
+            scaler.scale(loss).backward()
+            if separate_unscale:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            if mod is mod_scaling:
+                loss_scaling = loss
 
-        _close(loss_control, loss_scaling, atol=1e-5, rtol=1e-3)
-        for pc, ps in zip(mod_control.parameters(), mod_scaling.parameters()):
-            _close(pc.grad, ps.grad, atol=1e-5, rtol=1e-3)
-            _close(pc, ps, atol=1e-5, rtol=1e-3)
+        _close(loss_control, loss_scaling, atol=atol, rtol=rtol)
+        for pc, ps, pt in zip(mod_control.parameters(), mod_scaling.parameters(), mod_torch.parameters()):
+            assert torch.equal(ps, pt) and torch.equal(ps.grad, pt.grad)
+            _close(pc.grad, ps.grad, atol=atol, rtol=rtol)
+            _close(pc, ps, atol=atol, rtol=rtol)
             sc, ss = opt_control.state[pc], opt_scaling.state[ps]
             for k in sc:
                 actual = ss[k].squeeze() if k == "step" else ss[k]
-                _close(sc[k].to(actual.device), actual, atol=1e-5, rtol=1e-3)
+                _close(sc[k].to(actual.device), actual, atol=atol, rtol=rtol)
 
 
 def test_ampkit_scaler_is_torchs_class():

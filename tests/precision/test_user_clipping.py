@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ampkit
 from ampkit.models import GPT
 from ampkit.optim import MasterWeightOptimizer
+from precision_helpers import fp8_ends
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,6 +47,7 @@ def _setup(mode, compensation, optimizer="sgd", model=None):
     opt = (torch.optim.SGD(model.parameters(), lr=LR) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
     kw = {"compensation": compensation} if compensation else {}
+    kw.update(fp8_ends(mode))
     if "fp16" in mode:
         kw["init_scale"] = 2.0 ** 10  # no overflow skip on the first step: the step is the point here
     with warnings.catch_warnings():

@@ -18,7 +18,8 @@ from .quant import amax, fake_quantise, quantise, saturates, scale_from_amax
 from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, MXFP8Scaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
                       recipe_for)
 from .roofline import DEFAULT_GPU, GPUS, MIN_SPEEDUP, TOKENS, default_gpu, estimate, gpu_class
-from .swap import MIN_FLOP_SHARE, RULES, Fp8Filter, has_gemm, convert_to_fp8, coverage, coverage_warning, fp8_layers, plan, skip_label
+from .swap import (DEFAULT_RULE, MIN_FLOP_SHARE, RULES, Fp8Filter, has_gemm, convert_to_fp8, coverage, coverage_warning,
+                   fp8_layers, plan, skip_label)
 
 __all__ = [
     "Fp8Plan", "DelayedScaling", "TensorwiseScaling", "RowwiseScaling", "MXFP8Scaling", "RECIPES", "recipe_for", "Recipe",
@@ -29,8 +30,6 @@ __all__ = [
 ]
 
 EMULATED_NOTE = "emulated: numerics only, not a speed claim"
-#: the ``fp8_filter`` a Precision uses when none is given (see docs/FP8.md for why it is not ``"auto"``)
-DEFAULT_RULE = "ends"
 
 
 class Fp8Plan:
@@ -45,9 +44,12 @@ class Fp8Plan:
                  force: Sequence[str] = (), keep_ends: bool = True, rule: Optional[str] = None,
                  gpu: Optional[str] = None, tokens: Optional[int] = None) -> None:
         self.recipe = recipe_for(mode, recipe)
-        self.filter = Fp8Filter(tuple(skip or ()), tuple(force or ()), keep_ends, rule or DEFAULT_RULE, gpu,
+        self.filter = Fp8Filter(tuple(skip or ()), tuple(force or ()), keep_ends, rule, gpu,
                                 TOKENS if tokens is None else tokens, mode)
         self.mode = mode
+        #: where the roofline's GPU class came from: "fp8_gpu" (given), "device" (this GPU's), "default" (DEFAULT_GPU)
+        self.gpu_source = "fp8_gpu" if gpu is not None else "default"
+        self._device_type = "cpu"
         self.layers: list = []
         self.emulated: Optional[bool] = None
         self.coverage: Optional[dict] = None
@@ -60,8 +62,11 @@ class Fp8Plan:
                           "are emulated (same numerics, slower than bf16-mixed). Use bf16-mixed for speed.",
                           stacklevel=3)
         if self.coverage is None:  # setup twice (resume, tune) warns once and swaps once
-            if self.filter.gpu is None:  # judged for this GPU's class; on a CPU for DEFAULT_GPU
-                self.filter = dataclasses.replace(self.filter, gpu=gpu_class(device) or default_gpu(self.mode))
+            self._device_type = torch.device(device).type
+            if self.filter.gpu is None:  # judged for this GPU's class; on a CPU (or an unknown GPU) for DEFAULT_GPU
+                own = gpu_class(device)
+                self.gpu_source = "default" if own is None else "device"
+                self.filter = dataclasses.replace(self.filter, gpu=own or default_gpu(self.mode))
             self.coverage = coverage(model, self.filter)
             note = coverage_warning(self.coverage, self.mode)
             if note:
@@ -78,7 +83,8 @@ class Fp8Plan:
                 "conv1d_in_fp8": cov.get("conv1d"), "flop_share": cov.get("flop_share"),
                 "skipped": dict(cov.get("skipped") or {}), "emulated": self.emulated,
                 "converted": list(cov.get("layers") or []), "kept": dict(cov.get("kept") or {}),
-                "filter": self.filter.rule, "target_gpu": self.filter.target, "tokens": self.filter.tokens,
+                "filter": self.filter.rule, "target_gpu": self.filter.target, "target_gpu_from": self.gpu_source,
+                "tokens": self.filter.tokens,
                 "roofline_converts": list(cov.get("roofline_converts") or [])}
 
     def state_dict(self) -> dict:
@@ -109,11 +115,13 @@ class Fp8Plan:
         return f"fp8 {what}{n}{where}"
 
     def _target_note(self, cov: dict) -> str:
-        """The filter and what the roofline says for the target GPU class (the run's own, or DEFAULT_GPU on a CPU)."""
+        """The filter and what the roofline says for the target GPU class (``fp8_gpu``, else the run's own GPU's,
+        else the default class, which the note names as such)."""
         f = self.filter
         k, c = len(cov.get("roofline_converts") or []), cov.get("roofline_candidates", 0)
-        where = f"{f.target} at {f.tokens} tokens per GEMM" + (" (target class; this run is emulated)"
-                                                               if self.emulated else "")
+        where = f"{f.target} at {f.tokens} tokens per GEMM"
+        if self.gpu_source == "default":
+            where += f" (the default target class on {self._device_type}; fp8_gpu= names another)"
         if f.rule == "auto":
             return f"fp8_filter auto: roofline on {where}"
         return f"fp8_filter {f.rule}; the roofline on {where} would convert {k} of {c}"

@@ -2,12 +2,13 @@
 and how much of the model that covers.
 
 Candidates are ``nn.Linear`` and Conv1D (a Linear with an ``(in, out)`` weight: Hugging Face's GPT-2
-projections; :mod:`.detect`). The default filter converts one when both its dims are multiples of 16
-(what fp8 tensor cores need) and it is neither the model's first nor its last candidate
+projections; :mod:`.detect`). The default filter (``"auto"``) converts one when both its dims are
+multiples of 16 (what fp8 tensor cores need), it is neither the model's first nor its last candidate
 (embedding-side and output projections are the most sensitive layers; TE and torchao users keep
-them in bf16). ``skip`` names are kept in bf16 whatever their dims; ``force`` names are converted
-even when first/last (dims must still be multiples of 16). A name matches a module and everything
-under it.
+them in bf16) and its roofline on the target GPU class predicts a gain (:mod:`.roofline`); ``"ends"``
+drops the roofline condition, ``"all"`` the first/last one too. ``skip`` names are kept in bf16
+whatever their dims; ``force`` names are converted even when first/last or under the roofline (dims
+must still be multiples of 16). A name matches a module and everything under it.
 
 :func:`coverage` counts what converts and why the rest does not, with the converted share of the
 candidates' FLOPs (a GEMM's FLOPs per token are proportional to its weight's size); ``setup`` warns
@@ -27,7 +28,7 @@ from .recipes import DelayedScaling, MXFP8Scaling, Recipe
 from .roofline import GPUS, TOKENS, default_gpu, estimate
 
 __all__ = ["skip_label", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers", "coverage", "coverage_warning", "MIN_FLOP_SHARE",
-           "RULES", "has_gemm"]
+           "RULES", "DEFAULT_RULE", "has_gemm"]
 
 #: below this share of the Linear/Conv1D FLOPs in fp8, ``setup`` warns that the run is mostly bf16
 MIN_FLOP_SHARE = 0.5
@@ -39,6 +40,8 @@ _LABEL = {DIMS: "with dims not multiples of 16", ENDS: "first/last", NAMED: "nam
           SLOW: "too small to gain (roofline)"}
 #: ``fp8_filter`` values: the first/last + dims rule, that plus the per-layer roofline, every layer whose dims fit
 RULES = ("ends", "auto", "all")
+#: the ``fp8_filter`` used when none is given: a layer converts only where the roofline predicts a gain
+DEFAULT_RULE = "auto"
 
 
 def skip_label(why: str) -> str:
@@ -65,15 +68,16 @@ class Fp8Filter:
     """``skip``: layer names (or parents) kept in bf16; ``force``: converted even if first/last or too small;
     ``keep_ends``: keep the first and last Linear/Conv1D in bf16 (default True).
 
-    ``rule``: ``"ends"`` (dims multiples of 16, not first/last), ``"auto"`` (that, and the layer's
-    roofline on ``gpu`` at ``tokens`` tokens per GEMM predicts at least :data:`.roofline.MIN_SPEEDUP` for
-    ``recipe``), ``"all"`` (every layer whose dims are multiples of 16); ``gpu`` None: :func:`.roofline.default_gpu`.
+    ``rule``: ``"auto"`` (the default, :data:`DEFAULT_RULE`: dims multiples of 16, not first/last, and the
+    layer's roofline on ``gpu`` at ``tokens`` tokens per GEMM predicts at least :data:`.roofline.MIN_SPEEDUP`
+    for ``recipe``), ``"ends"`` (dims multiples of 16, not first/last), ``"all"`` (every layer whose dims are
+    multiples of 16); ``gpu`` None: :func:`.roofline.default_gpu`.
     """
 
     skip: Tuple[str, ...] = ()
     force: Tuple[str, ...] = ()
     keep_ends: bool = True
-    rule: str = "ends"
+    rule: Optional[str] = None
     gpu: Optional[str] = None
     tokens: int = TOKENS
     recipe: str = "fp8-tensorwise"
@@ -84,6 +88,8 @@ class Fp8Filter:
         return self.gpu or default_gpu(self.recipe)
 
     def __post_init__(self):
+        if self.rule is None:
+            object.__setattr__(self, "rule", DEFAULT_RULE)
         if self.rule not in RULES:
             raise ValueError(f"fp8_filter={self.rule!r} is not a filter: use 'auto' (roofline per layer), 'ends' "
                              "(dims multiples of 16, not first/last) or 'all'.")
@@ -110,8 +116,9 @@ class Fp8Filter:
                              f"{', '.join(layers) or 'none'}).")
 
 
-def _decide(model: nn.Module, filt: Fp8Filter) -> List[Dict[str, Any]]:
+def _decide(model: nn.Module, filt: Optional[Fp8Filter]) -> List[Dict[str, Any]]:
     """One record per candidate GEMM (and per fp8 module already swapped in), in module order."""
+    filt = filt if filt is not None else Fp8Filter()
     rows = []
     for name, m in model.named_modules():
         if is_fp8_module(m):
@@ -151,12 +158,12 @@ def _text(r: Dict[str, Any]) -> str:
             NAMED: "bf16: kept by name", ENDS: f"bf16: first/last {what} (force it by name to convert)"}[r["why"]]
 
 
-def plan(model: nn.Module, filt: Fp8Filter = Fp8Filter()) -> Dict[str, str]:
+def plan(model: nn.Module, filt: Optional[Fp8Filter] = None) -> Dict[str, str]:
     """``{layer name: "fp8" or the reason it stays bf16}`` for every ``nn.Linear`` and Conv1D of ``model``."""
     return {r["name"]: _text(r) for r in _decide(model, filt)}
 
 
-def coverage(model: nn.Module, filt: Fp8Filter = Fp8Filter()) -> Dict[str, Any]:
+def coverage(model: nn.Module, filt: Optional[Fp8Filter] = None) -> Dict[str, Any]:
     """What an fp8 swap covers: ``{"converted", "candidates", "flop_share", "conv1d", "skipped": {why: n},
     "kept": {name: why}, "sizes": {name: in*out}, "convolutions"}`` (``flop_share``: converted share of the candidates' weight sizes,
     None without candidates; ``convolutions``: torch Conv layers, which fp8 does not convert)."""
@@ -203,8 +210,9 @@ def coverage_warning(cov: Dict[str, Any], mode: str) -> Optional[str]:
     if DIMS in cov["skipped"]:
         fix.append(f"{mode} needs both dims multiples of {mult}")
     if SLOW in cov["skipped"]:
-        fix.append(f"on {cov['gpu']} at {cov['tokens']} tokens per GEMM these layers run faster in bf16 "
-                   "(fp8_filter='all' converts them anyway; fp8_tokens= states your batch x sequence)")
+        fix.append(f"on {cov['gpu']} at {cov['tokens']} tokens per GEMM the roofline finds no gain for these layers "
+                   f"(fp8_filter='ends' or 'all', --fp8-filter ends|all, converts them anyway; fp8_gpu= and "
+                   f"fp8_tokens= state your GPU class and batch x sequence)")
     fix.append("precision='bf16-mixed' runs the same without fp8")
     if not cov["converted"]:
         head = f"{mode}: no layer runs in fp8, so this run is bf16-mixed"
@@ -214,7 +222,7 @@ def coverage_warning(cov: Dict[str, Any], mode: str) -> Optional[str]:
     return f"{head} (of {cov['candidates']} Linear/Conv1D layers, in bf16: {why}){convs}. {'; '.join(fix)}."
 
 
-def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Fp8Filter = Fp8Filter(), device=None) -> nn.Module:
+def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Optional[Fp8Filter] = None, device=None) -> nn.Module:
     """Swap the layers :func:`plan` selects for fp8 modules of ``recipe`` (in place; returns the model).
 
     Linears become fp8 Linears, Conv1Ds fp8 Conv1Ds (same ``(in, out)`` weight, no copy). The GEMM is

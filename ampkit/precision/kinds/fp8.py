@@ -41,12 +41,8 @@ class Fp8Precision(AutocastPrecision):
         return super()._details() + [self.fp8.describe()]
 
     def fsdp_policy(self):
-        """fp8-tensorwise/rowwise: fp32 shards gathered in bf16 (torchao's Float8Linear casts them to fp8 per
-        forward), gradients reduced in fp32. fp8-delayed is refused: its amax histories are reduced across ranks
-        layer by layer and its recipe buffers do not go through FSDP's state dict yet."""
-        if self.mode.name == "fp8-delayed":
-            raise ValueError(
-                "precision='fp8-delayed' under --strategy fsdp is not supported yet (its amax histories are reduced "
-                "layer by layer and do not go through FSDP's state dict): use fp8-tensorwise or fp8-rowwise with "
-                "fsdp, or --strategy ddp.")
+        """fp32 shards gathered in bf16 (each fp8 layer casts the gathered weight to fp8 per forward), gradients
+        reduced in fp32. fp8-delayed's amax histories are replicated buffers: every rank records the same
+        (all-reduced) input and grad-output amaxes and the gathered weight's, so they stay equal across ranks
+        and a sharded checkpoint saves them once."""
         return super().fsdp_policy()

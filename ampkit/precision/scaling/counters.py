@@ -24,6 +24,16 @@ STATE_KEYS = ("optimizer_steps", "skipped_steps", "consecutive_skips", "last_ski
 SKIPPED, CONSECUTIVE, LAST_SKIP, ITERATIONS = range(4)
 
 
+def _count_rules(device: torch.device) -> tuple:
+    """The constants of ``SkipCounters.count``: where each counter reads from and what it adds when the
+    iteration is skipped, what it keeps and adds when it steps."""
+    gather = torch.tensor([SKIPPED, CONSECUTIVE, ITERATIONS, ITERATIONS], device=device)
+    skip_add = torch.tensor([1, 1, 0, 1], dtype=torch.int64, device=device)
+    keep = torch.tensor([1, 0, 1, 1], dtype=torch.int64, device=device)
+    step_add = torch.tensor([0, 0, 0, 1], dtype=torch.int64, device=device)
+    return gather, skip_add, keep, step_add
+
+
 @torch.compiler.disable
 def _check_outside_graph(counters: "SkipCounters", optimizer, scale_now: Callable[[], float]) -> None:
     """The skip limit inside a user's ``torch.compile``: the host copy is read outside the graph."""
@@ -46,6 +56,7 @@ class SkipCounters:
         self._device: Optional[torch.Tensor] = None
         self._host = [0, 0, -1, 0]
         self._pending: Optional[HostCopy] = None
+        self._rules: Optional[tuple] = None  # count()'s constant index/add/keep tensors, on the counters' device
 
     # ------------------------------------------------------------------ where the counts live
     def place(self, device: torch.device) -> None:
@@ -91,14 +102,17 @@ class SkipCounters:
 
     def count(self, found: torch.Tensor) -> None:
         """Count an iteration on the device (no sync): skipped when ``found`` > 0 (any optimizer's grads
-        were non-finite). Starts the host copy of the consecutive count that the limit reads."""
+        were non-finite). Starts the host copy of the consecutive count that the limit reads.
+
+        One ``where`` between the two outcomes, each built from the counters in one op, so an iteration
+        costs five small kernels (a launch-bound step on a GPU pays per kernel):
+        skipped -> [skipped + 1, consecutive + 1, iterations, iterations + 1];
+        stepped -> [skipped, 0, last skip, iterations + 1]."""
         c = self._device
-        skipped = found > 0
-        s = skipped.to(torch.int64)
-        c[CONSECUTIVE].add_(1).mul_(s)
-        c[LAST_SKIP].copy_(torch.where(skipped, c[ITERATIONS], c[LAST_SKIP]))
-        c[SKIPPED].add_(s)
-        c[ITERATIONS].add_(1)
+        if self._rules is None or self._rules[0].device != c.device:
+            self._rules = _count_rules(c.device)
+        gather, skip_add, keep, step_add = self._rules
+        torch.where(found > 0, c[gather] + skip_add, torch.addcmul(step_add, c, keep), out=c)
         if not torch.compiler.is_compiling():  # compiled: ``start_copy`` after the compiled call
             self.start_copy()
 
