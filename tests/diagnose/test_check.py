@@ -210,7 +210,7 @@ def test_check_fp8_alone_recommends_the_fp8_mode(monkeypatch):
 
 
 def test_check_with_the_default_auto_filter_recommends_no_fp8_when_nothing_pays(monkeypatch):
-    from ampkit.diagnose import verdict
+    from ampkit.precision import auto as verdict  # the rule over the check's verdicts
 
     monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)  # as on an sm90 GPU
     torch.manual_seed(0)
