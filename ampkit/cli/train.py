@@ -120,15 +120,16 @@ def _add_fp8_flags(g) -> None:
 
 
 def _config_from_args(args, announce: bool = False):
-    """(the run's TrainConfig, its ResumePlan): the options given over the resumed run's saved ones, and
-    the resume planned once (the checkpoint read at most once, handed on to the Trainer)."""
+    """(the run's TrainConfig, its ResumePlan, whether the batch size is ``auto``): the options given over the
+    resumed run's saved ones, and the resume planned once (the checkpoint read at most once, handed on to the
+    Trainer). ``--batch-size auto`` is chosen by the planner once the model and data exist (``_auto_batch``)."""
     from ..train.config import TrainConfig
     from ..train.resume import ResumePlan, saved_run_options
 
     values = _typed_values(args)
-    if values.get("batch_size") == "auto":  # chosen by the planner once the model and data exist (_auto_batch)
+    auto_batch = values.get("batch_size") == "auto"
+    if auto_batch:
         del values["batch_size"]
-        args.auto_batch = True
     for k in ("out", "resume", "data", "model", "precision", "device"):
         if isinstance(values.get(k), str) and not values[k].strip():
             raise ValueError(f"--{k} is empty: give a value, or leave the flag out.")
@@ -165,7 +166,7 @@ def _config_from_args(args, announce: bool = False):
     if isinstance(data, str) and data.endswith(".npz") and os.path.isfile(data):
         values["data"] = os.path.abspath(data)  # recorded so: a resume from another directory finds it
     cfg = TrainConfig(**values).checked()  # every range rule lives in TrainConfig.checked
-    return cfg, ResumePlan.locate(cfg.resume, cfg.out, plan)
+    return cfg, ResumePlan.locate(cfg.resume, cfg.out, plan), auto_batch
 
 
 def run(args) -> int:
@@ -179,9 +180,9 @@ def _run_with_group(args) -> int:
 
     try:
         try:
-            cfg, plan = _config_from_args(args, announce=True)
+            cfg, plan, auto_batch = _config_from_args(args, announce=True)
             with process_group_from_env(cfg.device) as env:
-                return _run(args, env, cfg, plan)
+                return _run(env, cfg, plan, auto_batch)
         except ValueError as e:  # bad flags, or the process group could not be set up
             raise UsageError(str(e)) from e
     except UsageError:
@@ -195,7 +196,7 @@ def env_is_secondary() -> bool:
     return int(os.environ.get("RANK", "0")) != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def _run(args, env, cfg, plan) -> int:
+def _run(env, cfg, plan, auto_batch: bool) -> int:
     import torch
 
     from ..data import load_data
@@ -223,13 +224,11 @@ def _run(args, env, cfg, plan) -> int:
             raise ValueError(f"--data {cfg.data} yields dict samples (keyword inputs, Hugging Face style): pass the "
                              "model for them with --model pkg.module:factory.")
         model = build_model(cfg.model or data.default_model, **data.model_kwargs)
-        choice = _auto_batch(args, cfg, model, data) if getattr(args, "auto_batch", False) else None
+        choice = _auto_batch(cfg, model, data) if auto_batch else None
         if choice is not None:
             cfg = cfg.updated(batch_size=choice.batch_size)
         trainer = Trainer(model, data.train, data.test, config=cfg, task=data.task, class_names=data.class_names,
-                          resume_plan=plan)
-        if choice is not None:
-            trainer.planned_peak_bytes = choice.peak_bytes
+                          resume_plan=plan, planned_peak_bytes=choice.peak_bytes if choice is not None else None)
         summary = trainer.fit()
     except TrainingInterrupted as e:
         if not env_is_secondary():
@@ -250,7 +249,7 @@ def _run(args, env, cfg, plan) -> int:
     return 0
 
 
-def _auto_batch(args, cfg, model, data):
+def _auto_batch(cfg, model, data):
     """``--batch-size auto``: ``ampkit.plan``'s largest batch for this model, data and mode; says why, once.
 
     Under torchrun the batch is per rank, planned for one rank of the run's strategy against this rank's

@@ -39,9 +39,10 @@ from typing import Any, Optional, Union
 import torch
 
 from .. import precision as core
-from ..precision import Precision, auto_mode
+from ..precision import Precision
+from ..precision.auto import canonical
 from ..precision.kinds import precision_class
-from ..precision.modes import AUTO, MODES, resolve, valid_names
+from ..precision.modes import MODES, resolve, valid_names
 
 __all__ = ["Policy", "DTypePolicy", "set_global_policy", "global_policy", "set_dtype_policy", "dtype_policy",
            "keras_policy_name"]
@@ -83,7 +84,7 @@ class Policy:
     @property
     def mode(self) -> str:
         """The ampkit mode (``auto`` resolved for the default device)."""
-        return auto_mode(None)[0] if self._mode == AUTO else self._mode
+        return canonical(self._mode)
 
     @property
     def torch_compute_dtype(self) -> torch.dtype:

@@ -15,7 +15,8 @@ The submodule ``check`` keeps its name (``ampkit.diagnose.check`` is the module,
 from .audit import DtypeAudit
 from .localise import format_report, localise_nonfinite
 from .stale import StaleUpdateMeter, simulated_stale, stale_mask
-from .verdict import THRESHOLDS, amp_verdicts, choose_auto
+from ..precision.auto import choose_auto
+from .verdict import THRESHOLDS, amp_verdicts
 from .check import CheckReport, auto_precision  # ampkit.diagnose.check stays the module
 
 __all__ = [

@@ -31,8 +31,8 @@ from .localise import localise_nonfinite
 from .runner import as_loss_fn, default_forward, prepare, run_once, step_fn, to_device
 from .scan import NumericsScan, fp32_candidates, recommend_init_scale, underflow_fraction_at
 from .stale import simulated_stale
-from ..precision.auto import canonical, preference_order
-from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, choose_auto, unmeasured
+from ..precision.auto import canonical, choose_auto, preference_order
+from .verdict import STALE_RISKY, THRESHOLDS, amp_verdicts, unmeasured
 
 __all__ = ["check", "amp_verdicts", "auto_precision", "CheckReport", "DEFAULT_PRECISIONS"]
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..precision import MODES
+from ..precision.auto import FP8_ORDER  # fastest first
 from ..precision.fp8 import (DEFAULT_RULE, default_gpu, MIN_FLOP_SHARE, MIN_SPEEDUP, RECIPES, TOKENS, Fp8Filter,
                              gpu_class, amax, coverage, coverage_warning, fake_quantise,
                              gemm_kind, has_fp8_gemm, plan, quantise, saturates, scale_from_amax)
@@ -35,7 +36,6 @@ __all__ = ["fp8_check", "sqnr", "FP8_BARS", "FP8_ORDER"]
 #: (ok at or above, unsafe below) in dB; underflow fractions (risky above, unsafe above)
 FP8_BARS = {"output_sqnr": (18.0, 8.0), "grad_sqnr": (17.0, 8.0), "worst_row_sqnr": (10.0, 3.0),
             "underflow": (0.01, 0.10)}
-FP8_ORDER = ("fp8-tensorwise", "fp8-rowwise", "fp8-delayed")  # fastest first (torchao: +25% / +10% on H100)
 
 
 def sqnr(ref: torch.Tensor, got: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:

@@ -82,7 +82,6 @@ class _Core:
         self.ampkit = Precision(lightning_precision_name(precision), device, **{"fused_optimizer": False, **kwargs})
         self.precision = _LIGHTNING_NAME.get(self.ampkit.name, "bf16-mixed" if self.ampkit.fp8 is not None
                                              else "32-true")  # fp8 modes: fp32 params, bf16-mixed around fp8 GEMMs
-        self._fp32_copies: Dict[int, torch.Tensor] = {}
         self._prepared: Dict[int, torch.optim.Optimizer] = {}
         self._converted: set = set()  # ids of the modules converted, and of those `shard` sharded
         self._sharded: set = set()
@@ -106,7 +105,6 @@ class _Core:
         if sharded:  # converted and sharded by `shard` (in configure_model): the rest must be inside it
             _check_covered(module, sharded)
             return module
-        self._fp32_copies = self.ampkit.fp32_copies(module)  # master kinds: masters start from these
         try:
             module = self.ampkit.convert_module(module)
         except ValueError as e:
@@ -130,7 +128,7 @@ class _Core:
 
         from ..precision.sharding import shard_units
 
-        self.ampkit.prepare_fsdp()  # the check (fp8-delayed is refused), contiguous parameters
+        self.ampkit.prepare_fsdp()  # the kind's FSDP check, contiguous parameters
         if id(module) not in self._converted:
             module = _Core.convert_module(self, module)
         elif any(not p.is_contiguous() for p in module.parameters()):  # Fabric converted it first
@@ -174,7 +172,7 @@ class _Core:
             return made
         if any(o is optimizer for o in self._prepared.values()):
             return optimizer  # already the one ampkit steps
-        made = self.ampkit.wrap_optimizer(optimizer, fp32_params=self._fp32_copies)
+        made = self.ampkit.wrap_optimizer(optimizer)
         self._prepared[id(optimizer)] = made
         if made is not optimizer and getattr(made, "optimizer", None) is not optimizer:
             _share_groups(optimizer, made)

@@ -156,7 +156,7 @@ def measure_rank(build, precision, strategy: str, optimizer="adamw", loss_fn=Non
 
             meter = PeakMeter(device).start()
             model, batch = build()
-            run_steps(model, batch, make_precision(precision, device), optimizer, loss_fn, steps=STEPS + 1,
+            run_steps(model, batch, make_precision(precision, device, "ddp"), optimizer, loss_fn, steps=STEPS + 1,
                       wrap=lambda m: DDP(m, device_ids=None if device == "cpu" else [torch.device(device).index]))
             return meter.peak()
         from torch.distributed.device_mesh import DeviceMesh
@@ -164,8 +164,7 @@ def measure_rank(build, precision, strategy: str, optimizer="adamw", loss_fn=Non
         from ..utils.tree import iter_tensors
 
         model, batch = build()
-        prec = make_precision(precision, device)
-        prec.prepare_fsdp()
+        prec = make_precision(precision, device, "fsdp")
         mesh = DeviceMesh.from_group(dist.group.WORLD, torch.device(device).type)
         model = shard_fake(prec.setup(model, None)[0], prec, mesh)
         gc.collect()

@@ -42,14 +42,15 @@ def split_batch(batch: Any):
     return batch, None
 
 
-def make_precision(precision: Union[str, Precision], device: Any) -> Precision:
-    """A fresh ``Precision`` (``setup`` runs once per object): from a name, or a copy of a given one."""
+def make_precision(precision: Union[str, Precision], device: Any, strategy: Optional[str] = None) -> Precision:
+    """A fresh ``Precision`` (``setup`` runs once per object) for one rank of ``strategy`` (as the Trainer builds
+    it): from a name, or a copy of a given one."""
     if isinstance(precision, Precision):
         opts = precision.options()
         if device is not None:
             opts["device"] = device
-        return Precision(precision.requested, **opts, tuned=precision.tuned)
-    return Precision(precision, device=device)
+        return Precision(precision.requested, **{**opts, "strategy": strategy}, tuned=precision.tuned)
+    return Precision(precision, device=device, strategy=strategy)
 
 
 def build_optimizer(name: Union[str, Callable], params, device: torch.device, sharded: bool = False):
@@ -110,9 +111,9 @@ def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision]
     target = torch.device(device) if device is not None else None
     remote = target is not None and target.type == "cuda" and not torch.cuda.is_available()
     if remote:  # a CUDA target planned from a machine without one
-        prec = remote_cuda_precision(precision)
+        prec = remote_cuda_precision(precision, strategy)
     else:
-        prec = make_precision(precision, device)
+        prec = make_precision(precision, device, strategy)
     dev = prec.device
     mode = fake_mode()
     live = LiveBytes(torch.device("cuda", target.index or 0) if remote else dev)  # CUDA's 512-byte blocks
@@ -120,7 +121,7 @@ def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision]
     fbatch = fake_batch(batch, mode, dev, batch_size)
     extra: Dict[str, int] = {}
     if strategy == "fsdp":
-        prec.prepare_fsdp()  # the kind refuses what FSDP cannot shard; contiguous parameters only
+        prec.fsdp_policy()  # the kind refuses what FSDP cannot shard (built with strategy="fsdp": contiguous)
         with fake_group(world_size) as group:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -159,7 +160,7 @@ REMOTE_CUDA_UNSEEN = ("planned without a GPU (CPU fake tensors, CUDA's 512-byte 
                       "fragmentation, cuBLAS/cuDNN workspaces")
 
 
-def remote_cuda_precision(precision: Union[str, Precision]) -> Precision:
+def remote_cuda_precision(precision: Union[str, Precision], strategy: Optional[str] = None) -> Precision:
     """The precision of a CUDA target on a machine without CUDA: the mode built for the CPU, whose
     conversion of model and optimizer is the same code (torch cannot run autograd on fake CUDA tensors
     in a build without CUDA, so the trace stays on CPU fake tensors)."""
@@ -167,7 +168,7 @@ def remote_cuda_precision(precision: Union[str, Precision]) -> Precision:
     if name.strip().lower() in ("auto", "none", ""):
         raise ValueError("precision 'auto' measures the device it runs on: name the mode to plan a CUDA target "
                          "from a machine without one (e.g. bf16-mixed).")
-    return make_precision(precision, "cpu")
+    return make_precision(precision, "cpu", strategy)
 
 
 class _NoTracker:

@@ -7,9 +7,9 @@ from .device import resolve_device
 from .islands import apply_fp32_islands
 from ..optim.master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names
-from .options import PrecisionOptions
-from .policy import Precision, global_policy, set_global_policy
-from .kinds import (AutocastPrecision, Fp8Precision, Fp32Precision, MasterPrecision,  # the kinds table
+from .options import Fp8Config, ModelOptions, OptimizerOptions, PrecisionOptions, ScalerOptions
+from .choice import global_policy, set_global_policy
+from .kinds import (AutocastPrecision, Fp8Precision, Fp32Precision, MasterPrecision, Precision,  # the kinds table
                     PurePrecision, precision_class)
 from .loss_scale import parse_loss_scale
 from .scaling.loss_scaler import LossScaler
@@ -20,7 +20,8 @@ __all__ = [
     "ALIASES", "MODES", "Mode", "resolve", "valid_names",
     "LossScaler", "NonFiniteGradientsError", "parse_loss_scale",
     "MasterWeightOptimizer", "convert_model", "cast_floating", "is_norm", "apply_fp32_islands",
-    "Precision", "PrecisionOptions", "Fp32Precision", "AutocastPrecision", "MasterPrecision", "PurePrecision",
+    "Precision", "PrecisionOptions", "ScalerOptions", "ModelOptions", "OptimizerOptions", "Fp8Config",
+    "Fp32Precision", "AutocastPrecision", "MasterPrecision", "PurePrecision",
     "Fp8Precision", "precision_class", "Tuned", "set_global_policy", "global_policy",
     "auto_mode", "device_info", "resolve_device", "compile_step", "compile_model", "repeated_blocks", "tensor_lr_",
     "takes_tensor_lr",

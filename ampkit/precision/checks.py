@@ -15,7 +15,8 @@ from torch import nn
 from .capability import FAST, SLOW, DeviceInfo, capability
 from .modes import Mode
 
-__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_eps", "use_fused_kernel", "channels_last_rule"]
+__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_eps", "use_fused_kernel", "channels_last_rule",
+           "fused_sgd_on_dtensors"]
 
 # Adam's eps where the optimizer state is fp16 (fp16-pure): the second moment v is stored in fp16,
 # whose smallest subnormal is 6e-8, so sqrt(v) is either 0 or >= 2.4e-4. With eps=1e-8 a gradient
@@ -103,3 +104,13 @@ def channels_last_rule(device: torch.device, compute_dtype: torch.dtype, model: 
         and capability(device).conv_fast("bf16")
         and any(isinstance(m, nn.Conv2d) for m in model.modules())
     )
+
+
+def fused_sgd_on_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's SGD over DTensor parameters (FSDP2 shards): torch has no DTensor rule for ``aten._fused_sgd_``,
+    so the SGD stays as the user built it (Adam/AdamW's fused kernels have one)."""
+    if type(optimizer) is not torch.optim.SGD:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])

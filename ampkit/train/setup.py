@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from ..data import check_labels
 from ..precision import Precision, Tuned, compile_model, compile_step
+from ..precision.auto import RESUMED, resumed_mode
 from ..precision.convert import is_norm
 from ..precision.modes import AUTO, MODES
 from ..tuning import needs_tuning, tune
@@ -113,12 +114,24 @@ def check_run_length(cfg: TrainConfig, micro_batches: int, total_steps: int) -> 
                       "learning rate never reaches --lr. Use fewer warm-up steps, or train longer.", stacklevel=3)
 
 
-def make_precision(precision: Any, cfg: TrainConfig) -> Precision:
-    """A ready `Precision` as given, else one built from a name (or the config's) and the config's options."""
+def run_strategy(cfg: TrainConfig, world_size: int) -> Optional[str]:
+    """What the run is spread with: ``cfg.strategy`` under several processes (FSDP also on one), else None."""
+    return cfg.strategy if world_size > 1 or cfg.strategy == "fsdp" else None
+
+
+def make_precision(precision: Any, cfg: TrainConfig, world_size: int = 1) -> Precision:
+    """A ready `Precision` as given (rebuilt with the run's ``strategy`` when built without it, before its
+    ``setup``), else one built from a name (or the config's), the config's options and the run's strategy."""
+    strategy = run_strategy(cfg, world_size)
     if isinstance(precision, Precision):
-        return precision
+        if strategy is None or precision.strategy == strategy:
+            return precision
+        if precision.is_setup:
+            raise ValueError(f"the Precision given was set up already, without strategy={strategy!r}: pass it "
+                             f"before setup, or build it with ampkit.Precision(..., strategy={strategy!r}).")
+        return precision.with_options(strategy=strategy)
     return Precision(
-        precision or cfg.precision, _dist.run_device(cfg.device),
+        precision or cfg.precision, _dist.run_device(cfg.device), strategy=strategy,
         loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
         max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
         compensation=cfg.compensation, optimizer_state=cfg.optimizer_state, channels_last=MEMORY_FORMATS[cfg.memory_format],
@@ -133,11 +146,10 @@ def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: B
     A resumed auto run keeps its checkpoint's mode (``saved_mode``); with no checkpoint yet, auto
     chooses as a fresh start does. Several processes keep the defaults
     (every rank must run the same mode and layout, and timings differ per rank)."""
-    modes = prec.requested == AUTO
-    if modes and saved_mode:  # a checkpoint to continue (a run that stopped before its first: chosen afresh)
-        if saved_mode and saved_mode != prec.name and saved_mode in MODES:
-            prec = prec.retuned(Tuned(mode=saved_mode, mode_reason="the resumed run's precision"))
-        modes = False
+    kept = resumed_mode(prec.requested, saved_mode)  # precision.auto: a resumed auto keeps its checkpoint's mode
+    if kept in MODES and kept != prec.name:
+        prec = prec.retuned(Tuned(mode=kept, mode_reason=RESUMED))
+    modes = prec.requested == AUTO and kept is None
     if not needs_tuning(prec, model, modes) or not cfg.autotune or not single_process:
         return prec
     x, y = batches.first(cfg.batch_size)
@@ -253,7 +265,7 @@ def wire(model: nn.Module, optimizer, prec: Precision, cfg: TrainConfig, world_s
         if optimizer is not None:
             raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
                              "optimizer=None and set optimizer/lr/weight_decay in the config.")
-        prec.prepare_fsdp()  # the kind refuses what FSDP cannot shard (fp8); contiguous parameters only
+        prec.fsdp_policy()  # the kind refuses what FSDP cannot shard (fp8); built with strategy="fsdp": contiguous
         model = _dist.shard_fsdp(prec.setup(model, None)[0], prec)
         optimizer = prec.wrap_optimizer(build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, device,
                                                         sharded=True, eps=prec.min_adam_eps))
@@ -265,9 +277,7 @@ def wire(model: nn.Module, optimizer, prec: Precision, cfg: TrainConfig, world_s
         model, optimizer = prec.setup(model, optimizer)
     raw_model = model
     if world_size > 1 and cfg.strategy != "fsdp":
-        model = _dist.wrap_model(model, device)
-        # DDP all-reduces gradients: every rank sees the same ones, so found-inf needs no collective
-        prec.scaler.distributed = False
+        model = _dist.wrap_model(model, device)  # the precision was built with strategy="ddp": no found-inf collective
     if cfg.compile:  # regional (repeated blocks) or whole; the step: ``compiled_step``
         model, _ = compile_model(model)
     return model, raw_model, optimizer

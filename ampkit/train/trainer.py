@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..precision import NonFiniteGradientsError
+from ..precision import NonFiniteGradientsError, Precision
 from ..utils.tree import to_device
 from . import checkpoint as ckpt
 from . import distributed as _dist
@@ -69,6 +69,8 @@ class Trainer:
         task: "classification" | "lm" | "regression" (inferred from the targets when None).
         resume_plan: the `ResumePlan` of ``config.resume`` when the caller made it (``ampkit train``
             does): its one read of the checkpoint serves the Trainer too.
+        planned_peak_bytes: ``ampkit.plan``'s peak for this run's step, when it was planned (``--batch-size
+            auto``): written to the summary beside the measured peak.
     """
 
     epoch = _counter("epoch")
@@ -89,7 +91,7 @@ class Trainer:
         config: Optional[TrainConfig] = None,
         task: Optional[str] = None,
         class_names: Optional[Sequence[str]] = None,
-        resume_plan: Optional[resume.ResumePlan] = None,
+        resume_plan: Optional[resume.ResumePlan] = None, planned_peak_bytes: Optional[int] = None,
         **overrides: Any,
     ) -> None:
         if isinstance(optimizer, str):  # an optimizer *name* (config key), not an instance
@@ -99,7 +101,7 @@ class Trainer:
         setup.check_config(cfg, train_data)
         self.rank, self.world_size = _dist.rank_and_world()
         self._fsdp = cfg.strategy == "fsdp"
-        self.precision = setup.make_precision(precision, cfg)
+        self.precision = setup.make_precision(precision, cfg, self.world_size)
         self.device = self.precision.device
         self.train_data, self.eval_data = train_data, eval_data
         self.batches = Batches(train_data, eval_data, collate, cfg.batch_size, cfg.seed, self.rank, self.world_size,
@@ -115,7 +117,7 @@ class Trainer:
             resume.check_saved_options(cfg, self.world_size, peeked, self._resume.path)
             self._resume.options_checked = True
         setup.check_model_accepts_data(model, self.batches, self.loss_fn, self.task)  # before timing or writing
-        if precision is not self.precision:  # not a ready Precision: measure what it left open
+        if not isinstance(precision, Precision):  # not a ready Precision: measure what it left open
             saved_mode = self._resume.saved_mode if self._resume else None
             self.precision = setup.tune_for_run(self.precision, model, cfg, self.batches, self.loss_fn, saved_mode,
                                                 single_process=self.world_size == 1 and not self._fsdp)
@@ -131,8 +133,7 @@ class Trainer:
         self.counters = Counters()  # epoch, batch_in_epoch, global_step, attempted_steps (the loop moves them)
         self.history: List[Dict[str, Any]] = []
         self.run_dir: Optional[str] = None
-        #: ampkit.plan's peak for this run's step, when it was planned (``--batch-size auto``)
-        self.planned_peak_bytes: Optional[int] = None
+        self.planned_peak_bytes = planned_peak_bytes  # ampkit.plan's peak for this step (--batch-size auto)
         self.stop = StopSignal(self.world_size, self.device)
         self.last_checkpoint: Optional[str] = None
         self._time_before = 0.0  # training seconds of the segments before a resume

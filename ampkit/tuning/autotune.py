@@ -32,7 +32,7 @@ from torch import nn
 
 from ..diagnose import verdict
 from ..precision import Precision
-from ..precision.auto import auto_candidates, auto_mode, pick, probe, why
+from ..precision.auto import auto_candidates, auto_mode, pick, probe, safe_modes, why
 from ..precision.device import machine_key, resolve_device
 from ..utils.batch import call_model
 from ..utils.tree import iter_tensors, to_device
@@ -178,8 +178,8 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
     if checked is None:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # dropout draws: not the user's
             checked = amp_check(model, inputs, target, loss_fn, cands, dev)
-    # the one rule (diagnose): the safe modes in the device's preference order; timing only picks among them
-    passed = [m["mode"] for m in verdict.safe_modes(checked, dev, grad_accum, unchecked_ok=True)["modes"]]
+    # the safe modes in the device's preference order (precision.auto); timing only picks among them
+    passed = [m["mode"] for m in safe_modes(checked, dev, grad_accum, unchecked_ok=True)["modes"]]
     dropped = [f"{p} {v}" for p, v in checked.items() if v != "ok"]
     check_note = "AMP check ok" if not dropped else f"AMP check: {', '.join(dropped)}, so not a candidate"
 

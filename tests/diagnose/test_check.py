@@ -9,7 +9,8 @@ from torch import nn
 import ampkit
 from ampkit.diagnose.check import check
 from ampkit.diagnose.scan import recommend_init_scale, underflow_fraction_at
-from ampkit.diagnose.verdict import THRESHOLDS, amp_verdicts, choose_auto
+from ampkit.diagnose.verdict import THRESHOLDS, amp_verdicts
+from ampkit.precision.auto import choose_auto
 
 from check_models import batch, mlp, planted_overflow, tiny_grad_loss
 
@@ -154,7 +155,7 @@ def test_auto_precision_for_the_trainer(any_cpu_kind):
 
 # ------------------------------------------------------------------ one `auto` rule (issue 19)
 def _bf16_device(monkeypatch):
-    from ampkit.diagnose import verdict
+    from ampkit.precision import auto as verdict  # the rule over the check's verdicts
 
     monkeypatch.setenv("AMPKIT_CPU_CAPS", "amx")  # a CPU with bf16 units, whatever this one has
     return verdict
@@ -190,7 +191,7 @@ def test_safe_modes_is_the_one_rule_for_check_and_tuning(monkeypatch):
 
 
 def test_check_fp8_alone_recommends_the_fp8_mode(monkeypatch):
-    from ampkit.diagnose import verdict
+    from ampkit.precision import auto as verdict  # the rule over the check's verdicts
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
@@ -209,7 +210,7 @@ def test_check_fp8_alone_recommends_the_fp8_mode(monkeypatch):
 
 
 def test_check_with_the_default_auto_filter_recommends_no_fp8_when_nothing_pays(monkeypatch):
-    from ampkit.diagnose import verdict
+    from ampkit.precision import auto as verdict  # the rule over the check's verdicts
 
     monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)  # as on an sm90 GPU
     torch.manual_seed(0)

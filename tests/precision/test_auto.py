@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.diagnose.verdict import choose_auto, safe_modes
 from ampkit.precision import Tuned
-from ampkit.precision.auto import auto_candidates, auto_mode, decide, mode_family, preference_order, probe, why
+from ampkit.precision.auto import (auto_candidates, auto_mode, choose_auto, decide, mode_family, preference_order, probe,
+                                   resumed_mode, safe_modes, why)
 from ampkit.tuning.autotune import fastest_mode
 
 
@@ -53,3 +53,9 @@ def test_tuning_reports_why_it_left_the_device_choice(monkeypatch, tmp_path):
     assert got["mode"] == "fp32"
     assert got["reason"].startswith("AMP check ok; fp32 fastest here")
     assert got["reason"].endswith(f"; the device alone suggested bf16-mixed ({auto_mode('cpu')[1]})")
+
+
+def test_a_resumed_auto_run_keeps_its_checkpoints_mode():
+    assert resumed_mode("auto", "bf16-master") == "bf16-master"
+    assert resumed_mode("auto", None) is None  # nothing saved yet: chosen as a fresh start
+    assert resumed_mode("bf16-mixed", "fp32") is None  # a named mode is what runs (a mismatch: the checkpoint's error)

@@ -12,7 +12,7 @@ from torch import nn
 
 import ampkit
 from ampkit.bench.configs import QUICK, plan
-from ampkit.diagnose.verdict import choose_auto
+from ampkit.precision.auto import choose_auto
 from ampkit.precision.auto import auto_mode, preference_order
 from ampkit.precision.capability import device_info
 from ampkit.precision.device import CPU_CAPS_ENV, CPU_KIND_SPEED, cpu_kind, machine_key

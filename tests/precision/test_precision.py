@@ -181,7 +181,8 @@ def test_fp16_on_cpu_warns_with_the_measured_ratio_and_what_is_faster():
 
 def test_bf16_without_hardware_support(monkeypatch):
     """A GPU without bf16 is an error that names the fix; a CPU without bf16 units, a warning."""
-    from ampkit.precision import choice, policy
+    from ampkit.precision import choice
+    from ampkit.precision.kinds import base as policy
     from ampkit.precision.capability import DeviceInfo
 
     monkeypatch.setattr(policy, "device_info", lambda d: DeviceInfo(d.type, "Old GPU", False, False, True, "none",

@@ -1,6 +1,6 @@
 """The kinds answer for themselves when a caller sets up in two halves (Lightning's plugin: the module
-first, the optimizer later; apex's initialize; the FSDP path): ``fp32_copies``, ``convert_module``,
-``master_optimizer``, ``wrap_optimizer``, ``fsdp_policy``/``prepare_fsdp`` (ampkit/precision/hooks.py, kinds/)."""
+first, the optimizer later; apex's initialize; the FSDP path): ``convert_module``, ``master_optimizer``,
+``wrap_optimizer``, ``fsdp_policy``/``prepare_fsdp`` (ampkit/precision/kinds/)."""
 import warnings
 
 import pytest
@@ -46,11 +46,9 @@ def test_two_halves_match_setup_bitwise(name):
 
     prec = _precision(name, fused_optimizer=False)
     model = _mlp()
-    copies = prec.fp32_copies(model)  # masters start from these, not from their 16-bit roundings
     model = prec.convert_module(model)
-    opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), fp32_params=copies)
+    opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert type(opt) is type(ref_opt)
-    assert copies == {}  # consumed by the masters (nothing kept for kinds without them)
     assert all(torch.equal(a, b) for a, b in zip(_train(model, opt, prec), ref))
 
 
@@ -59,7 +57,7 @@ def test_masters_are_the_kinds_decision():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for name in ("fp32", "bf16-mixed", "bf16-pure", "fp16-pure", "fp8-tensorwise"):
         prec = _precision(name)
-        assert not prec.keeps_fp32_masters and prec.master_optimizer(opt) is None and prec.fp32_copies(model) == {}
+        assert not prec.keeps_fp32_masters and prec.master_optimizer(opt) is None
     master = _precision("bf16-master")
     made = master.master_optimizer(opt)
     assert master.keeps_fp32_masters and isinstance(made, MasterWeightOptimizer)

@@ -171,38 +171,6 @@ def test_shard_first_then_setup_works_or_says_the_order(tmp_path):
     assert torch.load(f"{tmp_path}/ok.pt")
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16-pure", "fp16-pure"])
-@pytest.mark.parametrize("state", ["bf16", "8bit"])
-def test_optimizer_state_is_the_same_through_setup_and_the_two_halves(mode, state):
-    if state == "8bit":
-        pytest.importorskip("torchao.optim")
-    import ampkit
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        kwargs = {"compensation": "stochastic"} if state == "8bit" and mode == "bf16-pure" else {}
-        made = []
-        for halves in (False, True):
-            prec = ampkit.Precision(mode, "cpu", optimizer_state=state, **kwargs)
-            torch.manual_seed(0)
-            model = _Net()
-            if halves:
-                model = prec.convert_module(model)
-                opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4))
-            else:
-                model, opt = prec.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4))
-            _train(model, opt, prec, *_data())
-            made.append((type(opt), {k: v.dtype for st in opt.state.values() for k, v in st.items()
-                                     if torch.is_tensor(v) and v.numel() > 1}, _full(model)))
-    (t1, s1, p1), (t2, s2, p2) = made
-    assert t1 is t2 and s1 == s2
-    if state == "bf16":
-        assert s1 and all(d == torch.bfloat16 for k, d in s1.items() if k.startswith("exp_avg"))
-    else:
-        assert "torchao" in t1.__module__
-    assert all(torch.equal(p1[k], p2[k]) for k in p1)
-
-
 def _ddp_first(rank, tmp):
     import torch.distributed as dist
 

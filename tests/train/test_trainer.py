@@ -258,3 +258,23 @@ def test_resume_with_other_schedule_options_says_what_changes(tmp_path):
         t = Trainer(_model(), _data(), out=out, resume="auto", epochs=2, **{**kw, "lr": 0.05})
         t.fit()
     assert t.global_step == 8
+
+
+def test_the_run_builds_its_precision_with_its_strategy():
+    """What DDP/FSDP need is given when the Precision is built (no scaler or layout changed afterwards): a name
+    is built with the run's strategy, a ready Precision without one is rebuilt with it before its setup."""
+    from ampkit import Precision
+    from ampkit.train import setup as run_setup
+    from ampkit.train.config import TrainConfig
+
+    cfg = TrainConfig(strategy="ddp", device="cpu")
+    built = run_setup.make_precision("fp32", cfg, world_size=2)
+    assert built.strategy == "ddp" and built.scaler.distributed is False
+    assert run_setup.make_precision("fp32", cfg, world_size=1).strategy is None  # one process: no strategy
+    given = Precision("fp32", "cpu")
+    again = run_setup.make_precision(given, cfg, world_size=2)
+    assert again is not given and again.strategy == "ddp" and given.strategy is None  # the given one is left alone
+    assert run_setup.make_precision(again, cfg, world_size=2) is again
+    given.setup(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="set up already, without strategy='ddp'"):
+        run_setup.make_precision(given, cfg, world_size=2)

@@ -214,6 +214,6 @@ def test_retune_is_a_flag_that_is_not_recorded(tmp_path):
 
     p = argparse.ArgumentParser()
     add_parser(p)
-    cfg, _ = _config_from_args(p.parse_args(["--retune", "--out", str(tmp_path / "r")]))
+    cfg = _config_from_args(p.parse_args(["--retune", "--out", str(tmp_path / "r")]))[0]
     assert cfg.retune is True
     assert recorded_config(cfg, ampkit.Precision("fp32", "cpu")).retune is False

@@ -1,7 +1,7 @@
 """The precision kinds, one module each, and THE table ``ampkit.Precision(name)`` dispatches through.
 
-Each kind overrides only the hooks it needs (``ampkit/precision/hooks.py``, as Lightning Fabric's
-precision plugins do); ``isinstance(p, ampkit.Precision)`` holds for all.
+:class:`Precision` (``base.py``) holds the whole object with an fp32 run's defaults; each kind overrides only
+the methods it needs (as Lightning Fabric's precision plugins do); ``isinstance(p, ampkit.Precision)`` holds for all.
 
 * :class:`Fp32Precision` (``fp32.py``): fp32 params and compute; the base class's hooks as they are.
 * :class:`AutocastPrecision` (``autocast.py``): fp32 params, ``torch.autocast`` in fp16/bf16 (fp16 with
@@ -13,26 +13,26 @@ precision plugins do); ``isinstance(p, ampkit.Precision)`` holds for all.
 * :class:`Fp8Precision` (``fp8.py``): bf16 autocast plus Linears swapped to fp8 GEMMs (``Fp8Plan``).
 
 A new mode: a row in ``modes.py`` whose ``kind`` names a class here; a new kind: a module here with
-a ``Precision`` subclass overriding its hooks (and its options: ``own_options``/``take_options``, and
-``owns``/``refusal`` for an option group only it takes: a field in ``options.py``),
-and one line in :data:`KINDS`.
+a ``Precision`` subclass overriding its methods, and one line in :data:`KINDS`. A kind with an option of its
+own adds a group to ``options.py`` (a dataclass whose ``refused(mode)`` words the error for the other modes,
+and a field of ``PrecisionOptions``) and reads it from ``self.settings`` in its ``__init__``.
 """
 from __future__ import annotations
 
 from typing import Dict
 
 from ..modes import MODES, resolve
-from ..policy import use_kinds
+from .base import Precision
 from .autocast import AutocastPrecision
 from .fp8 import Fp8Precision
 from .fp32 import Fp32Precision
 from .master import MasterPrecision
 from .pure import PurePrecision
 
-__all__ = ["KINDS", "Fp32Precision", "AutocastPrecision", "MasterPrecision", "PurePrecision", "Fp8Precision",
+__all__ = ["KINDS", "Precision", "Fp32Precision", "AutocastPrecision", "MasterPrecision", "PurePrecision", "Fp8Precision",
            "precision_class"]
 
-#: ``Mode.kind`` -> the class that runs it, the one table ``Precision(name)`` dispatches through
+#: ``Mode.kind`` -> the class that runs it, the one table ``Precision(name)`` dispatches through (``Precision.__new__``)
 KINDS: Dict[str, type] = {
     "fp32": Fp32Precision,
     "autocast": AutocastPrecision,
@@ -40,7 +40,6 @@ KINDS: Dict[str, type] = {
     "pure": PurePrecision,
     "fp8": Fp8Precision,
 }
-use_kinds(KINDS)
 
 
 def precision_class(name: str) -> type:

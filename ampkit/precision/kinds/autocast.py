@@ -8,7 +8,7 @@ import torch
 
 from ..attention import AttentionPolicy, forced_kernel, policy_setting
 from ..autocast_context import AutocastContext
-from ..policy import Precision
+from .base import Precision
 
 __all__ = ["AutocastPrecision"]
 

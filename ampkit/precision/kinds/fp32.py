@@ -1,7 +1,7 @@
 """fp32: fp32 params and compute; the base class's hooks as they are."""
 from __future__ import annotations
 
-from ..policy import Precision
+from .base import Precision
 
 __all__ = ["Fp32Precision"]
 

@@ -1,12 +1,10 @@
 """fp8-tensorwise / -rowwise / -delayed: bf16 autocast plus Linears swapped to fp8 GEMMs (``Fp8Plan``);
-the kind owns the ``fp8_recipe`` / ``fp8_skip`` / ``fp8_force`` / ``fp8_filter`` / ``fp8_gpu`` / ``fp8_tokens``
-options."""
+built from the ``fp8_*`` options (:class:`~ampkit.precision.options.Fp8Config`), which other modes refuse."""
 from __future__ import annotations
 
-from typing import Any, Dict, FrozenSet, List
+from typing import Any, Dict, List
 
 from ..fp8 import Fp8Plan
-from ..options import PrecisionOptions
 from .autocast import AutocastPrecision
 
 __all__ = ["Fp8Precision"]
@@ -18,20 +16,12 @@ class Fp8Precision(AutocastPrecision):
 
     kind = "fp8"
 
-    owns = frozenset({"fp8"})
-
-    @classmethod
-    def refusal(cls, group: str, mode: Any, options: PrecisionOptions) -> str:
-        return (f"fp8_recipe/fp8_skip/fp8_force apply to the fp8 modes only (got {mode.name!r}): "
-                "drop them (fp8_filter/fp8_gpu/fp8_tokens too), or use precision='fp8-rowwise', 'fp8-tensorwise' or 'fp8-delayed'.")
-
-    def own_options(self) -> FrozenSet[str]:
-        return super().own_options() | {"fp8"}
-
-    def take_options(self, options: PrecisionOptions) -> None:
-        """The fp8 plan: the recipe (checked against the mode), the Linears kept in bf16 or forced."""
-        self.fp8 = Fp8Plan(self.name, options.fp8_recipe, options.fp8_skip, options.fp8_force,
-                           rule=options.fp8_filter, gpu=options.fp8_gpu, tokens=options.fp8_tokens)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """:class:`Precision`'s arguments; the fp8 plan is made from its ``fp8_*`` options: the recipe (checked
+        against the mode), the Linears kept in bf16 or forced, the filter rule."""
+        super().__init__(*args, **kwargs)
+        c = self.settings.fp8
+        self.fp8 = Fp8Plan(self.name, c.recipe, c.skip, c.force, rule=c.filter, gpu=c.gpu, tokens=c.tokens)
 
     def _convert_model(self, model):
         return self.fp8.apply(super()._convert_model(model), self.device)

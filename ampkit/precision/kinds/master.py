@@ -62,7 +62,7 @@ class MasterPrecision(CastParams):
     kind = "master"
     keeps_fp32_masters = True
     #: False: apex's O2 layout (the parameters cast to 16 bits in place, fp32 masters in the optimizer
-    #: wrapper ``master_optimizer`` builds); set by ``ampkit.compat.apex`` only
+    #: wrapper ``master_optimizer`` builds): ``ampkit.compat.apex``'s subclass
     model_holds_masters = True
 
     def _convert_model(self, model):
@@ -99,9 +99,9 @@ class MasterPrecision(CastParams):
             return optimizer  # already the one stepped
         return (master_class or MasterWeightOptimizer)(optimizer)
 
-    def _register_names(self, model, optimizer) -> None:
-        super()._register_names(model, optimizer)
-        if isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters by their module names
+    def _name_optimizer(self, optimizer) -> None:
+        model = getattr(self, "model", None)
+        if model is not None and isinstance(optimizer, MasterWeightOptimizer):  # errors name the fp32 masters
             names = {id(p): n for n, p in model.named_parameters()}
             self.scaler.register_aliases({id(m): names[id(p)] for p, m in
                                           zip(optimizer.model_params, optimizer.master_params) if id(p) in names})

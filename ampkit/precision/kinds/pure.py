@@ -2,15 +2,14 @@
 ``compensation`` option (Kahan, stochastic rounding or none); fp16-pure needs a large enough Adam ``eps``."""
 from __future__ import annotations
 
-from typing import Any, FrozenSet, List, Optional
+from typing import Any, List, Optional
 
 import torch
 
 from ...optim import CompensatedOptimizer, compensated_from
 from ...optim.state import with_state_precision
 from ..checks import FP16_STATE_MIN_EPS
-from ..options import PrecisionOptions
-from ..hooks import unwrapped
+from .base import unwrapped
 from .cast import CastParams
 
 __all__ = ["PurePrecision"]
@@ -24,19 +23,11 @@ class PurePrecision(CastParams):
 
     kind = "pure"
 
-    owns = frozenset({"compensation"})
-
-    @classmethod
-    def refusal(cls, group: str, mode: Any, options: PrecisionOptions) -> str:
-        return (f"compensation={options.compensation!r} applies to precision='bf16-pure' only (got {mode.name!r}): "
-                "drop it, or use precision='bf16-pure'.")
-
-    def own_options(self) -> FrozenSet[str]:
-        return super().own_options() | ({"compensation"} if self.mode.compensated else frozenset())
-
-    def take_options(self, options: PrecisionOptions) -> None:
-        """bf16-pure: 8-bit states (torchao) round bf16 params stochastically, so not with Kahan compensation."""
-        if options.optimizer_state == "8bit" and self.mode.compensated and options.compensation == "kahan":
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """:class:`Precision`'s arguments; bf16-pure refuses 8-bit states (torchao's, which round bf16 params
+        stochastically) with Kahan compensation."""
+        super().__init__(*args, **kwargs)
+        if self.optimizer_state == "8bit" and self.mode.compensated and self.compensation == "kahan":
             raise ValueError(
                 "optimizer_state='8bit' is torchao's AdamW8bit, which lands bf16 updates by stochastic rounding, "
                 "not Kahan compensation: drop compensation='kahan' (or use optimizer_state='bf16').")
@@ -78,13 +69,13 @@ class PurePrecision(CastParams):
             return optimizer
         self._wrapped_any = True
         if self.optimizer_state == "8bit":  # torchao's: stochastic rounding (or none), no Kahan buffer
-            made = with_state_precision(optimizer, "8bit", bf16_stochastic_round=not self.settings.plain_rounding)
+            made = with_state_precision(optimizer, "8bit", bf16_stochastic_round=not self.settings.optimizer.plain_rounding)
             made._ampkit_compensated = True
             return made
         if self.compensation is None:  # an ampkit.optim optimizer keeps its own setting
             optimizer = compensated_from(optimizer)
         else:
-            optimizer = compensated_from(optimizer, self.settings.optim_compensation)
+            optimizer = compensated_from(optimizer, self.settings.optimizer.optim_compensation)
         return with_state_precision(optimizer, self.optimizer_state)
 
     def fsdp_policy(self):
@@ -116,9 +107,9 @@ class PurePrecision(CastParams):
     def _details(self) -> List[str]:
         extra = super()._details()
         if self.mode.compensated and self.optimizer_state == "8bit":
-            extra.insert(0, _PLAIN if self.settings.plain_rounding else "stochastic rounding (torchao)")
+            extra.insert(0, _PLAIN if self.settings.optimizer.plain_rounding else "stochastic rounding (torchao)")
         elif self.mode.compensated:
-            extra.insert(0, _PLAIN if self.settings.plain_rounding else
+            extra.insert(0, _PLAIN if self.settings.optimizer.plain_rounding else
                          {None: "Kahan compensation", "kahan": "Kahan compensation",
                           "stochastic": "stochastic rounding"}[self.compensation])
         if self.mode.compensated and self.is_setup and not getattr(self, "_wrapped_any", False):

@@ -31,7 +31,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ...optim.master import MasterWeightOptimizer
-from ..loss_scale import parse_loss_scale, positive_finite
+from ..loss_scale import check_scaler_ranges, parse_loss_scale
 from .counters import SkipCounters
 from .fused import takes_grad_scaler, warn_grad_scaler_kwarg
 from .hysteresis import Hysteresis
@@ -69,14 +69,9 @@ class LossScaler(TraceableGradScaler):
         static = parse_loss_scale(loss_scale)
         if static is not None:
             init_scale, dynamic = static, False
-        if enabled and not positive_finite(init_scale):
-            raise ValueError(f"init_scale must be a positive finite number (e.g. 65536), got {init_scale!r}: "
-                             "a scale of 0 zeroes every gradient, so no step would ever be judged non-finite.")
+        check_scaler_ranges(init_scale if enabled else None, growth_interval, min_scale, max_scale, hysteresis,
+                            max_consecutive_skips)
         hyst = Hysteresis(hysteresis)
-        if max_consecutive_skips is not None and max_consecutive_skips < 1:
-            raise ValueError(f"max_consecutive_skips must be a positive integer or None, got {max_consecutive_skips}.")
-        if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._dynamic = bool(dynamic)
         self._min_scale = min_scale

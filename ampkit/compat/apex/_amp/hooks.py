@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from ....precision.convert import cast_floating
-from ....precision.policy import Precision
+from ....precision import Precision
 
 __all__ = ["_AutocastForward", "_CastOutput"]
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ....optim.master import MasterWeightOptimizer
-from ....precision.policy import Precision
+from ....precision import MasterPrecision, Precision, precision_class
 from ....precision.scaling.loss_scaler import LossScaler
 from ..fp16_utils import FP16_Optimizer
 from ..opt_levels import describe, resolve_properties
@@ -16,6 +16,13 @@ from .optimizers import _AmpMasterOptimizer, _GradView, _guard_plain_step, _rout
 from .state import _AmpState, _LossScalerView
 
 __all__ = ["initialize"]
+
+
+class _O2Precision(MasterPrecision):
+    """apex O2's documented layout: the model's parameters cast to 16 bits in place, the fp32 masters inside
+    the optimizer wrapper ``master_optimizer`` builds (ampkit's master modes keep them in the model)."""
+
+    model_holds_masters = False
 
 
 def _as_list(value, what: str, kinds) -> tuple:
@@ -113,13 +120,10 @@ def initialize(
 
     device = _device_of(model_list)
     mode = props.mode
-    precision = Precision(
-        mode, device,
-        keep_norm_fp32=bool(props.keep_batchnorm_fp32),
-        cast_outputs=cast_model_outputs is None,
-    )
-    if precision.keeps_fp32_masters:  # apex's O2: the model cast to 16 bits, fp32 masters in the optimizer
-        precision.model_holds_masters = False
+    # apex's O2: the model cast to 16 bits, fp32 masters in the optimizer (_O2Precision)
+    kind = _O2Precision if precision_class(mode).keeps_fp32_masters else Precision
+    precision = kind(mode, device, keep_norm_fp32=bool(props.keep_batchnorm_fp32),
+                     cast_outputs=cast_model_outputs is None)
 
     # masters are taken from the fp32 weights, so wrap before the models are cast
     returned, masters = [], []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ....precision.policy import Precision
+from ....precision import Precision
 from ....precision.scaling.loss_scaler import LossScaler
 from ..opt_levels import AmpProperties
 

@@ -1,0 +1,546 @@
+"""`Precision`: one object per run that owns every precision decision, and the base class of the kinds.
+
+``Precision(name, device, **options)`` chooses the mode once (``choice.py``), looks its kind up in the table
+``KINDS`` (``kinds/__init__.py``, plain code) and builds that class, as ``pathlib.Path(...)`` builds a
+``PosixPath``; the options are grouped once by owner (``options.py``). Everything a kind may change is a method
+here with the default an fp32 run needs; each kind (``kinds/``, one module each) overrides only its own.
+
+Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and counted), so training never
+applies a non-finite update, in bf16 and fp32 too (there the check rides on the clipping norm, or one
+read-only pass; no scale, no unscale). With an optimizer that takes ``found_inf`` into its kernel (torch's
+fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host sync: ``step`` returns a
+``StepResult`` that reads the skip flag only if asked.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.amp.grad_scaler import OptState
+
+from ...optim.state import with_state_precision
+from .. import checks
+from ..capability import device_info
+from ..choice import choose_mode
+from ..export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
+from ..islands import apply_fp32_islands, resolve_module_names
+from ..modes import AUTO
+from ..options import PrecisionOptions
+from ..scaling.loss_scaler import LossScaler
+from ..scaling.nonfinite import nonfinite_flag, nonfinite_from_norm
+from ..scaling.step_result import StepResult
+from ..tuned import Tuned
+
+__all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params"]
+
+#: the attribute an engine's optimizer wrapper keeps the real optimizer in: accelerate's AcceleratedOptimizer
+#: (``optimizer``), Lightning's LightningOptimizer (``_optimizer``)
+_WRAPPED_IN = ("optimizer", "_optimizer")
+_ENGINES = ("accelerate", "lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def engine_wrapper(optimizer: Any):
+    """(wrapper, attribute) when ``optimizer`` is an engine's wrapper around a torch optimizer, else (None, None)."""
+    if type(optimizer).__module__.split(".")[0] not in _ENGINES:  # ampkit's own wrappers hold theirs too
+        return None, None
+    for attr in _WRAPPED_IN:
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return optimizer, attr
+    return None, None
+
+
+def unwrapped(optimizer: Any) -> Any:
+    """The optimizer inside accelerate's / Lightning's wrappers (itself when not wrapped)."""
+    holder, attr = engine_wrapper(optimizer)
+    return unwrapped(getattr(holder, attr)) if holder is not None else optimizer
+
+
+def grads_params(optimizer) -> List[torch.Tensor]:
+    """The optimizer's parameters that hold a gradient."""
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _options(device: Any, options: Optional[PrecisionOptions], kwargs: Dict[str, Any]) -> PrecisionOptions:
+    """The options of ``Precision(name, device, options=..., **kwargs)``: the keywords replace ``options``' fields."""
+    if options is None:
+        return PrecisionOptions.from_kwargs(device=device, **kwargs)
+    if kwargs or (device is not None and device != options.device):
+        return options.replace(**kwargs, **({} if device is None else {"device": device}))
+    return options
+
+
+class Precision:
+    """One object per run that owns every precision decision: ``Precision(name=None, device=None, **options)``.
+
+    ``name`` is a mode or an alias (``"auto"``, ``"bf16-mixed"``, ``"fp16-master"``, ``"O2"``, ``"16-mixed"``...:
+    docs/MODES.md); the object built is the class of the mode's kind (``ampkit.precision.kinds``). A loop::
+
+        precision = ampkit.Precision("bf16-master", max_consecutive_skips=100)
+        model, optimizer = precision.setup(model, optimizer)  # casts, fp32 masters or compensation, layout
+        for x, y in loader:
+            with precision.autocast():                       # build it once and re-enter it, or not
+                loss = loss_fn(model(x), y)
+            precision.backward(loss)                         # the loss scaled where the mode scales
+            precision.step(optimizer, max_norm=1.0)          # unscale, clip, inf/NaN check, step or skip
+            optimizer.zero_grad(set_to_none=True)
+        checkpoint = {"precision": precision.state_dict(), "model": ..., "optimizer": ...}  # load_state_dict
+
+    Also: ``unscale_(optimizer)`` (to clip yourself before ``step``), ``fp32_state_dict(model)`` (export),
+    ``describe()``, ``skipped_steps``, ``optimizer_steps``, ``loss_scale``. Integrations that set up in two
+    halves (Lightning, Fabric, FSDP, apex compat) call ``convert_module`` then ``wrap_optimizer`` (exactly what
+    ``setup`` does) and the other hooks in docs/api.md; a loop needs none.
+
+    Args:
+        name: canonical name or alias (``fp32``, ``fp16-mixed``, ``bf16-mixed``, ``fp16-master``,
+            ``bf16-master``, ``bf16-pure``, ``fp16-pure``, ``auto``, ``O1``, ``16-mixed``,
+            ``mixed_bfloat16``...). None = the global policy (``set_global_policy``).
+        device: ``cpu``, ``cuda``... (default: cuda if available).
+        strategy: ``"ddp"`` or ``"fsdp"`` when the model will be wrapped so (None: one process, or your own):
+            FSDP shards contiguous parameters only (``channels_last`` stays off; asked for, an error), DDP
+            all-reduces the gradients, so the non-finite check needs no collective of its own.
+        loss_scale: apex convention for scaled modes: ``None``/``"dynamic"``/``0`` dynamic, a
+            positive number static. An error for modes that do not scale (bf16, fp32).
+        init_scale, growth_interval, min_scale, max_scale, hysteresis, max_consecutive_skips:
+            passed to :class:`LossScaler`.
+        fp32_modules: names of submodules kept in fp32 (params and compute).
+        keep_norm_fp32: keep norm layers fp32 when params are cast (default True).
+        cast_outputs: in param-casting modes, return floating outputs as fp32 (apex O2) so the
+            loss is computed in fp32 (default True).
+        skip_nonfinite: skip (and count) steps whose gradients are non-finite, in every mode.
+        channels_last: convert 4-D conv models to channels_last memory format in ``setup``;
+            None = measured: ``ampkit.tune`` (given a batch: the Trainer, the bench) times both
+            layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
+            CPU 16-bit compute with conv layers.
+        op_policy: speed-aware per-op kernel choice inside ``autocast()`` (``ampkit.precision.attention``:
+            e.g. attention backward in fp32 where this CPU runs it faster), with the verdicts
+            ``ampkit.tune`` measured; None = on for CPU 16-bit compute unless ``AMPKIT_OP_POLICY=off``.
+        compensation: bf16-pure only: how updates land in the bf16 weights, ``"kahan"`` (default,
+            a bf16 buffer per param), ``"stochastic"`` (stochastic rounding, no buffer) or
+            ``"none"`` (plain rounding; small updates are lost). ``setup`` swaps a torch
+            AdamW/Adam/SGD for its ``ampkit.optim`` equivalent; an ``ampkit.optim`` optimizer
+            keeps its own setting unless this is given. Norm layers stay fp32 here too
+            (``keep_norm_fp32``): see docs/BF16_PURE.md.
+        optimizer_state: precision of the optimizer's moments, in every mode: ``"fp32"``, ``"bf16"``
+            (4 B/param instead of 8 for AdamW: ``ampkit.optim``'s AdamW/Adam/SGD, moments updated in fp32 and
+            rounded stochastically) or ``"8bit"`` (torchao's AdamW8bit/Adam8bit, ~2 B/param; bf16-pure then
+            rounds stochastically instead of Kahan). It acts on the optimizer that updates: torch's over fp32
+            params, the one over the fp32 masters, the 16-bit params' own. None = the mode's (fp32; bf16 in
+            bf16-pure; fp16 in fp16-pure). Saved in ``state_dict``: a resume must use the same.
+        fused_optimizer: ``setup`` switches a torch Adam/AdamW/SGD built without ``fused``/``foreach``
+            to its fused kernel (which takes the skip flag on the device: no host sync per step);
+            False keeps it as built.
+        fp8_recipe, fp8_skip, fp8_force, fp8_filter, fp8_gpu, fp8_tokens: fp8 modes only
+            (:class:`~ampkit.precision.options.Fp8Config`): a recipe object of the mode
+            (``ampkit.precision.fp8.DelayedScaling(amax_history_len=..., margin=...)``), Linear names
+            kept in bf16, names converted although first/last, the filter rule (see docs/FP8.md).
+        tuned: what ``ampkit.tune`` measured on the model (:class:`~ampkit.precision.tuned.Tuned`):
+            auto's mode, the memory format, attention kernels. Explicit arguments win over it.
+        options: a :class:`PrecisionOptions` instead of the keywords (keywords given too replace its fields).
+
+    An option a mode does not use (a loss scale in bf16, ``compensation`` outside bf16-pure, ``fp8_*``
+    outside the fp8 modes) is a one-line ValueError naming the fix.
+    """
+
+    #: the ``Mode.kind`` this class runs (``KINDS`` maps it back here)
+    kind = ""
+    #: the fp8 plan (fp8 modes only)
+    fp8 = None
+    #: whether fp32 master copies own the update (``MasterPrecision``)
+    keeps_fp32_masters = False
+
+    def __new__(cls, name: Optional[str] = None, device: Any = None, *, tuned: Optional[Tuned] = None,
+                options: Optional[PrecisionOptions] = None, **kwargs: Any):
+        """``Precision(...)`` builds the class of the chosen mode's kind (``KINDS``); a kind's own class builds
+        itself (``__init__`` refuses a mode of another kind). Copies and unpickling pass no arguments."""
+        if cls is not Precision:
+            return super().__new__(cls)
+        from . import KINDS  # the table sits beside the kinds, which import this module first
+
+        choice = choose_mode(name, device if device is not None or options is None else options.device, tuned)
+        self = super().__new__(KINDS[choice.mode.kind])
+        self._choice = choice  # chosen once: __init__ takes it
+        return self
+
+    def __init__(self, name: Optional[str] = None, device: Any = None, *, tuned: Optional[Tuned] = None,
+                 options: Optional[PrecisionOptions] = None, **kwargs: Any) -> None:
+        choice = self.__dict__.pop("_choice", None) or choose_mode(
+            name, device if device is not None or options is None else options.device, tuned)
+        options = _options(device, options, kwargs)
+        if choice.mode.kind != self.kind:
+            raise TypeError(f"{type(self).__name__} runs the {self.kind!r} modes, not {choice.mode.name!r}: "
+                            f"build it with ampkit.Precision({choice.mode.name!r}).")
+        self.settings = options
+        self.tuned = tuned if tuned is not None else Tuned()
+        self.device, self.requested, self.mode, self.reason = choice.device, choice.requested, choice.mode, choice.reason
+        self.name = self.mode.name
+        if self.mode.low_dtype is not None:
+            checks.check_hardware(self.mode, self.device, device_info(self.device))
+        refused = options.refusal(self.mode)
+        if refused:
+            if self.requested == AUTO:  # the user asked for auto: say what it chose before what that refuses
+                refused = f"precision auto chose {self.name} here ({self.reason}), and " + refused.replace(
+                    f"precision={self.name!r} ", f"{self.name} ", 1)
+            raise ValueError(refused)
+        model, opt = options.model, options.optimizer
+        self.strategy = options.strategy
+        self.fp32_modules, self.keep_norm_fp32, self.cast_outputs = model.fp32_modules, model.keep_norm_fp32, model.cast_outputs
+        self.channels_last = (False if options.strategy == "fsdp" else model.channels_last
+                              if model.channels_last is not None else self.tuned.channels_last)
+        # why the memory format is what it is, when it was measured (ampkit.tune)
+        self.layout_reason = self.tuned.layout_reason if model.channels_last is None and self.strategy != "fsdp" else None
+        self.op_policy = model.op_policy
+        self.compensation, self.optimizer_state, self.fused_optimizer = opt.compensation, opt.optimizer_state, opt.fused_optimizer
+        self.scaler = options.scaling.scaler if options.scaling.scaler is not None else self._make_scaler()
+        if hasattr(self.scaler, "counters"):  # the skip limit's advice fits the mode
+            self.scaler.counters.low_dtype = self.mode.low_dtype
+        self.scales_loss = self.mode.scaled
+        self._setup_done = False
+
+    def _make_scaler(self) -> LossScaler:
+        """The mode's loss scaler; unscaled modes get a check-only guard (scale 1, never grows, skips
+        non-finite steps and counts them). Under DDP (``strategy="ddp"``) every rank holds the same all-reduced
+        gradients, so the non-finite check needs no collective."""
+        o = self.settings.scaling
+        distributed = False if self.strategy == "ddp" else None
+        if not self.mode.scaled:
+            return LossScaler(self.device.type, init_scale=1.0, dynamic=False, enabled=o.skip_nonfinite,
+                              max_consecutive_skips=o.max_consecutive_skips, allow_fp16_grads=True,
+                              distributed=distributed)
+        static = o.static_scale  # parsed once, by the options
+        return LossScaler(
+            self.device.type,
+            init_scale=static if static is not None else 2.0**16 if o.init_scale is None else o.init_scale,
+            dynamic=static is None, growth_interval=o.growth_interval, min_scale=o.min_scale, max_scale=o.max_scale,
+            hysteresis=o.hysteresis, max_consecutive_skips=o.max_consecutive_skips,
+            allow_fp16_grads=not self.keeps_fp32_masters, distributed=distributed)
+
+    # ------------------------------------------------------------------ construction
+    def options(self) -> Dict[str, Any]:
+        """The keyword arguments this precision was built with (``name`` and ``tuned`` aside)."""
+        return self.settings.kwargs()
+
+    def with_options(self, **changes: Any) -> "Precision":
+        """A new precision with the same request and measured decisions, these options changed
+        (:meth:`PrecisionOptions.replace` on :attr:`settings`, checked again); this one is left as it is."""
+        return Precision(self.requested, options=self.settings.replace(**changes), tuned=self.tuned)
+
+    def retuned(self, tuned: Tuned) -> "Precision":
+        """A new precision with the same request and options and these measured decisions
+        (what ``ampkit.tune`` returns; auto may land on another kind); this one is left as it is."""
+        if self._setup_done:
+            raise RuntimeError("retuned() after setup(): tune before setting the model up.")
+        return Precision(self.requested, options=self.settings, tuned=tuned)
+
+    @property
+    def kept_fp32(self) -> Dict[str, str]:
+        """Module (and tensor) names kept fp32 -> why: ``fp32_modules``; after ``setup`` in the 16-bit-param
+        modes also the norms and Hugging Face's ``_keep_in_fp32_modules`` (``ampkit.precision.keep_fp32``)."""
+        return dict(getattr(self, "_kept_fp32", None) or dict.fromkeys(self.fp32_modules, "fp32_modules"))
+
+    is_setup = property(lambda self: self._setup_done, doc="True once ``setup`` ran (mode and layout fixed).")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.mode.param_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.mode.low_dtype or torch.float32
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 when the mode does not scale). Syncs with the device."""
+        return self.scaler.get_scale() if self.scales_loss else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far for inf/NaN gradients; counted on the device, a read syncs once; checkpointed."""
+        return self.scaler.skipped_steps
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Steps applied so far (``step`` calls less the skipped ones); a read syncs once; checkpointed."""
+        return self.scaler.optimizer_steps
+
+    # ------------------------------------------------------------------ setting up: convert_module + wrap_optimizer
+    def setup(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None):
+        """Prepare model (device, dtype, memory format, islands) and optimizer: exactly ``convert_module(model)``
+        then ``wrap_optimizer(optimizer)``; build the optimizer over ``model.parameters()`` first. Returns both."""
+        model = self.convert_module(model)
+        if optimizer is not None:
+            optimizer = self.wrap_optimizer(optimizer)
+        return model, optimizer
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """The model as this kind runs it: device, the kind's cast (:meth:`_convert_model`), ``fp32_modules``
+        islands, memory format; the scaler learns the parameter names (its errors name tensors by them)."""
+        if self.fp32_modules:  # a wrong name fails before the model is changed
+            resolve_module_names(model, self.fp32_modules)
+        model = self._convert_model(model.to(self.device))
+        if self.fp32_modules:
+            apply_fp32_islands(model, self.fp32_modules)
+        if self.uses_channels_last(model):
+            model.to(memory_format=torch.channels_last)
+        self.scaler.register_names(model)
+        self.model = model
+        self._setup_done = True
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer this kind steps for one built over the converted model (``convert_module``): its moments
+        in ``optimizer_state``, the kind's own treatment (:meth:`_convert_optimizer`: fused kernel, masters
+        adopted, bf16-pure's compensated optimizer), the Adam ``eps`` check. An engine's wrapper (accelerate,
+        Lightning) keeps its place: the optimizer inside is made this kind's."""
+        holder, attr = engine_wrapper(optimizer)
+        if holder is not None:
+            setattr(holder, attr, self.wrap_optimizer(getattr(holder, attr)))
+            return holder
+        optimizer = self._convert_optimizer(self._with_state(optimizer))
+        self.check_optimizer_eps(optimizer)
+        optimizer = self._wrap_optimizer(optimizer)
+        self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
+        self._name_optimizer(optimizer)
+        return optimizer
+
+    def uses_channels_last(self, model: nn.Module) -> bool:
+        """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
+        (CPU, bf16 compute, 2-D convolutions)."""
+        if self.channels_last is not None:
+            return self.channels_last
+        return checks.channels_last_rule(self.device, self.compute_dtype, model)
+
+    # ---------------------------------------- what a kind overrides (the defaults: an fp32 run)
+    def _convert_model(self, model: nn.Module) -> nn.Module:
+        """Make the model this kind's (after ``model.to(device)``): as it is here."""
+        return model
+
+    def _with_state(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer with its moments in ``optimizer_state`` (``wrap_optimizer``, first); fp32 is torch's
+        own state over fp32 params and masters: kept, fused."""
+        if self.optimizer_state in (None, "fp32") or type(optimizer).__module__.startswith("torchao"):
+            return optimizer  # (torchao's: already the 8-bit one)
+        return with_state_precision(optimizer, self.optimizer_state, compensation=None)
+
+    def _convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make the optimizer this kind's (after ``optimizer_state``): here only torch's Adam/AdamW/SGD switched
+        to their fused kernel (no host sync per step); torch's SGD over FSDP2's DTensor shards stays as built
+        (torch has no DTensor rule for ``aten._fused_sgd_``)."""
+        if self.fused_optimizer and not checks.fused_sgd_on_dtensors(optimizer):
+            checks.use_fused_kernel(optimizer, self.device)
+        return optimizer
+
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer ``wrap_optimizer`` returns (after the eps check): as given here."""
+        return optimizer
+
+    def _name_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Tell the scaler the names of the tensors the optimizer steps that are not the model's (its errors
+        name tensors by them): none here, the optimizer holds the model's parameters."""
+
+    def _details(self) -> List[str]:
+        """``describe``'s clauses after the mode summary."""
+        extra = []
+        if self.scales_loss:
+            extra.append("dynamic loss scale" if self.scaler.is_dynamic else f"static loss scale {self.scaler.static_scale:g}")
+        if self.optimizer_state is not None:
+            extra.append({"fp32": "fp32 optimizer state", "8bit": "8-bit optimizer state (torchao)",
+                          "bf16": "bf16 optimizer state (stochastic rounding)"}[self.optimizer_state])
+        if self.fp32_modules:
+            extra.append(f"fp32 modules: {', '.join(self.fp32_modules)}")
+        if self.layout_reason:
+            extra.append(f"memory format {self.layout_reason}")
+        return extra
+
+    def autocast(self):
+        """Context for forward + loss: torch.autocast in the mode's compute dtype (or nothing)."""
+        return contextlib.nullcontext()
+
+    def attention_policy(self):
+        """The scoped attention policy ``autocast()`` enters, or None (always, without autocast)."""
+        return None
+
+    @property
+    def op_policy_applies(self) -> bool:
+        """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
+        return False
+
+    def convert_input(self, batch: Any) -> Any:
+        """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
+        return batch
+
+    @property
+    def min_adam_eps(self) -> Optional[float]:
+        """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
+        return None
+
+    def check_optimizer_eps(self, optimizer: Any) -> None:
+        """Raise a too-small Adam ``eps`` to ``min_adam_eps`` (fp16 optimizer state), with one warning."""
+        checks.check_eps(optimizer, self.name, self.min_adam_eps)
+
+    def sync_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the grads the optimizer steps from the model's (before unscale and clip): nothing here, the
+        optimizer holds the model's parameters; a master kind fills its fp32 master grads."""
+
+    def check_step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse (one line) an optimizer this kind cannot step as it is (``step``): none here."""
+
+    def has_grads(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Did a backward reach the parameters the optimizer updates? On the Python side only, no host
+        sync; it stops at the first parameter with a grad."""
+        return any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+
+    @classmethod
+    def master_optimizer(cls, optimizer: torch.optim.Optimizer, master_class: Optional[type] = None):
+        """The fp32-master optimizer stepped for ``optimizer`` (``master_class``, a ``MasterWeightOptimizer``
+        subclass, else that class), or None where this kind keeps no masters. Asked of the class too
+        (apex's ``FP16_Optimizer`` has no precision object): ``precision_class("fp16-master").master_optimizer``."""
+        return None
+
+    def fsdp_policy(self):
+        """FSDP2's ``MixedPrecisionPolicy`` for this kind: shards stay fp32 (they are the master weights),
+        parameters all-gathered in the compute dtype, gradients reduced in fp32. A kind FSDP cannot run
+        (16-bit parameters, fp8) raises a ValueError naming what to use instead."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        low = self.mode.autocast_dtype
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+
+    def fp32_policy(self):
+        """FSDP2's policy for the modules kept fp32 (norms, ``fp32_modules``): gathered, computed and reduced in
+        fp32, sharded as groups of their own so their block's 16-bit policy never casts them
+        (``ampkit.precision.sharding``)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+
+    def prepare_fsdp(self):
+        """The ``fsdp_policy`` (the check). Built with ``strategy="fsdp"`` there is nothing else to do; built
+        without it (not yet set up), contiguous parameters only: ``channels_last`` off (asked for, an error)."""
+        policy = self.fsdp_policy()
+        if self.strategy != "fsdp":
+            if self.channels_last:
+                raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
+                                 "parameters only): leave channels_last unset, or use strategy 'ddp'.")
+            self.channels_last = False
+        return policy
+
+    # ------------------------------------------------------------------ the loop
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(), with the loss scaled first in the scaled modes."""
+        if self.scales_loss:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            self.scaler.ensure_initialized(loss.device)
+            loss.backward(**kwargs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
+        """Make the optimizer's grads real (unscaled) and record the non-finite check (once per step), as
+        ``GradScaler.unscale_``: then ``clip_grad_norm_`` over ``model.parameters()`` or the optimizer's params
+        clips what the step applies, in every mode (a ``MasterWeightOptimizer``'s unscaled master grads are
+        written back into the model's). Unscaled modes check ``_norm`` (a norm computed anyway) or make one
+        read-only pass, never a scale-1 unscale."""
+        self._unscale(optimizer, _norm, to_model=True)
+
+    def _unscale(self, optimizer, norm: Optional[torch.Tensor] = None, to_model: bool = False) -> None:
+        """Make the optimizer's grads real and record the step's non-finite check (once per step); ``to_model``
+        also writes unscaled master grads back into the model's (``unscale_``)."""
+        scaler = self.scaler
+        self.sync_grads(optimizer)  # also takes the model grads changed since an earlier unscale_
+        if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
+            return
+        scaler.ensure_initialized(self.device)  # backward() may not have come through us
+        if self.scales_loss:
+            scaler.unscale_(optimizer, to_model=to_model)
+        else:
+            found = (nonfinite_from_norm(norm, self.device) if norm is not None
+                     else nonfinite_flag([p.grad for p in grads_params(optimizer)], self.device))
+            scaler.record_found_inf(optimizer, found)
+
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale (once) and clip the optimizer's grads (the fp32 master grads where the mode has them);
+        returns the total norm (no sync). In the unscaled modes the norm is also the step's non-finite check."""
+        scaler = self.scaler
+        if self.scales_loss or not scaler.is_enabled() or scaler.stage(optimizer) is not OptState.READY:
+            self._unscale(optimizer)
+            return torch.nn.utils.clip_grad_norm_(grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
+        self.sync_grads(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
+        self._unscale(optimizer, norm=norm)
+        return norm
+
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
+             norm_type: float = 2.0) -> StepResult:
+        """Unscale -> clip -> non-finite check -> step or skip -> update the scale (``torch.amp.GradScaler``'s order).
+
+        Returns a :class:`StepResult` (what the optimizer's ``step`` returned, if not None): truthy when
+        the optimizer stepped, falsy when the step was skipped, read from the device only when asked.
+        No host sync with an optimizer that skips on the device (torch's fused AdamW/Adam/SGD, also
+        under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
+        Clipping done by the caller after ``unscale_`` is applied as it is; ``max_norm`` clips on top.
+        A step no backward reached is refused; an optimizer wrapped by accelerate inside
+        ``accelerator.accumulate`` on a micro-batch that does not sync is left alone (no unscale, no count).
+        """
+        gradient_state = getattr(optimizer, "gradient_state", None)
+        if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
+            return StepResult(stepped=False)
+        self.check_step_optimizer(optimizer)
+        if not self.has_grads(optimizer):
+            raise RuntimeError(
+                "Precision.step() found no gradients on the optimizer's parameters: call precision.backward(loss) "
+                "(or loss.backward()) before each step(); nothing was stepped or counted.")
+        if max_norm is not None and max_norm > 0:
+            self.clip_grad_norm_(optimizer, max_norm, norm_type)
+        else:
+            self._unscale(optimizer)
+        result = self.scaler.step(optimizer)
+        if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
+            found = self.scaler.found_inf(optimizer)
+            result = StepResult(found) if found is not None else StepResult()
+        self.scaler.update()
+        return result
+
+    # ------------------------------------------------------------------ state
+    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """The model's full-precision weights, keyed like ``model.state_dict()``, loadable into the fp32 model
+        (strict; ``ampkit.precision.export``): the model's own fp32 params where it has them (the master modes'
+        are the masters), a ``MasterWeightOptimizer``'s masters, bf16-pure's weight + Kahan buffer in fp32,
+        fp32 casts of 16-bit tensors otherwise; buffers included, tied weights one tensor. ``optimizer``: the
+        one holding masters or buffers (default: the last one ``wrap_optimizer`` returned). Uncast tensors alias
+        the live ones."""
+        opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
+        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The precision's part of a checkpoint: the mode's name, the scaler's state (loss scale, skip counters,
+        hysteresis; docs/CHECKPOINTS.md) and ``optimizer_state``; the fp32 masters are in the optimizer's."""
+        return {"name": self.name, "scaler": self.scaler.state_dict(), "optimizer_state": self.optimizer_state}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s loss scale and counters; another mode or ``optimizer_state`` is a
+        ValueError naming the flag to resume with, and nothing is changed."""
+        saved = state.get("name")
+        if saved is not None and saved != self.name:
+            raise ValueError(
+                f"Checkpoint was trained with precision={saved!r}, this run uses {self.name!r}: "
+                f"resume with --precision {saved}, or start a new run."
+            )
+        if "optimizer_state" in state and state["optimizer_state"] != self.optimizer_state:
+            saved = state["optimizer_state"]
+            raise ValueError(
+                f"Checkpoint kept the optimizer state in {saved or 'the mode default'}, this run in "
+                f"{self.optimizer_state or 'the mode default'}: resume with "
+                f"{'--optimizer-state ' + saved if saved else 'no --optimizer-state'}, or start a new run.")
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def describe(self) -> str:
+        """One line: the mode, what it does, and why it was chosen."""
+        extra = self._details()
+        chosen = f"auto -> {self.name} ({self.reason})" if self.requested == AUTO else self.name
+        return f"{chosen}: {self.mode.summary} on {self.device}" + (f"; {'; '.join(extra)}" if extra else "")
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name!r}, device={str(self.device)!r})"
