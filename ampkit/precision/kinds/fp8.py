@@ -12,7 +12,12 @@ __all__ = ["Fp8Precision"]
 
 class Fp8Precision(AutocastPrecision):
     """fp8-tensorwise / -rowwise / -delayed: bf16 autocast, with the Linears ``Fp8Plan`` picks swapped for
-    fp8 modules (an explicit module swap; parameters are kept, so the optimizer still holds them)."""
+    fp8 modules (an explicit module swap; parameters are kept, so the optimizer still holds them).
+
+    Under FSDP2 the autocast kind's policy holds: fp32 shards gathered in bf16 (each fp8 layer casts the
+    gathered weight per forward), gradients reduced in fp32. fp8-delayed's amax histories are replicated
+    buffers that stay equal on every rank (input and grad-output amaxes all-reduced, the weight's read
+    from the gathered weight), so a sharded checkpoint saves them once."""
 
     kind = "fp8"
 
@@ -39,10 +44,3 @@ class Fp8Precision(AutocastPrecision):
 
     def _details(self) -> List[str]:
         return super()._details() + [self.fp8.describe()]
-
-    def fsdp_policy(self):
-        """fp32 shards gathered in bf16 (each fp8 layer casts the gathered weight to fp8 per forward), gradients
-        reduced in fp32. fp8-delayed's amax histories are replicated buffers: every rank records the same
-        (all-reduced) input and grad-output amaxes and the gathered weight's, so they stay equal across ranks
-        and a sharded checkpoint saves them once."""
-        return super().fsdp_policy()
