@@ -9,11 +9,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ampkit.precision import LossScaler, Precision
-from distributed_helpers import init_rank, run_ranks
+from distributed_helpers import init_rank, leave_rank, run_ranks
 
 INF_STEPS = (2, 3)  # rank 1 only
 
@@ -110,7 +109,7 @@ def _worker(rank, tmp):
         "fsdp": _fsdp(rank),
     }
     torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_rank()  # DDP was used: exit without gloo's destructor (distributed_helpers.leave_rank)
 
 
 @pytest.fixture(scope="module")

@@ -298,6 +298,13 @@ def _ddp_rank(rank, tmp):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = prec.setup(model, opt)
     ddp = nn.parallel.DistributedDataParallel(model)
+    sizes, all_reduce = [], torch.distributed.all_reduce
+
+    def counted(t, *args, **kwargs):  # DDP's gradient buckets go through its C++ reducer, not this function
+        sizes.append(t.numel())
+        return all_reduce(t, *args, **kwargs)
+
+    torch.distributed.all_reduce = counted
     for step in range(2):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 10 + step)) * (1 + 3 * rank)
         with prec.autocast():
@@ -305,8 +312,14 @@ def _ddp_rank(rank, tmp):
         prec.backward(loss)
         prec.step(opt)
         opt.zero_grad()
+    torch.distributed.all_reduce = all_reduce
+    # the amaxes: one all-reduce per step for the whole model (the one fp8 layer's input and grad-output
+    # histories, 16 entries each), not one per tensor per layer; the rest is the found-inf flag (1 element)
+    assert sorted(n for n in sizes if n > 1) == [32, 32], sizes
     torch.save({k: v for k, v in model.state_dict().items()}, f"{tmp}/rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    from tests.distributed_helpers import leave_rank
+
+    leave_rank()  # DDP was used: exit without gloo's destructor
 
 
 def test_ddp_reduces_amax_so_ranks_scale_alike(tmp_path):

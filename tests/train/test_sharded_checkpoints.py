@@ -27,7 +27,7 @@ from ampkit.train import sharded
 from ampkit.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, remove_partial_writes,
                                      sharded_path)
 from dcp_state_helpers import CASES, IDS, continued, equal
-from distributed_helpers import init_rank, run_ranks
+from distributed_helpers import init_rank, leave_rank, run_ranks
 from train.test_fsdp_modes import _Net, _data, _full, _max_diff, _one_process, _precision, _train
 
 ARGS = ["train", "--data", "digits", "--model", "mlp", "--precision", "fp32", "--save-every", "3", "--keep-last", "5",
@@ -109,6 +109,7 @@ def _worker(rank, tmp):
         if rank == 0:
             torch.save(saved, f"{tmp}/blocks-{mode}.pt")
     torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    leave_rank()  # DDP was used: exit without gloo's destructor
 
 
 RESHARD_MODES = ("bf16-master", "bf16-pure")

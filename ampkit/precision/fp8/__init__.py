@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm
+from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm, reduce_histories, watch_histories
 from .detect import gemm_kind, is_conv1d
 from .quant import amax, fake_quantise, quantise, saturates, scale_from_amax
 from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, MXFP8Scaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
@@ -53,6 +53,7 @@ class Fp8Plan:
         self.layers: list = []
         self.emulated: Optional[bool] = None
         self.coverage: Optional[dict] = None
+        self._delayed: list = []  # the delayed-scaling layers (``apply``)
 
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
         self.emulated = not has_gemm(device, self.recipe)
@@ -74,7 +75,14 @@ class Fp8Plan:
         if not fp8_layers(model):
             model = convert_to_fp8(model, self.recipe, self.filter, device)
         self.layers = fp8_layers(model)
+        self._delayed = watch_histories(model)  # delayed scaling: one amax all-reduce per micro-batch
         return model
+
+    def reduce_amaxes(self) -> None:
+        """Delayed scaling under data parallelism: the amaxes recorded since the last reduction, all-reduced in
+        one collective (``Precision.step`` calls it, so a checkpoint after a step holds every rank's max)."""
+        if self._delayed:
+            reduce_histories(self._delayed)
 
     def summary(self) -> dict:
         """For the run's summary.json: the recipe, the converted count and why the rest stayed bf16."""

@@ -10,9 +10,13 @@ Each micro-batch (a forward and its backward):
    this tensor's own amax instead of TE's scale 1.0, which would saturate or flush a whole first
    step), and opens a new history entry;
 2. each tensor is cast to fp8 with its scale (saturating), the GEMM runs on the fp8 tensors;
-3. its amax (all-reduced over data-parallel ranks for input and grad-output when ``reduce_amax``)
-   goes into the new entry (the max, where the layer runs more than once). Non-finite amaxes are
-   recorded as 0.
+3. its amax goes into the new entry (the max, where the layer runs more than once). Non-finite amaxes
+   are recorded as 0. Under data parallelism (``reduce_amax``) the entries every layer recorded are
+   all-reduced (max) at once, in one collective per micro-batch for the whole model
+   (:func:`reduce_histories`: before the next training forward and at ``Precision.step``), as
+   torchao and Transformer Engine batch theirs, not two per layer; the histories, and so the scales,
+   are then the same on every rank. A history still empty (the first micro-batch) scales by this
+   rank's own amax.
 
 So histories gain one entry per micro-batch under gradient accumulation, as TE's do, and
 **activation checkpointing changes nothing**: the recompute of a forward (``torch.utils.checkpoint``,
@@ -34,7 +38,8 @@ from torch import nn
 from .quant import amax, dequantise, quantise, scale_from_amax
 from .recipes import DelayedScaling
 
-__all__ = ["DelayedScalingLinear", "DelayedScalingConv1D", "has_fp8_gemm", "in_backward"]
+__all__ = ["DelayedScalingLinear", "DelayedScalingConv1D", "has_fp8_gemm", "in_backward", "reduce_histories",
+           "watch_histories"]
 
 _TENSORS = ("input", "weight", "grad_output")
 
@@ -55,10 +60,39 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _reduce_max(a: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(a, op=dist.ReduceOp.MAX)
-    return a
+def watch_histories(model: nn.Module) -> list:
+    """The delayed-scaling layers of ``model``, with a forward pre-hook on ``model`` (once) that reduces their
+    histories before each training forward (:func:`reduce_histories`): so every path that trains the
+    model, with or without ``Precision.step``, scales alike on every rank. An eval forward never reduces
+    (it may run on one rank only)."""
+    layers = [m for m in model.modules() if isinstance(m, _DelayedGemm)]
+    if layers and getattr(model, "_ampkit_amax_hook", None) is None:
+        def before_forward(module, args):
+            if module.training:
+                reduce_histories(layers)
+
+        model._ampkit_amax_hook = model.register_forward_pre_hook(before_forward)
+    return layers
+
+
+@torch.compiler.disable
+def reduce_histories(modules) -> None:
+    """One all-reduce (max) of the input and grad-output amax histories of every delayed-scaling layer in
+    ``modules`` (the model's, the same list on every rank), when any recorded since the last one; entries
+    already reduced are equal on every rank, so the max leaves them as they are. No collective without a
+    process group of several ranks. Not traced: it runs between compiled regions."""
+    pending = [m for m in modules if m._amax_unreduced]
+    if not pending:
+        return
+    for m in modules:
+        m._amax_unreduced = False
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    hists = [h for m in modules if m.recipe.reduce_amax for h in (m.amax_history_input, m.amax_history_grad_output)]
+    if hists:
+        flat = torch.cat(hists)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        torch._foreach_copy_(hists, list(flat.split([h.numel() for h in hists])))
 
 
 def _history_amax(hist: torch.Tensor, recipe: DelayedScaling) -> torch.Tensor:
@@ -73,10 +107,8 @@ class _ScaleAndRecord(torch.autograd.Function):
     captured tensor at its own level), in the forward and in the backward alike."""
 
     @staticmethod
-    def forward(t, hist, past, dtype, recipe, record, reduce):
+    def forward(t, hist, past, dtype, recipe, record):
         current = amax(t)
-        if reduce and record and recipe.reduce_amax:  # training only: an eval pass need not run on every rank
-            current = _reduce_max(current)
         p = past if record else _history_amax(hist, recipe)
         s = scale_from_amax(torch.where(p > 0, p, current), dtype, recipe.margin)
         if record:  # max into entry 0: a recompute (same tensor, same amax) changes nothing
@@ -90,13 +122,13 @@ class _ScaleAndRecord(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _):
-        return (None,) * 7
+        return (None,) * 6
 
 
 def _use(t: torch.Tensor, hist: torch.Tensor, past: torch.Tensor, dtype: torch.dtype, recipe: DelayedScaling,
-         record: bool, reduce: bool):
+         record: bool):
     """Quantise ``t`` with this micro-batch's scale, recording its amax when training: (fp8 tensor, scale)."""
-    s = _ScaleAndRecord.apply(t.detach(), hist, past, dtype, recipe, record, reduce)
+    s = _ScaleAndRecord.apply(t.detach(), hist, past, dtype, recipe, record)
     return quantise(t, s, dtype), s
 
 
@@ -120,9 +152,11 @@ class _DelayedFp8Linear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             dt = mod.recipe.dtypes()
-            xq, sx = _use(x2, mod.amax_history_input, mod.amax_past_input, dt["input"], mod.recipe, record, True)
-            wq, sw = _use(weight, mod.amax_history_weight, mod.amax_past_weight, dt["weight"], mod.recipe, record,
-                          False)  # replicated: no reduce
+            xq, sx = _use(x2, mod.amax_history_input, mod.amax_past_input, dt["input"], mod.recipe, record)
+            # the weight is the same on every rank (replicated, or FSDP's gathered one): nothing to reduce
+            wq, sw = _use(weight, mod.amax_history_weight, mod.amax_past_weight, dt["weight"], mod.recipe, record)
+            if record:
+                mod._amax_unreduced = True
             out = _mm(xq, sx, wq, sw, out_dtype, real)
         return out.reshape(*x.shape[:-1], out.shape[-1]), xq, sx, wq, sw
 
@@ -144,7 +178,7 @@ class _DelayedFp8Linear(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             go = grad_out.reshape(-1, grad_out.shape[-1])
             goq, sgo = _use(go, mod.amax_history_grad_output, mod.amax_past_grad_output,
-                            mod.recipe.dtypes()["grad_output"], mod.recipe, ctx.record, reduce=True)
+                            mod.recipe.dtypes()["grad_output"], mod.recipe, ctx.record)
             grad_x = grad_w = None
             if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): b = W^T as (K, N)
                 grad_x = _mm(goq, sgo, wq.t(), sw, ctx.x_dtype, ctx.real).reshape(ctx.x_shape)
@@ -168,6 +202,7 @@ class _DelayedGemm:
             # a checkpoint is taken between micro-batches, and the next one recomputes it from the history)
             self.register_buffer(f"amax_past_{t}", torch.zeros((), device=dev), persistent=False)
         self._fp8_new_entry = True
+        self._amax_unreduced = False  # recorded since the last reduce_histories (data parallelism)
         self.emulate = (not has_fp8_gemm(self.weight.device)) if emulate is None else emulate
 
     def _start_micro_batch(self) -> None:

@@ -64,8 +64,8 @@ class DelayedScaling:
     """Transformer Engine's ``DelayedScaling``: scale = fp8_max / amax / 2**margin, where amax is the
     ``max`` (or ``most_recent``) of the last ``amax_history_len`` amaxes seen for that tensor.
 
-    ``reduce_amax``: all-reduce (max) each amax across data-parallel ranks so every rank uses one
-    scale (TE's default).
+    ``reduce_amax``: all-reduce (max) the amax histories across data-parallel ranks, all layers in one
+    collective per micro-batch, so every rank uses one scale (TE's default).
     """
 
     amax_history_len: int = 16

@@ -42,5 +42,11 @@ class Fp8Precision(AutocastPrecision):
             self.fp8.check_state(state.get("fp8"))
         super().load_state_dict(state)
 
+    def step(self, optimizer, max_norm=None, norm_type: float = 2.0):
+        """:meth:`Precision.step`, then fp8-delayed's amaxes of this step reduced across ranks (one collective)."""
+        result = super().step(optimizer, max_norm, norm_type)
+        self.fp8.reduce_amaxes()
+        return result
+
     def _details(self) -> List[str]:
         return super()._details() + [self.fp8.describe()]
