@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..diagnose.runner import default_loss
+from ..utils.loss import default_loss
 from ..utils.batch import batch_size_of
 from ..utils.tree import first_tensor, to_device
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 from torch import nn
 
-from ..diagnose.runner import default_loss
+from ..utils.loss import default_loss
 from ..optim.master import MasterWeightOptimizer
 from ..precision import Precision
 from ..precision.convert import ComputeCopies

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .._optional import MissingDependency, require
-from ..diagnose.runner import default_loss  # the one default loss (re-exported: the Trainer's default)
+from ..utils.loss import default_loss  # the one default loss (re-exported: the Trainer's default)
 from ..utils.batch import batch_size_of, call_model, output_logits, own_loss
 from . import distributed as _dist
 

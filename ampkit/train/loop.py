@@ -31,7 +31,7 @@ from .evaluate import input_error, label_error
 from .metrics import MetricsLogger, Progress
 from .signals import TrainingInterrupted
 
-__all__ = ["Counters", "TrainLoop"]
+__all__ = ["Counters", "Training", "RunState", "Outcomes", "TrainLoop"]
 
 
 @dataclass
@@ -46,25 +46,54 @@ class Counters:
         return self.epoch, self.batch_in_epoch, self.attempted_steps
 
 
+@dataclass
+class Training:
+    """What a step runs: ``model`` as the step calls it (DDP- or FSDP-wrapped) and ``raw_model`` unwrapped, the
+    precision, the optimizer and its scheduler, ``step`` (``precision.step`` or its compiled version), the loss."""
+    model: Any
+    raw_model: Any
+    precision: Any
+    optimizer: Any
+    step: Callable
+    loss_fn: Callable
+    scheduler: Any = None
+    fsdp: bool = False
+
+
+@dataclass
+class RunState:
+    """What the loop shares with its owner, who checkpoints it: where the run is (``counters``), every record
+    written to the metrics logger (``history``), and the stop signal the loop polls."""
+    counters: Counters
+    history: List[Dict[str, Any]]
+    stop: Any
+
+
+@dataclass
+class Outcomes:
+    """What the loop hands back to its owner: ``save()`` writes a checkpoint of the run's state (every rank calls
+    it; it returns the path on the rank that wrote one; ``checkpoints`` False without a run directory, where
+    saves write nothing); ``evaluate()`` evaluates the model and returns ``loss``/``accuracy`` (None: no
+    evaluation data)."""
+    save: Callable[[], Optional[str]]
+    evaluate: Optional[Callable[[], Dict[str, Any]]] = None
+    checkpoints: bool = True
+
+
 class TrainLoop:
-    """Trains ``model`` until the config's epochs/max_steps (or a signal), moving ``counters`` on.
+    """Trains until the config's epochs/max_steps (or a signal), moving the run state's counters on: the
+    :class:`Training` parts over ``batches``, its :class:`Outcomes` called when the config says, on
+    ``world_size`` ranks of ``device``."""
 
-    ``save()`` writes a checkpoint of the run's state (every rank calls it; it returns the path on the rank
-    that wrote one); ``evaluate()`` evaluates the model and returns its result (``loss``, ``accuracy``), or
-    is None without evaluation data. ``history`` receives every record written to the metrics logger.
-    """
-
-    def __init__(self, config, *, model, raw_model, fsdp: bool, precision, optimizer, scheduler, step: Callable,
-                 batches, loss_fn: Callable, stop, counters: Counters, history: List[Dict[str, Any]],
-                 save: Callable[[], Optional[str]], evaluate: Optional[Callable[[], Dict[str, Any]]],
-                 checkpoints: bool, world_size: int, device: torch.device) -> None:
+    def __init__(self, config, training: Training, batches, state: RunState, outcomes: Outcomes, *,
+                 world_size: int = 1, device: torch.device) -> None:
         self.config = config
-        self.model, self.raw_model, self.fsdp = model, raw_model, fsdp
-        self.precision, self.optimizer, self.scheduler, self.step = precision, optimizer, scheduler, step
-        self.batches, self.loss_fn = batches, loss_fn
-        self.stop, self.counters, self.history = stop, counters, history
-        self.save, self.evaluate = save, evaluate
-        self.checkpoints = checkpoints  # False without a run directory: then saves write nothing
+        t = training
+        self.model, self.raw_model, self.fsdp = t.model, t.raw_model, t.fsdp
+        self.precision, self.optimizer, self.scheduler, self.step = t.precision, t.optimizer, t.scheduler, t.step
+        self.batches, self.loss_fn = batches, t.loss_fn
+        self.stop, self.counters, self.history = state.stop, state.counters, state.history
+        self.save, self.evaluate, self.checkpoints = outcomes.save, outcomes.evaluate, outcomes.checkpoints
         self.world_size, self.device = world_size, device
         self.pending: Optional[tuple] = None  # the last step, its skip flag not yet read (`resolve`)
         self.saved_at: Optional[tuple] = None  # the position of the last checkpoint

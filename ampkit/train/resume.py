@@ -51,7 +51,7 @@ class ResumePlan:
     def __init__(self, path: Optional[str]) -> None:
         self.path = path
         self._read: Optional[Tuple[str, Any]] = None  # (path, checkpoint or the error reading it)
-        self.options_checked = False  # check_saved_options passed on this plan's checkpoint
+        self._checked: Optional[str] = None  # the checkpoint whose saved options passed check_options
 
     @classmethod
     def locate(cls, resume: Optional[str], out: Optional[str], plan: Optional["ResumePlan"] = None) -> "ResumePlan":
@@ -60,9 +60,22 @@ class ResumePlan:
         path = checkpoint_to_resume(resume, out)
         if plan is None:
             return cls(path)
-        if plan.path != path:
-            plan.path, plan.options_checked = path, False
+        plan.path = path
         return plan
+
+    def check_options(self, cfg: TrainConfig, world_size: int) -> "ResumePlan":
+        """This plan, its checkpoint's saved options checked against ``cfg`` (:func:`check_saved_options`:
+        refused in one line where they contradict it); once per checkpoint. Nothing to resume, or a
+        checkpoint that cannot be read (``load`` raises that where it is needed): nothing to check."""
+        ck = self.peek()
+        if ck is not None and self._checked != self.path:
+            check_saved_options(cfg, world_size, ck, self.path)
+            self._checked = self.path
+        return self
+
+    def checked(self, path: str) -> bool:
+        """Whether ``check_options`` passed on the checkpoint at ``path``."""
+        return self._checked == path
 
     def load(self, path: Optional[str] = None) -> Dict[str, Any]:
         """The checkpoint at ``path`` (default: the located one), read from disk on the first call only."""
@@ -172,7 +185,7 @@ def _master_layout_of_before(ck: Dict[str, Any], theirs: list, mine: list) -> bo
 
 
 def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size: int, signature: list,
-                     steps_per_epoch: Optional[int], options_checked: bool = False) -> TrainConfig:
+                     steps_per_epoch: Optional[int], plan: Optional[ResumePlan] = None) -> TrainConfig:
     """Refuse a checkpoint that cannot continue this run (incomplete, other options or model); say what
     other schedule options change (``steps_per_epoch`` None: the schedule is the user's own). Returns
     ``cfg`` with the checkpoint's lr, which continues in its optimizer and scheduler state."""
@@ -182,7 +195,7 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
         raise ckpt.CheckpointError(f"checkpoint {path!r} has no {', '.join(map(repr, missing))} entry: it is "
                                    "incomplete or was not written by the ampkit Trainer.")
     saved = ck.get("config") or {}
-    if not options_checked:
+    if plan is None or not plan.checked(path):  # a plan's check_options already refused what it would
         check_saved_options(cfg, world_size, ck, path)
     check_model_signature(ck, signature, path)
     note = schedule_change(cfg, saved, steps_per_epoch) if steps_per_epoch is not None and saved else None

@@ -35,7 +35,7 @@ from . import resume, setup, sharded
 from .batches import Batches, unwrap_loaders
 from .config import TrainConfig
 from .evaluate import default_loss, evaluate_shards
-from .loop import Counters, TrainLoop
+from .loop import Counters, Outcomes, RunState, Training, TrainLoop
 from .metrics import MetricsLogger
 from .report import announce, build_summary, open_metrics, publish, write_nonfinite_report
 from .rundir import RunDir, RunDirError, checkpoint_dir
@@ -112,10 +112,8 @@ class Trainer:
         # resuming: refuse options that contradict the checkpoint before the data is even tried on the
         # model (another --data can make the model fail on it first, with a less useful message)
         self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
-        peeked = self._resume.peek() if self._resume else None
-        if peeked is not None:
-            resume.check_saved_options(cfg, self.world_size, peeked, self._resume.path)
-            self._resume.options_checked = True
+        if self._resume is not None:
+            self._resume.check_options(cfg, self.world_size)
         setup.check_model_accepts_data(model, self.batches, self.loss_fn, self.task)  # before timing or writing
         if not isinstance(precision, Precision):  # not a ready Precision: measure what it left open
             saved_mode = self._resume.saved_mode if self._resume else None
@@ -218,10 +216,10 @@ class Trainer:
         """Continue from the checkpoint at ``path``: its options and model checked, every state loaded."""
         self._apply_checkpoint(sharded.read_checkpoint(path, map_location=self.device), path)
 
-    def _apply_checkpoint(self, ck: Dict[str, Any], path: str, options_checked: bool = False) -> None:
+    def _apply_checkpoint(self, ck: Dict[str, Any], path: str, plan: Optional[resume.ResumePlan] = None) -> None:
         self.config = resume.check_checkpoint(ck, path, self.config, self.world_size,
                                               ckpt.model_signature(self.raw_model),
-                                              self.steps_per_epoch if self._own_schedule else None, options_checked)
+                                              self.steps_per_epoch if self._own_schedule else None, plan)
         if self.device.type != "cpu":
             ck = to_device(ck, self.device)  # a plan reads on the CPU: where map_location would have put it
         built = [g["weight_decay"] for g in self.optimizer.param_groups] if self._own_optimizer else []
@@ -248,7 +246,7 @@ class Trainer:
         earlier one to continue from."""
         plan = self._resume if self._resume is not None else resume.ResumePlan(path)
         try:
-            self._apply_checkpoint(plan.load(path), path, options_checked=plan.options_checked and plan.path == path)
+            self._apply_checkpoint(plan.load(path), path, plan)
         except ckpt.CheckpointError as e:
             older = ckpt.list_checkpoints(os.path.dirname(path))[:-1] if self.config.resume == "auto" else []
             if older and e.damaged:
@@ -308,11 +306,11 @@ class Trainer:
         t_start = self._t_segment = time.perf_counter()
         self._training_started = True
         loop = TrainLoop(
-            cfg, model=self.model, raw_model=self.raw_model, fsdp=self._fsdp, precision=self.precision,
-            optimizer=self.optimizer, scheduler=self.scheduler, step=self.compiled_step or self.precision.step,
-            batches=self.batches, loss_fn=self.loss_fn, stop=self.stop, counters=self.counters, history=self.history,
-            save=self.save_checkpoint, checkpoints=bool(self.run_dir),
-            evaluate=(lambda: self._evaluate(collect=False)) if self.eval_data is not None else None,
+            cfg, Training(self.model, self.raw_model, self.precision, self.optimizer,
+                          self.compiled_step or self.precision.step, self.loss_fn, self.scheduler, self._fsdp),
+            self.batches, RunState(self.counters, self.history, self.stop),
+            Outcomes(self.save_checkpoint, (lambda: self._evaluate(collect=False)) if self.eval_data is not None
+                     else None, checkpoints=bool(self.run_dir)),
             world_size=self.world_size, device=self.device)
         try:
             with self.stop.guard():

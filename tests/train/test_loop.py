@@ -7,7 +7,7 @@ from torch.utils.data import TensorDataset
 from ampkit.precision import Precision
 from ampkit.train.batches import Batches
 from ampkit.train.config import TrainConfig
-from ampkit.train.loop import Counters, TrainLoop
+from ampkit.train.loop import Counters, Outcomes, RunState, Training, TrainLoop
 from ampkit.train.metrics import MetricsLogger
 from ampkit.train.signals import StopSignal
 
@@ -27,10 +27,8 @@ def _loop(cfg, save, evaluate, precision="fp32"):
     model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     batches = Batches(_data(), _data(16, seed=1), {}, cfg.batch_size, cfg.seed, 0, 1, CPU)
     counters, history = Counters(), []
-    loop = TrainLoop(cfg, model=model, raw_model=model, fsdp=False, precision=prec, optimizer=opt, scheduler=None,
-                     step=prec.step, batches=batches, loss_fn=nn.functional.cross_entropy, stop=StopSignal(1, CPU),
-                     counters=counters, history=history, save=save, evaluate=evaluate, checkpoints=True,
-                     world_size=1, device=CPU)
+    loop = TrainLoop(cfg, Training(model, model, prec, opt, prec.step, nn.functional.cross_entropy), batches,
+                     RunState(counters, history, StopSignal(1, CPU)), Outcomes(save, evaluate), device=CPU)
     return loop, counters, history
 
 
