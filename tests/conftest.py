@@ -7,6 +7,8 @@ A test whose assertions depend on that pins it: ``@pytest.mark.cpu_caps("avx2")`
 starts inherit it), or takes the ``any_cpu_kind`` fixture to run once per kind. ``AMPKIT_CPU_CAPS=amx
 pytest`` runs the rest of the suite as that kind would.
 """
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,19 @@ from ampkit.precision.device import CPU_CAPS_ENV, CPU_KINDS
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="run the long variants (e.g. 20+ kill -9 trials in tests/faults); same as AMPKIT_SLOW=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run with ``--slow``, ``AMPKIT_SLOW=1`` or ``-m slow`` (as the marker says), so ``make
+    test`` stays under its 10 minutes on 2 cores; elsewhere they are skipped with that reason."""
+    wanted = (config.getoption("--slow") or os.environ.get("AMPKIT_SLOW", "") not in ("", "0")
+              or "slow" in (config.getoption("-m") or ""))
+    if wanted:
+        return
+    skip = pytest.mark.skip(reason="long-running: AMPKIT_SLOW=1 make test (or pytest --slow) runs it")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
 
 
 def pytest_configure(config):

@@ -16,7 +16,6 @@ def _load():
     return mod
 
 
-@pytest.mark.slow  # ~45 s of CPU: a bench subprocess and every mode's steps
 def test_cpu_smoke_writes_its_table(tmp_path, monkeypatch):
     mod = _load()
     # the bench parts run `python -m ampkit`: this checkout's package

@@ -66,13 +66,20 @@ def watch_histories(model: nn.Module) -> list:
     model, with or without ``Precision.step``, scales alike on every rank. An eval forward never reduces
     (it may run on one rank only)."""
     layers = [m for m in model.modules() if isinstance(m, _DelayedGemm)]
-    if layers and getattr(model, "_ampkit_amax_hook", None) is None:
-        def before_forward(module, args):
-            if module.training:
-                reduce_histories(layers)
-
-        model._ampkit_amax_hook = model.register_forward_pre_hook(before_forward)
+    if layers and not any(isinstance(h, _ReduceBeforeForward) for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(_ReduceBeforeForward(layers))
     return layers
+
+
+class _ReduceBeforeForward:
+    """The forward pre-hook of :func:`watch_histories` (a class, not a closure: ``torch.save(model)`` pickles it)."""
+
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if module.training:
+            reduce_histories(self.layers)
 
 
 @torch.compiler.disable
