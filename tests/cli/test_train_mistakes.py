@@ -3,6 +3,7 @@ dataset, one line and a non-zero exit for what used to be a traceback, messages 
 and how to fix it. Subprocesses where the process matters (start-up, stdout), main() in-process elsewhere."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -178,8 +179,10 @@ def test_interrupt_while_the_data_libraries_import(tmp_path):
     """A KeyboardInterrupt raised inside numpy/scipy/scikit-learn's import can leave a half-initialised module
     whose next import fails with an unrelated traceback (exit 1): as the command, a Ctrl-C inside an import
     ends the process with one line and 130, and nothing is written."""
+    # Ctrl-C as in a shell: SIGINT at its default in the child, whatever this process inherited or set (a child
+    # started with SIGINT ignored keeps it ignored, and then the interrupt never lands)
     r = subprocess.run([sys.executable, "-c", _INJECT], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert r.returncode == 130, r.stderr[-3000:]
     assert r.stderr.strip() == "ampkit: interrupted", r.stderr[-3000:]
     assert not os.path.exists(tmp_path / "never")
