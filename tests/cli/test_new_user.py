@@ -10,24 +10,7 @@ import torch
 
 from ampkit.train.checkpoint import latest_checkpoint, load_checkpoint
 
-FAST = ["--no-progress", "--num-threads", "1", "--no-autotune", "--precision", "fp32"]
-
-
-class _InProcess:
-    def __init__(self, argv, capsys):
-        from ampkit.cli import main
-
-        self.returncode = main(argv)
-        captured = capsys.readouterr()
-        self.stdout, self.stderr = captured.out, captured.err
-
-
-def _one_error(r, code=2):
-    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr, r.stderr[-2000:]
-    errors = [ln for ln in r.stderr.splitlines() if ": error: " in ln]
-    assert len(errors) == 1, r.stderr[-2000:]
-    return errors[0]
+from cli_helpers import FAST, InProcess as _InProcess, one_error as _one_error
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+from cli_helpers import FAST, InProcess as _InProcess, one_error as _one_error
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAST = ["--no-progress", "--num-threads", "1", "--no-autotune", "--precision", "fp32"]
 
 _USER_MODULE = '''
 import numpy as np
@@ -79,23 +80,6 @@ def _env():
 def _ampkit(args, cwd):
     return subprocess.run([sys.executable, "-m", "ampkit", *args], cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=300)
-
-
-class _InProcess:
-    def __init__(self, argv, capsys):
-        from ampkit.cli import main
-
-        self.returncode = main(argv)
-        captured = capsys.readouterr()
-        self.stdout, self.stderr = captured.out, captured.err
-
-
-def _one_error(r, code=2):
-    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr, r.stderr[-2000:]
-    errors = [ln for ln in r.stderr.splitlines() if ": error: " in ln]
-    assert len(errors) == 1, r.stderr[-2000:]
-    return errors[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import subprocess
 import sys
 import time
 
+from cli_helpers import FAST
+
 from .common import ROOT
 
-FAST = ["--no-progress", "--num-threads", "1", "--no-autotune", "--precision", "fp32"]
 LOCK = ".ampkit.lock"
 
 

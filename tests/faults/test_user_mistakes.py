@@ -15,21 +15,13 @@ import pytest
 
 from .common import ROOT, tree_bytes
 
-FAST = ["--no-progress", "--num-threads", "1", "--no-autotune", "--precision", "fp32"]
+from cli_helpers import FAST, InProcess as _InProcess, one_error as _one_line_error
 
 
 def _ampkit(args, cwd):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-P", "-m", "ampkit", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
-
-
-def _one_line_error(r, code=2):
-    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr, r.stderr[-2000:]
-    errors = [ln for ln in r.stderr.splitlines() if ": error: " in ln]
-    assert len(errors) == 1, r.stderr[-2000:]
-    return errors[0]
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +46,6 @@ def user_dir(tmp_path_factory):
         "def make(**kw):\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8, 3))\n"
         "def narrow(**kw):\n    return torch.nn.Sequential(torch.nn.Linear(5, 3))\n")
     return d
-
-
-class _InProcess:
-    """main() in this process, for the mistakes found before any work (cheaper than a new interpreter)."""
-
-    def __init__(self, argv, capsys):
-        from ampkit.cli import main
-
-        self.returncode = main(argv)
-        self.stderr = capsys.readouterr().err
 
 
 @pytest.mark.parametrize("data,model,needle,subprocess_", [
