@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -14,7 +14,16 @@ from ..utils.loss import default_loss  # the one default loss (re-exported: the 
 from ..utils.batch import batch_size_of, call_model, output_logits, own_loss
 from . import distributed as _dist
 
-__all__ = ["default_loss", "evaluate", "evaluate_shards", "classification_text", "label_error", "input_error"]
+__all__ = ["default_loss", "evaluate", "evaluate_shards", "classification_text", "label_error", "input_error",
+           "raise_named"]
+
+
+def raise_named(err: IndexError, named: Optional[ValueError]) -> NoReturn:
+    """Raise ``named`` (:func:`input_error`'s or :func:`label_error`'s one-line ValueError) in place of torch's
+    ``err``, or ``err`` itself where they found nothing to name."""
+    if named is None:
+        raise err
+    raise named from None
 
 
 def label_error(err: IndexError, out: Any, y: Any, where: str) -> Optional[ValueError]:
@@ -86,17 +95,11 @@ def evaluate(
                 try:
                     out = call_model(model, x)
                 except IndexError as e:
-                    err = input_error(e, model, x, "evaluation data")
-                    if err is None:
-                        raise
-                    raise err from None
+                    raise_named(e, input_error(e, model, x, "evaluation data"))
                 try:
                     loss = loss_fn(out, y)
                 except IndexError as e:
-                    err = label_error(e, out, y, "evaluation data")
-                    if err is None:
-                        raise
-                    raise err from None
+                    raise_named(e, label_error(e, out, y, "evaluation data"))
             logits = output_logits(out)
             # accuracy where the predictions line up with the targets (a causal LM that shifts its labels
             # inside, e.g. Hugging Face's, has logits for the next token: no accuracy is claimed for it)

@@ -27,7 +27,7 @@ from ..memory import measure as memory_measure
 from ..precision import NonFiniteGradientsError
 from ..utils.batch import batch_size_of, call_model
 from . import distributed as _dist
-from .evaluate import input_error, label_error
+from .evaluate import input_error, label_error, raise_named
 from .metrics import MetricsLogger, Progress
 from .signals import TrainingInterrupted
 
@@ -148,17 +148,12 @@ class TrainLoop:
                     try:
                         out = call_model(self.model, x)
                     except IndexError as e:  # an id beyond the model's embedding (dict data: model(**batch))
-                        err = input_error(e, self.raw_model, x, f"training data (epoch {c.epoch + 1}, batch {i})")
-                        if err is None:
-                            raise
-                        raise err from None
+                        raise_named(e, input_error(e, self.raw_model, x,
+                                                   f"training data (epoch {c.epoch + 1}, batch {i})"))
                     try:
                         loss = self.loss_fn(out, y) / window
                     except IndexError as e:  # a label the output cannot take (classes counted from a prefix)
-                        err = label_error(e, out, y, f"training data (epoch {c.epoch + 1}, batch {i})")
-                        if err is None:
-                            raise
-                        raise err from None
+                        raise_named(e, label_error(e, out, y, f"training data (epoch {c.epoch + 1}, batch {i})"))
                 precision.backward(loss)
             window_loss += loss.detach()
             samples_flush += batch_size_of(y, x)
