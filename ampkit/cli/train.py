@@ -147,6 +147,7 @@ def _config_from_args(args, announce: bool = False):
         raise ValueError(f"--resume auto: nothing to resume: {out!r} {what}. Check the --out path, or leave "
                          "out --resume to start a new run there (with --data/--model/--config, --resume auto "
                          "starts one when there is nothing to continue).")
+    given = set(values)
     if saved:
         changed = {k: (saved[k], v) for k, v in values.items()
                    if k in saved and k not in ("resume", "out") and saved[k] != v}
@@ -162,11 +163,30 @@ def _config_from_args(args, announce: bool = False):
             raise ValueError(f"data file {data!r}, from the run's saved options ({saved.get('out') or 'its checkpoint'}"
                              f"/config.toml), is a path relative to where the run started, and {os.getcwd()!r} "
                              "has no such file: resume from that directory, or pass --data with the file's path.")
+        values = _fit_to_launch(values, given, plan, note)
     data = values.get("data")
     if isinstance(data, str) and data.endswith(".npz") and os.path.isfile(data):
         values["data"] = os.path.abspath(data)  # recorded so: a resume from another directory finds it
     cfg = TrainConfig(**values).checked()  # every range rule lives in TrainConfig.checked
     return cfg, ResumePlan.locate(cfg.resume, cfg.out, plan), auto_batch
+
+
+def _fit_to_launch(values: dict, given: set, plan, note) -> dict:
+    """A resumed run's saved options fitted to this launch's number of processes (``resume.fit_to_world``),
+    said once."""
+    from ..train.distributed import is_initialized, rank_and_world
+    from ..train.resume import ResumePlan, fit_to_world
+
+    if is_initialized():  # a process group of the caller's (library use, tests): its world
+        launched, world = True, rank_and_world()[1]
+    else:  # torchrun's environment (its group is set up after the options), else one plain process
+        launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        world = int(os.environ["WORLD_SIZE"]) if launched else 1
+    values, said = fit_to_world(values, given, ResumePlan.locate(values.get("resume"), values.get("out"), plan),
+                                world, launched)
+    if said:
+        note(f"resuming on {world} process{'' if world == 1 else 'es'}: {said}")
+    return values
 
 
 def run(args) -> int:

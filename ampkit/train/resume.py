@@ -22,7 +22,7 @@ from .rundir import RunDirError, checkpoint_dir
 
 __all__ = ["ResumePlan", "checkpoint_to_resume", "check_saved_options", "check_model_signature", "check_checkpoint",
            "saved_position", "finished_summary", "schedule_change", "schedule_changed", "saved_run_options",
-           "apply_given_options", "MUST_MATCH"]
+           "apply_given_options", "fit_to_world", "MUST_MATCH"]
 
 # options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
 MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
@@ -363,3 +363,38 @@ def saved_run_options(values: Dict[str, Any], note: Optional[Callable[[str], Non
     saved.pop("resume", None)
     saved["out"] = out
     return out, saved
+
+
+def fit_to_world(values: Dict[str, Any], given: Any, plan: ResumePlan, world_size: int,
+                 launched: bool) -> Tuple[Dict[str, Any], Optional[str]]:
+    """(``values`` fitted to this launch, what changed in one sentence or None) for a resume on another number
+    of processes than the checkpoint's, for the options the user did not give (``given``: their names):
+
+    - a run trained with ``--strategy fsdp`` resumed in one process outside torchrun (``launched`` False)
+      continues unsharded (``strategy`` ddp: in one process, no wrapping at all), its sharded checkpoint
+      resharded into the one process;
+    - the batch per process is the checkpoint's global batch over ``world_size`` (when it divides), so the
+      saved position and the optimizer's steps mean what they meant.
+    The checkpoint is ``plan``'s (read once; nothing to resume or an unreadable one: nothing changed)."""
+    ck = plan.peek() if values.get("resume") else None
+    if ck is None:
+        return values, None
+    saved_world = int((ck.get("progress") or {}).get("world_size", 1))
+    said, values = [], dict(values)
+    if values.get("strategy") == "fsdp" and "strategy" not in given and not launched and world_size == 1:
+        values["strategy"] = "ddp"
+        said.append(f"the run trained with --strategy fsdp on {_processes(saved_world)} continues in this one "
+                    "process unsharded (no strategy: it holds the whole model; the sharded checkpoint is read whole; "
+                    "to shard again, resume under torchrun with --strategy fsdp)")
+    saved_batch = (ck.get("config") or {}).get("batch_size")
+    if (saved_world != world_size and "batch_size" not in given and isinstance(saved_batch, int)
+            and values.get("batch_size") == saved_batch and (saved_batch * saved_world) % world_size == 0):
+        values["batch_size"] = saved_batch * saved_world // world_size
+        said.append(f"--batch-size {saved_batch} -> {values['batch_size']} per process, keeping the checkpoint's "
+                    f"global batch of {saved_batch * saved_world} on {_processes(world_size)} (it was "
+                    f"{saved_batch} x {_processes(saved_world)})")
+    return values, ("; ".join(said) if said else None)
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" + ("" if n == 1 else "es")

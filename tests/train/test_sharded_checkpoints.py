@@ -57,6 +57,9 @@ def _worker(rank, tmp):
 
     out = {"full": _quiet(FSDP + ["--max-steps", "6", "--out", f"{tmp}/full"]),
            "part": _quiet(FSDP + ["--max-steps", "3", "--out", f"{tmp}/part"])}
+    if rank == 0:  # the 3-step run as it stands, for a resume in one plain process
+        shutil.copytree(f"{tmp}/part", f"{tmp}/part-for-one")
+    dist.barrier()
     read, real = [], FileSystemReader.read_data
 
     def counting(self, plan, planner):  # tensor elements this rank reads from the shards
@@ -260,6 +263,40 @@ def test_one_process_continues_a_two_rank_checkpoint(runs, tmp_path):
         torch.testing.assert_close(one["model"][k], v, rtol=1e-5, atol=1e-6)
 
 
+def _plain_process(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def _continued_like_the_full_run(tmp, got):
+    """A one-process continuation of the 2-rank run ends where the uninterrupted 2-rank run ends: the same global
+    batch, its gradients summed in another order (1e-5)."""
+    ref = sharded.consolidate(_ck(tmp, "full", 6))
+    assert got["progress"]["global_step"] == ref["progress"]["global_step"] == 6
+    for k, v in ref["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=1e-5, atol=1e-6)
+    names = [n for g in ref["optimizer"]["param_groups"] for n in g["params"]]
+    for i, name in enumerate(n for g in got["optimizer"]["param_groups"] for n in g["params"]):
+        for k, v in ref["optimizer"]["state"][names[i]].items():
+            torch.testing.assert_close(got["optimizer"]["state"][name][k], v, rtol=1e-4, atol=1e-7)
+
+
+def test_resume_auto_in_one_plain_process_continues_a_two_rank_fsdp_run(runs, monkeypatch):
+    """``ampkit train --out RUN --resume auto`` with no other flag, in one process outside torchrun, for a run
+    trained with --strategy fsdp on 2 ranks x 32: it continues unsharded (said in one line) with the global batch
+    of 64 in one process, the sharded checkpoint read whole, and ends where the uninterrupted 2-rank run ends."""
+    tmp = runs["tmp"]
+    _plain_process(monkeypatch)
+    code, err = _quiet(["train", "--out", f"{tmp}/part-for-one", "--resume", "auto", "--max-steps", "6"])
+    assert code == 0, err
+    assert ("continues in this one process unsharded" in err and "--batch-size 32 -> 64 per process" in err
+            and "resumed from" in err and "step-00000003" in err), err
+    one = load_checkpoint(os.path.join(tmp, "part-for-one", "checkpoints", "step-00000006.pt"))  # one file now
+    assert one["config"]["strategy"] == "ddp" and one["config"]["batch_size"] == 64
+    assert one["progress"]["world_size"] == 1
+    _continued_like_the_full_run(tmp, one)
+
+
 def test_a_single_file_checkpoint_resumes_under_fsdp(runs):
     for r in (0, 1):
         assert runs["ranks"][r]["from_single"][0] == 0, runs["ranks"][r]["from_single"][1]
@@ -373,6 +410,67 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, point
     assert _equal(model.state_dict(), model2.state_dict()) and ck["progress"] == {"epoch": 1}
     remove_partial_writes(directory)
     assert os.listdir(directory) == ["step-00000001"]
+
+
+def _killed_rank(rank, tmp):
+    """The 6-step FSDP run of ``_worker`` on 2 ranks, rank 1 SIGKILLed while it writes its shard of the second
+    checkpoint (step 6: its shard file written, nothing of the checkpoint finished)."""
+    init_rank(rank, f"{tmp}/kill-store")
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if rank == 1:
+        real, calls = FileSystemWriter.write_data, []
+
+        def dying(self, plan, planner):
+            calls.append(plan)
+            if len(calls) == 2:
+                real(self, plan, planner).wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, plan, planner)
+
+        FileSystemWriter.write_data = dying
+    try:
+        code = main(FSDP + ["--max-steps", "6", "--out", f"{tmp}/killed"])
+    except BaseException:  # rank 0: its peer's socket closed under a collective (torchrun would stop it too)
+        code = 7
+    os._exit(code)
+
+
+@pytest.fixture(scope="module")
+def killed(runs):
+    tmp = runs["tmp"]
+    os.makedirs(f"{tmp}/kill-store")
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    procs = [mp.get_context(method).Process(target=_killed_rank, args=(r, tmp)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(200)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return tmp, [p.exitcode for p in procs]
+
+
+def test_one_rank_killed_mid_save_leaves_the_previous_checkpoint_and_the_resume_uses_it(killed, monkeypatch):
+    """Rank 1 SIGKILLed in the middle of the sharded save at step 6: rank 0 stops (its collective fails: no rank
+    waits forever), step 3 stays the latest checkpoint, whole, the torn save only a .tmp directory; the next
+    ``--resume auto`` (here one plain process) continues from step 3, removes the torn save, and ends where the
+    uninterrupted run ends."""
+    tmp, codes = killed
+    assert codes[1] == -signal.SIGKILL and codes[0] not in (None, 0), codes
+    directory = os.path.join(tmp, "killed", "checkpoints")
+    assert [os.path.basename(p) for p in list_checkpoints(directory)] == ["step-00000003"]
+    torn = [n for n in os.listdir(directory) if n.startswith(".tmp-step-00000006")]
+    assert torn and not os.path.exists(os.path.join(directory, torn[0], "manifest.json"))
+    whole = sharded.read_checkpoint(_ck(tmp, "killed", 3))  # every file's CRC-32 checked
+    assert whole["progress"]["global_step"] == 3 and whole["sharded"]["world_size"] == 2
+    _plain_process(monkeypatch)
+    code, err = _quiet(["train", "--out", os.path.join(tmp, "killed"), "--resume", "auto"])
+    assert code == 0, err
+    assert "resumed from" in err and "step-00000003" in err, err
+    assert sorted(os.listdir(directory)) == ["step-00000003", "step-00000006.pt"]  # the torn save removed
+    _continued_like_the_full_run(tmp, load_checkpoint(os.path.join(directory, "step-00000006.pt")))
 
 
 @pytest.mark.parametrize("case", IDS)
