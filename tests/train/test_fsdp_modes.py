@@ -277,3 +277,76 @@ def test_loss_scaling_on_sharded_gradients_agrees_across_ranks(sharded):
     r0, r1 = (sharded[r]["fp16-master-overflow"] for r in (0, 1))
     assert r0["skipped"] >= 1 and (r0["skipped"], r0["scale"]) == (r1["skipped"], r1["scale"])
     assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+
+
+# ---------------------------------------------------------------------- fp8-tensorwise: the all-gather in fp8
+def _gather_ranks(rank, tmp):
+    """fp8-tensorwise sharded per block, trained with its Linear weights gathered in fp8 (torchao's fp8
+    all-gather, the default under FSDP) and in bf16 (the switch off): each all-gather and reduce-scatter's
+    bytes counted, and the collectives of the step's scale precompute."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from ampkit.train.distributed import shard_fsdp
+
+    init_rank(rank, tmp)
+    x, y = _data()
+    out = {}
+    for gather in ("fp8", "bf16"):
+        torch.manual_seed(0)
+        prec = _precision("fp8-tensorwise")
+        prec.prepare_fsdp()
+        if gather == "bf16":
+            prec.fp8.fsdp_all_gather = False
+        model = shard_fsdp(prec.setup(_Net())[0], prec)
+        opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        log, real_ag, real_rs = [], dist.all_gather_single, dist.reduce_scatter_single
+
+        def all_gather(output, inp, *a, **k):  # each rank's input: its shard, as sent
+            log.append(("all_gather", inp.dtype, inp.numel() * inp.element_size()))
+            return real_ag(output, inp, *a, **k)
+
+        def reduce_scatter(*a, **k):  # the full gradients of a group, as reduced (FSDP passes input=)
+            inp = k["input"] if "input" in k else a[1]
+            log.append(("reduce_scatter", inp.dtype, inp.numel() * inp.element_size()))
+            return real_rs(*a, **k)
+
+        dist.all_gather_single, dist.reduce_scatter_single = all_gather, reduce_scatter
+        try:
+            _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        finally:
+            dist.all_gather_single, dist.reduce_scatter_single = real_ag, real_rs
+        with CommDebugMode() as comm:
+            prec.fp8.precompute_scales()
+        out[gather] = {"params": _full(model), "log": log, "precompute_collectives": comm.get_total_counts(),
+                       "weight": type(model.blocks[0].fc.weight.to_local()).__name__}
+    torch.save(out, f"{tmp}/gather{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fp8_gather")
+    run_ranks(_gather_ranks, str(tmp))
+    return [torch.load(f"{tmp}/gather{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_fp8_tensorwise_gathers_its_weights_in_fp8_and_matches_the_bf16_gathered_run(gathered):
+    """Under FSDP2 the fp8 Linears' weights travel as fp8 (torchao's all-gather: 1 byte per weight, the bias still
+    bf16), the rest as before; the run equals the bf16-gathered one within the mode's noise (its one-process
+    distance from fp32); the step's scale precompute is one collective for every fp8 weight."""
+    fp8, bf16 = gathered[0]["fp8"], gathered[0]["bf16"]
+    assert fp8["weight"] == "WeightWithDynamicFloat8CastTensor" and bf16["weight"] == "Tensor"
+    weight, rest = 16 * 16, 16 + 2 * 16  # a block: fc's weight (in fp8: not the first or last layer); its bias, ln's
+    # per step on a rank: each block's half gathered in forward and again in backward, reduce-scattered once
+    for run, per_block in ((fp8, (weight * 1 + rest * 2) // 2), (bf16, (weight + rest) * 2 // 2)):
+        gathers = [(dtype, n) for what, dtype, n in run["log"] if what == "all_gather"]
+        assert gathers.count((torch.uint8 if run is fp8 else torch.bfloat16, per_block)) == 2 * 2 * STEPS, gathers
+    scattered = {(dtype, n) for what, dtype, n in fp8["log"] if what == "reduce_scatter"}
+    assert (torch.float32, (weight + rest) * 4) in scattered  # gradients still reduced in fp32: 4 bytes a parameter
+    assert fp8["precompute_collectives"] == 1 and bf16["precompute_collectives"] == 0
+    one, ref = _one_process("fp8-tensorwise"), _one_process("fp32")
+    noise = _max_diff(one, ref)
+    assert 0 < _max_diff(fp8["params"], bf16["params"]) <= noise
+    assert _max_diff(fp8["params"], one) <= 2 * noise + 1e-6
+    assert all(torch.equal(fp8["params"][k], gathered[1]["fp8"]["params"][k]) for k in fp8["params"])

@@ -54,6 +54,9 @@ class Fp8Plan:
         self.emulated: Optional[bool] = None
         self.coverage: Optional[dict] = None
         self._delayed: list = []  # the delayed-scaling layers (``apply``)
+        #: tensorwise under FSDP2: weights all-gathered in fp8 (torchao), their scales precomputed after each step
+        self.fsdp_all_gather = False
+        self._gathered: Optional[nn.Module] = None  # the model whose fp8 weights FSDP gathers (``apply``)
 
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
         self.emulated = not has_gemm(device, self.recipe)
@@ -73,8 +76,9 @@ class Fp8Plan:
             if note:
                 warnings.warn(note, stacklevel=3)
         if not fp8_layers(model):
-            model = convert_to_fp8(model, self.recipe, self.filter, device)
+            model = convert_to_fp8(model, self.recipe, self.filter, device, fsdp_all_gather=self.fsdp_all_gather)
         self.layers = fp8_layers(model)
+        self._gathered = model if self.fsdp_all_gather else None
         self._delayed = watch_histories(model)  # delayed scaling: one amax all-reduce per micro-batch
         return model
 
@@ -83,6 +87,21 @@ class Fp8Plan:
         one collective (``Precision.step`` calls it, so a checkpoint after a step holds every rank's max)."""
         if self._delayed:
             reduce_histories(self._delayed)
+
+    def gather_in_fp8(self) -> bool:
+        """Under FSDP2, have the fp8 Linears' weights all-gathered in fp8 (before ``apply``): torchao's
+        ``enable_fsdp_float8_all_gather``, tensorwise recipes only. Returns whether it is on."""
+        self.fsdp_all_gather = isinstance(self.recipe, TensorwiseScaling) and not self.layers
+        return self.fsdp_all_gather
+
+    def precompute_scales(self) -> None:
+        """After an optimizer step under FSDP2 with fp8 all-gather: every fp8 weight's scale from its new amax in
+        one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``), so the next all-gathers need
+        no collective of their own. Nothing before the model is sharded."""
+        if self._gathered is not None:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self._gathered)
 
     def summary(self) -> dict:
         """For the run's summary.json: the recipe, the converted count and why the rest stayed bf16."""
@@ -120,7 +139,8 @@ class Fp8Plan:
             extra += [f"{c} {skip_label(why)} in bf16" for why, c in (cov.get("skipped") or {}).items()]
             n += f" ({'; '.join(extra)})" if extra else ""
             n += f"; {self._target_note(cov)}"
-        return f"fp8 {what}{n}{where}"
+        gathered = "; FSDP2 gathers the fp8 Linears' weights in fp8" if self.fsdp_all_gather else ""
+        return f"fp8 {what}{n}{where}{gathered}"
 
     def _target_note(self, cov: dict) -> str:
         """The filter and what the roofline says for the target GPU class (``fp8_gpu``, else the run's own GPU's,

@@ -59,11 +59,14 @@ class CurrentScalingConv1D(nn.Module):
         return f"nf={self.nf}, nx={self.nx}, fp8={self.config.cast_config_input.short_str()}"
 
 
-def convert_current(model: nn.Module, recipe: Recipe, chosen: Dict[str, str], emulate: bool) -> nn.Module:
+def convert_current(model: nn.Module, recipe: Recipe, chosen: Dict[str, str], emulate: bool,
+                    fsdp_all_gather: bool = False) -> nn.Module:
     """Swap the modules named in ``chosen`` (name -> ``"linear"``/``"conv1d"``) for torchao fp8 modules
-    (parameters shared, not copied)."""
+    (parameters shared, not copied). ``fsdp_all_gather`` (tensorwise only): the Linears' weights become torchao's
+    ``WeightWithDynamicFloat8CastTensor`` (new Parameters around the same data), which FSDP2 all-gathers in fp8."""
     float8 = import_torchao_float8()
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe.name), emulate=emulate)
+    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe.name), emulate=emulate,
+                                 enable_fsdp_float8_all_gather=fsdp_all_gather)
     # torchao's entry point (nothing matches this filter): applies its inductor fix for fp8 kernels under compile
     float8.convert_to_float8_training(model, module_filter_fn=lambda m, n: False, config=config)
     linear_cls, conv_cls = CurrentScalingLinear, CurrentScalingConv1D

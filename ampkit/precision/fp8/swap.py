@@ -222,12 +222,15 @@ def coverage_warning(cov: Dict[str, Any], mode: str) -> Optional[str]:
     return f"{head} (of {cov['candidates']} Linear/Conv1D layers, in bf16: {why}){convs}. {'; '.join(fix)}."
 
 
-def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Optional[Fp8Filter] = None, device=None) -> nn.Module:
+def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Optional[Fp8Filter] = None, device=None,
+                   fsdp_all_gather: bool = False) -> nn.Module:
     """Swap the layers :func:`plan` selects for fp8 modules of ``recipe`` (in place; returns the model).
 
     Linears become fp8 Linears, Conv1Ds fp8 Conv1Ds (same ``(in, out)`` weight, no copy). The GEMM is
     real (``torch._scaled_mm``) on sm89+ GPUs and emulated elsewhere. Parameters are the same objects
-    afterwards, so an optimizer built before the swap keeps working.
+    afterwards, so an optimizer built before the swap keeps working; except with ``fsdp_all_gather`` (tensorwise,
+    for FSDP2, whose optimizer is built on the shards anyway): the Linears' weights are new Parameters then,
+    torchao's fp8-all-gather weights around the same data.
     """
     if gemm_kind(model) is not None:
         raise ValueError("fp8: the model is a single Linear (its first and last layer): wrap it in a module, "
@@ -241,7 +244,7 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filt: Optional[Fp8Filter] =
     if not isinstance(recipe, DelayedScaling):
         from .current_modules import convert_current  # imports torchao
 
-        return convert_current(model, recipe, chosen, emulate)
+        return convert_current(model, recipe, chosen, emulate, fsdp_all_gather=fsdp_all_gather)
     for name, kind in chosen.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -15,7 +15,9 @@ class Fp8Precision(AutocastPrecision):
     fp8 modules (an explicit module swap; parameters are kept, so the optimizer still holds them).
 
     Under FSDP2 the autocast kind's policy holds: fp32 shards gathered in bf16 (each fp8 layer casts the
-    gathered weight per forward), gradients reduced in fp32. fp8-delayed's amax histories are replicated
+    gathered weight per forward), gradients reduced in fp32; fp8-tensorwise's Linear weights are gathered in fp8
+    instead (torchao's fp8 all-gather: each rank casts its shard with the weight's global scale, which ``step``
+    precomputes for every weight in one all-reduce). fp8-delayed's amax histories are replicated
     buffers that stay equal on every rank (input and grad-output amaxes all-reduced, the weight's read
     from the gathered weight), so a sharded checkpoint saves them once."""
 
@@ -27,6 +29,15 @@ class Fp8Precision(AutocastPrecision):
         super().__init__(*args, **kwargs)
         c = self.settings.fp8
         self.fp8 = Fp8Plan(self.name, c.recipe, c.skip, c.force, rule=c.filter, gpu=c.gpu, tokens=c.tokens)
+        if self.strategy == "fsdp":  # tensorwise: FSDP2 gathers the fp8 weights in fp8 (torchao)
+            self.fp8.gather_in_fp8()
+
+    def prepare_fsdp(self):
+        """:meth:`Precision.prepare_fsdp`; before ``setup``, tensorwise weights set to be gathered in fp8."""
+        policy = super().prepare_fsdp()
+        if not self.is_setup:
+            self.fp8.gather_in_fp8()
+        return policy
 
     def _convert_model(self, model):
         return self.fp8.apply(super()._convert_model(model), self.device)
@@ -43,9 +54,11 @@ class Fp8Precision(AutocastPrecision):
         super().load_state_dict(state)
 
     def step(self, optimizer, max_norm=None, norm_type: float = 2.0):
-        """:meth:`Precision.step`, then fp8-delayed's amaxes of this step reduced across ranks (one collective)."""
+        """:meth:`Precision.step`, then fp8-delayed's amaxes of this step reduced across ranks (one collective), or
+        under FSDP2 with fp8 all-gather the new weights' scales precomputed (one collective)."""
         result = super().step(optimizer, max_norm, norm_type)
         self.fp8.reduce_amaxes()
+        self.fp8.precompute_scales()
         return result
 
     def _details(self) -> List[str]:
