@@ -117,6 +117,8 @@ def _worker(rank, tmp):
 
 RESHARD_MODES = ("bf16-master", "bf16-pure")
 FOUR_MODES = ("bf16-master", "fp16-pure")  # the modes also checked against one process on 4 ranks
+# and with --slow, under FSDP2 and DDP: the rest of those with a loss scale, and bf16-pure
+MORE_FOUR_MODES = ("fp16-mixed", "fp16-master", "bf16-pure")
 
 
 def _block_run(mode, rank, world, steps):
@@ -164,8 +166,6 @@ def _four(rank, tmp):
     loaded on 4, a damaged shard, and two modes trained on 4 ranks against one process."""
     import torch.distributed as dist
 
-    from ampkit.train.distributed import shard_fsdp
-
     init_rank(rank, f"{tmp}/four", world=4)
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -194,17 +194,47 @@ def _four(rank, tmp):
     dist.barrier()
     out["damaged"] = _quiet(["train", "--out", f"{tmp}/damaged4", "--resume", "auto", "--batch-size", "16",
                              "--max-steps", "9"])
-    x, y = _data()
-    for mode in FOUR_MODES:  # as tests/train/test_fsdp_modes.py runs them on 2 ranks
-        torch.manual_seed(0)
-        prec = _precision(mode)
-        prec.prepare_fsdp()
-        model = shard_fsdp(prec.setup(_Net())[0], prec)
-        opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        _train(model, opt, prec, x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
-        out[mode] = {"params": _full(model), "skipped": prec.skipped_steps}
+    out.update(_four_modes(rank, FOUR_MODES, ("fsdp",)))
     torch.save(out, os.path.join(tmp, f"four{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _four_modes(rank, modes, strategies):
+    """Each mode trained on this rank's quarter of the batch (as tests/train/test_fsdp_modes.py on 2 ranks) under
+    each strategy: FSDP2 sharded per block, or DDP after ``setup`` (SGD unfused, as the one-process run)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ampkit.train.distributed import shard_fsdp
+
+    x, y = _data()
+    out = {}
+    for strategy in strategies:
+        for mode in modes:
+            torch.manual_seed(0)
+            if strategy == "fsdp":
+                prec = _precision(mode)
+                prec.prepare_fsdp()
+                model = shard_fsdp(prec.setup(_Net())[0], prec)
+                opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+                _train(model, opt, prec, x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+            else:
+                prec = _precision(mode, strategy="ddp", fused_optimizer=False)
+                model = _Net()
+                model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+                _train(DDP(model), opt, prec, x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+            out[(mode, strategy)] = {"params": _full(model), "skipped": prec.skipped_steps, "scale": prec.loss_scale}
+    return out
+
+
+def _four_more(rank, tmp):
+    """The slow 4-rank group: the other modes with a loss scale and bf16-pure under FSDP2, every mode under DDP,
+    and a 4-rank FSDP run of 3 steps (4 x 16: the 2-rank run's global batch) that 2 ranks continue."""
+    init_rank(rank, f"{tmp}/four-more", world=4)
+    out = {"four_part": _quiet(FSDP[:-1] + ["16", "--max-steps", "3", "--out", f"{tmp}/four-part"])}
+    out.update(_four_modes(rank, MORE_FOUR_MODES, ("fsdp",)))
+    out.update(_four_modes(rank, FOUR_MODES + MORE_FOUR_MODES, ("ddp",)))
+    torch.save(out, os.path.join(tmp, f"four-more{rank}.pt"))
+    leave_rank()  # DDP was used: exit without gloo's destructor
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +244,14 @@ def runs(tmp_path_factory):
     assert code == 0, err
     run_ranks(_worker, tmp, timeout=300.0)
     return {"tmp": tmp, "ranks": [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def four_more(runs):
+    tmp = runs["tmp"]
+    os.makedirs(f"{tmp}/four-more")
+    run_ranks(_four_more, tmp, timeout=400.0, nprocs=4)
+    return [torch.load(os.path.join(tmp, f"four-more{r}.pt"), weights_only=False) for r in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -559,13 +597,56 @@ def test_a_damaged_shard_is_the_same_one_line_on_four_ranks(four):
     assert all(ls == lines[0] for ls in lines)  # every rank says it, none left waiting in a collective
 
 
-@pytest.mark.parametrize("mode", FOUR_MODES)
-def test_four_ranks_match_one_process_within_the_modes_noise(four, mode):
+def _matches_one_process(ranks, mode, strategy):
     """As the 2-rank test in tests/train/test_fsdp_modes.py: within twice the mode's own one-process distance
-    from fp32 (the batch split 4 ways and reduced in another order rounds differently in 16 bits)."""
+    from fp32 (the batch split 4 ways and reduced in another order rounds differently in 16 bits); every rank
+    holds the same weights, loss scale and skip count."""
+    key = (mode, strategy)
     one, ref = _one_process(mode), _one_process("fp32")
     noise = _max_diff(one, ref)
     for r in range(4):
-        assert four[r][mode]["skipped"] == 0
-        assert _max_diff(four[r][mode]["params"], one) <= 2 * noise + 1e-6
-    assert all(torch.equal(four[0][mode]["params"][k], four[3][mode]["params"][k]) for k in one)
+        assert ranks[r][key]["skipped"] == 0 and ranks[r][key]["scale"] == ranks[0][key]["scale"]
+        assert _max_diff(ranks[r][key]["params"], one) <= 2 * noise + 1e-6
+        assert all(torch.equal(ranks[0][key]["params"][k], ranks[r][key]["params"][k]) for k in one)
+
+
+@pytest.mark.parametrize("mode", FOUR_MODES)
+def test_four_ranks_match_one_process_within_the_modes_noise(four, mode):
+    _matches_one_process(four, mode, "fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, mode", [("fsdp", m) for m in MORE_FOUR_MODES] +
+                         [("ddp", m) for m in FOUR_MODES + MORE_FOUR_MODES])
+def test_four_ranks_match_one_process_in_every_mode_with_a_loss_scale_and_bf16_pure(four_more, strategy, mode):
+    _matches_one_process(four_more, mode, strategy)
+
+
+def _two_from_four(rank, tmp):
+    init_rank(rank, f"{tmp}/two-from-four")
+    out = _quiet(["train", "--out", f"{tmp}/four-part", "--resume", "auto", "--max-steps", "6"])
+    torch.save(out, os.path.join(tmp, f"two-from-four{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_four_rank_run_continues_on_two_ranks(runs, four_more):
+    """4 ranks x 16 for 3 steps, then ``--resume auto`` on 2 ranks with no other flag: the batch per rank follows
+    (32: the global batch kept, said on stderr), each rank reads its half of the 4 shards, and the run ends
+    within 1e-4 of the uninterrupted 2-rank run (3 of its 6 steps summed over 4 ranks: Adam's 1/sqrt(v) amplifies
+    the other order, as for a single-file checkpoint continued under FSDP)."""
+    tmp = runs["tmp"]
+    assert all(four_more[r]["four_part"][0] == 0 for r in range(4)), four_more[0]["four_part"][1]
+    os.makedirs(f"{tmp}/two-from-four")
+    run_ranks(_two_from_four, tmp, timeout=200.0)
+    results = [torch.load(os.path.join(tmp, f"two-from-four{r}.pt")) for r in range(2)]
+    assert all(code == 0 for code, _ in results), results[0][1]
+    assert "--batch-size 16 -> 32 per process" in results[0][1] and "step-00000003" in results[0][1]
+    ck = _ck(tmp, "four-part", 6)
+    assert json.load(open(os.path.join(ck, "manifest.json")))["world_size"] == 2
+    got, ref = sharded.consolidate(ck), sharded.consolidate(_ck(tmp, "full", 6))
+    assert got["progress"]["global_step"] == 6
+    for k, v in ref["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=1e-4, atol=1e-5)
