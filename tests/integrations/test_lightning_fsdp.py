@@ -187,14 +187,19 @@ def test_bf16_pure_resumes_from_the_engines_sharded_checkpoint_bitwise(ranks, en
 def test_lightnings_fsdp1_strategy_takes_only_its_own_plugin():
     """What docs/DISTRIBUTED.md says of ``strategy="fsdp"``: Lightning's FSDP1 strategy refuses any precision
     plugin but its FSDPPrecision (and needs CUDA), so ampkit's modes go through ModelParallelStrategy."""
+    from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from ampkit.integrations.lightning import AmpkitPrecision
+    from ampkit.integrations.lightning import AmpkitFabricPrecision, AmpkitPrecision
 
     with pytest.raises(TypeError, match="FSDPPrecision"):
         FSDPStrategy(precision_plugin=AmpkitPrecision("bf16-master", "cpu"))
     with pytest.raises(ValueError, match="requires a GPU accelerator"):
-        L.Trainer(accelerator="cpu", devices=1, strategy="fsdp")
+        L.Trainer(accelerator="cpu", devices=1, strategy="fsdp", plugins=AmpkitPrecision("bf16-master", "cpu"))
+    with pytest.raises(TypeError, match="FSDPPrecision"):  # Fabric's FSDP1 strategy alike
+        FabricFSDPStrategy(precision=AmpkitFabricPrecision("bf16-master", "cpu"))
+    with pytest.raises(ValueError, match="FSDP is only available on GPU"):
+        L.Fabric(accelerator="cpu", devices=1, strategy="fsdp", plugins=AmpkitFabricPrecision("bf16-master", "cpu"))
 
 
 def test_a_parameter_outside_the_sharded_module_is_one_line(ranks):
