@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..precision.device import resolve_device
-from .sharding import is_fsdp, shard_fsdp  # the FSDP2 wrapping
+from .sharding import is_fsdp, plain_weights, shard_fsdp  # the FSDP2 wrapping
 
 __all__ = [
     "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_main_process", "is_initialized",
@@ -270,7 +270,7 @@ def full_state(model: nn.Module, optimizer):
                                                          get_optimizer_state_dict)
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd = get_model_state_dict(model, options=opts)
+    msd = plain_weights(get_model_state_dict(model, options=opts))  # fp8 all-gather's wrapper: the fp32 inside
     osd = get_optimizer_state_dict(model, optimizer, options=opts)
     if not osd:
         return msd, osd

@@ -100,8 +100,10 @@ def module_state(model: nn.Module, optimizer) -> Dict[str, Any]:
     this rank's shards under FSDP, full tensors otherwise, the optimizer's keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from .sharding import plain_weights
+
     msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optimizer": osd}
+    return {"model": plain_weights(msd), "optimizer": osd}
 
 
 # ---------------------------------------------------------------------- saving

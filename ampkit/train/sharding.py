@@ -8,7 +8,7 @@ from torch import nn
 
 from ..precision.sharding import shard_units
 
-__all__ = ["is_fsdp", "shard_fsdp"]
+__all__ = ["is_fsdp", "shard_fsdp", "plain_weights"]
 
 
 def is_fsdp(model: nn.Module) -> bool:
@@ -45,3 +45,25 @@ def shard_fsdp(model: nn.Module, precision) -> nn.Module:
 
     mesh = init_device_mesh(precision.device.type, (dist.get_world_size(),))
     return shard_units(model, precision, mesh)
+
+
+def plain_weights(state: dict) -> dict:
+    """``state`` (a model state dict) with torchao's fp8-all-gather weights (``WeightWithDynamicFloat8CastTensor``,
+    fp8-tensorwise under FSDP2, inside the DTensor shards) replaced by the fp32 tensors they wrap (the same
+    storage): a checkpoint then holds plain tensors that load without torchao, and a load into them writes the
+    model's weights. Other entries unchanged; nothing imported unless torchao's fp8 FSDP support already is."""
+    import sys
+
+    utils = sys.modules.get("torchao.float8.fsdp_utils")
+    if utils is None:
+        return state
+    wrapper = utils.WeightWithDynamicFloat8CastTensor
+    from torch.distributed.tensor import DTensor
+
+    def plain(value):
+        if isinstance(value, DTensor) and isinstance(value._local_tensor, wrapper):
+            return DTensor.from_local(value._local_tensor._tensor, value.device_mesh, value.placements,
+                                      run_check=False, shape=value.shape, stride=value.stride())
+        return value._tensor if isinstance(value, wrapper) else value
+
+    return {k: plain(v) for k, v in state.items()}

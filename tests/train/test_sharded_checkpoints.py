@@ -70,6 +70,12 @@ def _worker(rank, tmp):
     out["resume"] = _quiet(["train", "--out", f"{tmp}/part", "--resume", "auto", "--max-steps", "6"])
     FileSystemReader.read_data = real
     out["read"] = sum(read)
+    # fp8-tensorwise: its Linear weights gathered in fp8 (torchao's weight subclass inside the DTensor shards)
+    fp8 = [a for a in FSDP if a != "fp32"]
+    fp8[fp8.index("--precision") + 1:fp8.index("--precision") + 1] = ["fp8-tensorwise", "--fp8-filter", "all"]
+    out["fp8_full"] = _quiet(fp8 + ["--max-steps", "6", "--out", f"{tmp}/fp8-full"])
+    out["fp8_part"] = _quiet(fp8 + ["--max-steps", "3", "--out", f"{tmp}/fp8-part"])
+    out["fp8_resume"] = _quiet(["train", "--out", f"{tmp}/fp8-part", "--resume", "auto", "--max-steps", "6"])
     # a single-file checkpoint (one process wrote it) resumes under FSDP
     out["from_single"] = _quiet(FSDP + ["--max-steps", "6", "--out", f"{tmp}/from-single",
                                         "--resume", f"{tmp}/single/checkpoints/step-00000003.pt"])
@@ -287,6 +293,21 @@ def test_each_rank_writes_its_shard_and_a_resume_on_two_ranks_is_bitwise(runs):
         t.numel() for s in full["optimizer"]["state"].values() for t in s.values() if isinstance(t, torch.Tensor))
     reads = [runs["ranks"][r]["read"] for r in (0, 1)]
     assert sum(reads) >= total and max(reads) < 0.7 * total, (reads, total)
+
+
+def test_fp8_tensorwise_gathered_in_fp8_saves_and_resumes_its_shards_bitwise(runs):
+    """``--strategy fsdp --precision fp8-tensorwise``: the weights FSDP gathers in fp8 are torchao's subclass
+    inside each DTensor shard; DCP writes and reads them as plain fp32 shards, and a resume on 2 ranks ends
+    bitwise where the uninterrupted run ends (the first forward after the load computes the scales the
+    uninterrupted run had precomputed)."""
+    tmp = runs["tmp"]
+    for r in (0, 1):
+        for name in ("fp8_full", "fp8_part", "fp8_resume"):
+            assert runs["ranks"][r][name][0] == 0, runs["ranks"][r][name][1]
+    assert "FSDP2 gathers the fp8 Linears' weights in fp8" in runs["ranks"][0]["fp8_full"][1]
+    full, resumed = sharded.consolidate(_ck(tmp, "fp8-full", 6)), sharded.consolidate(_ck(tmp, "fp8-part", 6))
+    assert all(v.dtype == torch.float32 for v in full["model"].values())
+    assert _equal(full["model"], resumed["model"]) and _equal(full["optimizer"], resumed["optimizer"])
 
 
 def test_one_process_continues_a_two_rank_checkpoint(runs, tmp_path):
