@@ -70,7 +70,8 @@ class Adam(CompensatedOptimizer):
         tensor (the pieces of a sliced param share it); the skip's masked factors."""
         beta1, beta2 = group["betas"]
         lr, wd = lr_of(group, device), group["weight_decay"]
-        steps = torch.stack([s["step"] for s in states]).to(torch.float64)
+        # (a count still 0 is a skipped first step: its factors must stay finite for the 0 they are masked by)
+        steps = torch.stack([s["step"] for s in states]).to(torch.float64).clamp_(min=1)
         bias_correction2_sqrt = (1 - torch.pow(beta2, steps)).sqrt_()
         step_size = -lr / (1 - torch.pow(beta1, steps))
         if keep is not None:  # a skipped step: no update

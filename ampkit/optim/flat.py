@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["FlatBatch", "batch_of"]
 
@@ -81,9 +82,11 @@ def batch_of(cache: Dict[Any, Tuple[Tuple, FlatBatch]], where: Any, params: List
              states: List[Dict[str, Any]], keys: Sequence[str]) -> FlatBatch:
     """The :class:`FlatBatch` of ``params`` cached under ``where``, made anew when the params or the state
     tensors named by ``keys`` moved (a load, ``p.data = ...``, another set of params with grads)."""
-    if torch.compiler.is_compiling():  # traced tensors have no addresses; the views become graph ops
-        return FlatBatch(params, states, keys)
+    if torch.compiler.is_compiling() or params[0].is_meta or is_fake(params[0]):
+        return FlatBatch(params, states, keys)  # traced or fake tensors have no addresses (the memory planner's)
     address = _address(params, states, keys)
+    if any(a[0] == 0 for a in address):  # (an empty tensor may have none)
+        return FlatBatch(params, states, keys)
     hit = cache.get(where)
     if hit is None or hit[0] != address:
         hit = cache[where] = (address, FlatBatch(params, states, keys))

@@ -41,7 +41,12 @@ def convert_model(
     plan: Optional[Fp32Plan] = None,
     compute_copies: bool = False,
 ) -> nn.Module:
-    """Cast ``model``'s floating params and buffers to ``dtype`` in place and return it.
+    """Cast ``model``'s floating params to ``dtype`` in place and return it. Buffers are not weights: they keep
+    their dtype (fp32 in an fp32 model) in every mode, as FSDP2's ``MixedPrecisionPolicy`` casts parameters
+    only: a RoPE ``inv_freq``, ALiBi slopes or a sinusoidal table rounded to 16 bits turns angles wrong (max
+    |cos error| 1.31 at positions < 8000 in bf16), and running statistics need fp32. A module that mixes an
+    fp32 buffer with 16-bit activations computes under the mode's autocast (``Precision.autocast()``), which
+    casts the matmuls' inputs; elementwise math with the buffer runs in fp32.
 
     Norm layers stay fp32 when ``keep_norm_fp32`` (with input/output casts where needed), and what a
     Hugging Face model lists in ``_keep_in_fp32_modules`` (see ``keep_fp32``). Modules named in
@@ -62,8 +67,8 @@ def convert_model(
             continue
         keep = name in plan.norms
         target = torch.float32 if keep else dtype
-        copied = {"_parameters": [], "_buffers": []}
-        for attr in copied:
+        copied = {"_parameters": [], "_buffers": []}  # (buffers: none, see above)
+        for attr in ("_parameters",):
             for key, t in getattr(module, attr).items():
                 want = torch.float32 if f"{name}.{key}".lstrip(".") in plan.tensors else target
                 if t is None or not t.is_floating_point() or t.dtype == want:
