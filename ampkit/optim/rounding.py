@@ -59,8 +59,9 @@ def stochastic_round_(x: torch.Tensor, generator: Noise = None) -> torch.Tensor:
     produce; with a ``torch.Generator``, positive ones too; and NaNs whose payload lies in the 16 low bits
     only, which become inf like any value there is cut). Afterwards ``x.to(torch.bfloat16)`` is exact.
 
-    ``generator``: a :class:`~ampkit.optim.noise.RoundingNoise` (traceable, advanced in place), a
-    ``torch.Generator``, or None (torch's default generator).
+    ``generator``: a :class:`~ampkit.optim.noise.RoundingNoise` (traceable; one draw for the whole tensor, a
+    fixed number of ops, temporaries of 4 B per value for the hash and 4 B for one more pass: bound ``x``),
+    a ``torch.Generator``, or None (torch's default generator; drawn in chunks of 4M values, eager only).
     """
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"stochastic_round_ needs a contiguous float32 tensor, got {x.dtype}"

@@ -44,7 +44,8 @@ def convert_model(
     """Cast ``model``'s floating params to ``dtype`` in place and return it. Buffers are not weights: they keep
     their dtype (fp32 in an fp32 model) in every mode, as FSDP2's ``MixedPrecisionPolicy`` casts parameters
     only: a RoPE ``inv_freq``, ALiBi slopes or a sinusoidal table rounded to 16 bits turns angles wrong (max
-    |cos error| 1.31 at positions < 8000 in bf16), and running statistics need fp32. A module that mixes an
+    |cos error| 1.31 at positions < 8000 in bf16), and running statistics need fp32 (a BatchNorm cast to 16
+    bits with ``keep_norm_fp32=False``, apex's O3, takes its statistics along: torch's kernel needs them so). A module that mixes an
     fp32 buffer with 16-bit activations computes under the mode's autocast (``Precision.autocast()``), which
     casts the matmuls' inputs; elementwise math with the buffer runs in fp32.
 
@@ -67,8 +68,11 @@ def convert_model(
             continue
         keep = name in plan.norms
         target = torch.float32 if keep else dtype
-        copied = {"_parameters": [], "_buffers": []}  # (buffers: none, see above)
-        for attr in ("_parameters",):
+        copied = {"_parameters": [], "_buffers": []}
+        # buffers: none (see above), but a BatchNorm/InstanceNorm cast to 16 bits (keep_norm_fp32=False, apex
+        # O3) takes its running statistics along: torch's kernel wants them in its weight's dtype
+        stats = not keep and target != torch.float32 and isinstance(module, nn.modules.batchnorm._NormBase)
+        for attr in ("_parameters", "_buffers") if stats else ("_parameters",):
             for key, t in getattr(module, attr).items():
                 want = torch.float32 if f"{name}.{key}".lstrip(".") in plan.tensors else target
                 if t is None or not t.is_floating_point() or t.dtype == want:
