@@ -1,17 +1,17 @@
 """The compensated optimizers' base class: bucketing, the device-side skip, RNG streams, state I/O.
 
 Each ``step`` groups a param group's tensors by (device, dtype), cuts each group into batches of at
-most ``bucket_numel`` elements (:func:`~ampkit.optim.batches.pieces`), and hands each batch to the
-subclass's ``_update`` as lists for ``torch._foreach_*`` ops, with a
+most ``bucket_numel`` elements, a fixed size (:data:`CPU_BATCH`, :data:`DEVICE_BATCH`;
+:func:`~ampkit.optim.batches.pieces`), and hands each batch to the subclass's ``_update`` as lists for ``torch._foreach_*`` ops, with a
 :class:`~ampkit.optim.target._Target` saying where the update lands (the params, their Kahan buffers,
 or fp32 copies rounded stochastically).
 
 No host reads per step: step counts live on the params' device (as in torch's fused/capturable
 Adam), a tensor ``lr`` stays a tensor, and the skip decision is taken on the device through torch's
 amp protocol (``_step_supports_amp_scaling``: the scaler sets ``found_inf`` and ``grad_scale``).
-A step whose ``found_inf`` is set computes its update and then selects, bit for bit, the state it
-started from (:class:`~ampkit.optim.batches._Undo`): params, moments, Kahan buffers and step counts
-come back identical. Stochastic rounding draws its random bits before the outcome is known, so a
+A step whose ``found_inf`` is set leaves params, moments, Kahan buffers and step counts identical, bit for
+bit: Adam/AdamW (``_skips_itself``) mask their grads and factors on the device so the update lands nothing;
+SGD computes its update and then selects the state it started from (:class:`~ampkit.optim.batches._Undo`). Stochastic rounding draws its random bits before the outcome is known, so a
 skipped step does consume draws (deterministically: the same run with the same seed skips and draws
 the same way).
 
@@ -249,6 +249,10 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         grad_scale: Optional[torch.Tensor] = getattr(self, "grad_scale", None)
         for gi, group in enumerate(self.param_groups):
             buckets = self._buckets(group)
+            for (device, dtype) in buckets:  # (before anything changes)
+                if group["compensation"] == "stochastic" and dtype == torch.float16:
+                    raise ValueError("compensation='stochastic' rounds to bfloat16; found torch.float16 params. "
+                                     "Use compensation='kahan' for float16 params.")
             on_device: Dict[torch.device, tuple] = {}  # once per device: skip flags, scale, shared factors
             for device in dict.fromkeys(d for d, _ in buckets):
                 skip = keep = None
@@ -268,11 +272,6 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 on_device[device] = (skip, keep, scale, shared)
             for (device, dtype), (params, grads, states) in buckets.items():
                 mode = group["compensation"] if dtype in LOW_PRECISION else None
-                if mode == "stochastic" and dtype != torch.bfloat16:
-                    raise ValueError(
-                        f"compensation='stochastic' rounds to bfloat16; found {dtype} params. "
-                        "Use compensation='kahan' for float16 params."
-                    )
                 noise = self.noise(device)
                 skip, keep, scale, shared = on_device[device]
                 cap = self._cap(device, sum(p.numel() for p in params))
