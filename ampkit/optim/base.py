@@ -3,8 +3,8 @@
 Each ``step`` groups a param group's tensors by (device, dtype), cuts each group into batches of at
 most ``bucket_numel`` elements, a fixed size (:data:`CPU_BATCH`, :data:`DEVICE_BATCH`;
 :func:`~ampkit.optim.batches.pieces`), and hands each batch to the subclass's ``_update`` as lists for
-``torch._foreach_*`` ops, with a :class:`~ampkit.optim.target._Target` saying where the update lands (the params, their Kahan buffers,
-or fp32 copies rounded stochastically).
+``torch._foreach_*`` ops, with a :class:`~ampkit.optim.target._Target` saying where the update lands (the
+params, their Kahan buffers, or fp32 copies rounded stochastically).
 
 No host reads per step: step counts live on the params' device (as in torch's fused/capturable
 Adam), a tensor ``lr`` stays a tensor, and the skip decision is taken on the device through torch's
