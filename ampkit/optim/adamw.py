@@ -147,28 +147,34 @@ class Adam(CompensatedOptimizer):
         v.add_(eps)
         m.div_(v)
         torch._foreach_mul_(m_pieces, step_size)  # m is the update now (0 on a skipped step)
-        decay = shared["decay"]
-        if mode == "kahan":  # buffer += update (- lr * wd * w), in fp32, rounded once; then into the params
-            c = rest[-1]
+        self._land(target, batch, flat, m, p, rest[-1] if mode == "kahan" else None, m_pieces)
+
+    @staticmethod
+    def _land(target: _Target, batch, flat: torch.Tensor, update: torch.Tensor, p: Optional[torch.Tensor],
+              c: Optional[torch.Tensor], pieces: List[torch.Tensor]) -> None:
+        """Land the fp32 ``update`` (a row, and its per-tensor ``pieces``) with the decoupled decay: into the Kahan
+        buffers ``c`` (fp32, rounded once) and from there into the params; into the fp32 params ``p``, rounded
+        stochastically (one draw); or into the params (torch's rule on fp32 params)."""
+        rows, decay, params = batch.rows, target.shared["decay"], target.params
+        if target.mode == "kahan":  # buffer += update (- lr * wd * w), in fp32, rounded once; then into the params
             if decay is not None:
                 c.add_(p, alpha=decay) if isinstance(decay, float) else c.addcmul_(p, decay)
-            c.add_(m)
+            c.add_(update)
             torch._foreach_copy_(rows["compensation"], batch.chunks(c))  # rounded to nearest
-            del flat, g, m, v, mv, p, c, pieces, m_pieces, v_pieces
-            kahan_add_(rows["param"], rows["compensation"], keep)
-        elif mode == "stochastic":  # fp32 params: decay, update, then rounded stochastically (one draw)
+            kahan_add_(rows["param"], rows["compensation"], target.keep)
+        elif target.mode == "stochastic":  # fp32 params: decay, update, then rounded stochastically (one draw)
             if decay is not None:
                 p.mul_(1.0 + decay)
-            p.add_(m)
-            stochastic_round_(flat[:, 3 * n:], target.noise)  # (with the pad: an even count)
+            p.add_(update)
+            stochastic_round_(flat[:, 3 * batch.n:], target.noise)  # (with the pad: an even count)
             torch._foreach_copy_(rows["param"], batch.chunks(p))  # exact: low bits are zero
         else:  # plain: torch's rule (fp32 params), or rounded to nearest in the params' dtype
             if decay is not None:
                 torch._foreach_mul_(rows["param"], 1.0 + decay)
             if params[0].dtype == torch.float32:
-                torch._foreach_add_(rows["param"], m_pieces)
+                torch._foreach_add_(rows["param"], pieces)
             else:  # a mixed-dtype foreach add falls off the GPU's fast path: the update in the params' dtype
-                torch._foreach_add_(rows["param"], batch.chunks(m.to(params[0].dtype)))
+                torch._foreach_add_(rows["param"], batch.chunks(update.to(params[0].dtype)))
 
 
 def _masked(value: Any, keep: Optional[torch.Tensor]) -> Any:
