@@ -1,17 +1,17 @@
 """The compensated optimizers' base class: bucketing, the device-side skip, RNG streams, state I/O.
 
 Each ``step`` groups a param group's tensors by (device, dtype), cuts each group into batches of at
-most ``bucket_numel`` elements (:func:`~ampkit.optim.batches.pieces`), and hands each batch to the
-subclass's ``_update`` as lists for ``torch._foreach_*`` ops, with a
-:class:`~ampkit.optim.target._Target` saying where the update lands (the params, their Kahan buffers,
-or fp32 copies rounded stochastically).
+most ``bucket_numel`` elements, a fixed size (:data:`CPU_BATCH`, :data:`DEVICE_BATCH`;
+:func:`~ampkit.optim.batches.pieces`), and hands each batch to the subclass's ``_update`` as lists for
+``torch._foreach_*`` ops, with a :class:`~ampkit.optim.target._Target` saying where the update lands (the
+params, their Kahan buffers, or fp32 copies rounded stochastically).
 
 No host reads per step: step counts live on the params' device (as in torch's fused/capturable
 Adam), a tensor ``lr`` stays a tensor, and the skip decision is taken on the device through torch's
 amp protocol (``_step_supports_amp_scaling``: the scaler sets ``found_inf`` and ``grad_scale``).
-A step whose ``found_inf`` is set computes its update and then selects, bit for bit, the state it
-started from (:class:`~ampkit.optim.batches._Undo`): params, moments, Kahan buffers and step counts
-come back identical. Stochastic rounding draws its random bits before the outcome is known, so a
+A step whose ``found_inf`` is set leaves params, moments, Kahan buffers and step counts identical, bit for
+bit: Adam/AdamW (``_skips_itself``) mask their grads and factors on the device so the update lands nothing;
+SGD computes its update and then selects the state it started from (:class:`~ampkit.optim.batches._Undo`). Stochastic rounding draws its random bits before the outcome is known, so a
 skipped step does consume draws (deterministically: the same run with the same seed skips and draws
 the same way).
 
@@ -42,6 +42,12 @@ _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 NOISE_KEY = "rounding_noise"
 #: where older versions saved their ``torch.Generator`` states (read, and dropped, on load)
 RNG_KEY = "rng_states"
+#: elements per foreach batch on a CPU (the step's fp32 temporaries: 36 B per element at most, 4.5 MiB; a
+#: fixed size keeps an embedding-heavy model's peak near its state's, where activations are small)
+CPU_BATCH = 1 << 17
+#: elements per foreach batch on an accelerator (576 MiB of temporaries at most: launches, not bytes, bound a
+#: GPU's step, and the step's temporaries live while the activations are freed)
+DEVICE_BATCH = 1 << 24
 
 
 def check_compensation(value: Any) -> None:
@@ -123,11 +129,14 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             the noise counters are saved in ``state_dict()``.
     """
 
-    #: elements per foreach batch (None: see ``_cap``: a 32nd of the params, at most 2**20 on CPU, 2**24
-    #: elsewhere). The compensated update makes ~20 passes over fp32 copies; batches that stay in cache ran
-    #: 2.4x faster on CPU than one pass over all params, and they bound the transient fp32 copies (and the
-    #: skip's snapshot) to the batch: a param bigger than a batch (an embedding) is updated in slices.
+    #: elements per foreach batch (None: see ``_cap``: :data:`CPU_BATCH` on a CPU, :data:`DEVICE_BATCH`
+    #: elsewhere). Batches bound the transient fp32 copies (and the skip's snapshot, where the update does not
+    #: skip itself) to the batch: a param bigger than a batch (an embedding) is updated in slices.
     bucket_numel: Optional[int] = None
+
+    #: whether ``_update`` honours ``target.skip`` and unscales by ``target.scale`` itself (no snapshot of the
+    #: batch is taken and restored)
+    _skips_itself = False
 
     #: torch's amp protocol: a scaler sets ``found_inf`` (and ``grad_scale`` when the grads are still
     #: scaled) and the step skips on the device, as torch's fused Adam does: no host read
@@ -143,6 +152,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         self._noise_seed = (seed if seed is not None else torch.initial_seed() ^ 0x5EED5EED) % (1 << 64)
         self._noise: Dict[str, RoundingNoise] = {}
         self._shard_rank: Optional[int] = None  # the rank, where the params are DTensor shards (FSDP2)
+        #: per batch, the views its update pairs flat fp32 rows with (``flat.batch_of``); not state
+        self._flat_cache: Dict[Any, Any] = {}
         super().__init__(params, {**defaults, "compensation": compensation})
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -173,6 +184,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     def init_state(self) -> None:
         """Create every parameter's state now, as its first step would (``_buckets``), without updating anything:
         the template ``torch.distributed.checkpoint`` loads a sharded checkpoint into. The next step is the same."""
+        self._flat_cache.clear()
         for group in self.param_groups:
             kahan = group["compensation"] == "kahan"
             for p in group["params"]:
@@ -220,12 +232,12 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     def _cap(self, device: torch.device, total: int) -> int:
-        """Elements per foreach batch: ``bucket_numel``, else a 32nd of the params (at least 2**15), at most
-        2**20 on CPU (2**24 elsewhere). The update's fp32 temporaries (~20 B per element at most, the skip's
-        snapshot included) then stay under ~0.6 B per parameter of the model."""
+        """Elements per foreach batch: ``bucket_numel``, else :data:`CPU_BATCH` on a CPU, :data:`DEVICE_BATCH`
+        elsewhere: a fixed size, so the ops of a step grow with the parameters' bytes beyond it, never with
+        their count below it, and the step's temporaries stay under a fixed bound (see ``AdamW``)."""
         if self.bucket_numel:
             return self.bucket_numel
-        return max(1 << 15, min(total // 32, 1 << 20 if device.type == "cpu" else 1 << 24))
+        return CPU_BATCH if device.type == "cpu" else DEVICE_BATCH
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -235,37 +247,55 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf: Optional[torch.Tensor] = getattr(self, "found_inf", None)
         grad_scale: Optional[torch.Tensor] = getattr(self, "grad_scale", None)
-        for group in self.param_groups:
-            for (device, dtype), (params, grads, states) in self._buckets(group).items():
-                mode = group["compensation"] if dtype in LOW_PRECISION else None
-                if mode == "stochastic" and dtype != torch.bfloat16:
-                    raise ValueError(
-                        f"compensation='stochastic' rounds to bfloat16; found {dtype} params. "
-                        "Use compensation='kahan' for float16 params."
-                    )
-                noise = self.noise(device)
+        for gi, group in enumerate(self.param_groups):
+            buckets = self._buckets(group)
+            for (device, dtype) in buckets:  # (before anything changes)
+                if group["compensation"] == "stochastic" and dtype == torch.float16:
+                    raise ValueError("compensation='stochastic' rounds to bfloat16; found torch.float16 params. "
+                                     "Use compensation='kahan' for float16 params.")
+            on_device: Dict[torch.device, tuple] = {}  # once per device: skip flags, scale, shared factors
+            for device in dict.fromkeys(d for d, _ in buckets):
                 skip = keep = None
                 if found_inf is not None:
                     skip = found_inf.to(device, non_blocking=True).reshape(()) > 0
                     keep = (~skip).to(torch.float32)
                 scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True).reshape(())
                 # step counts once per param (a param split into pieces shares its count), masked by the skip
+                states = [s for (d, _), (_, _, ss) in buckets.items() if d == device for s in ss]
                 steps = [s["step"] for s in states if "step" in s]
                 if steps:
                     if keep is None:
                         torch._foreach_add_(steps, 1.0)
                     else:  # a list of 0-d tensors: the Tensor-scalar overload reads the scalar on CPU
                         torch._foreach_add_(steps, [keep] * len(steps))
-                for ps, gs, ss in pieces(params, grads, states, self._cap(device, sum(p.numel() for p in params))):
+                shared = self._prepare(group, device, states, skip, keep) if self._skips_itself else None
+                on_device[device] = (skip, keep, scale, shared)
+            for (device, dtype), (params, grads, states) in buckets.items():
+                mode = group["compensation"] if dtype in LOW_PRECISION else None
+                noise = self.noise(device)
+                skip, keep, scale, shared = on_device[device]
+                cap = self._cap(device, sum(p.numel() for p in params))
+                for index, (ps, gs, ss) in enumerate(pieces(params, grads, states, cap)):
+                    target = _Target(mode, ps, ss, noise, skip, keep=keep, where=(gi, device, dtype, index))
+                    if self._skips_itself:  # the update unscales and honours the skip itself
+                        target.scale, target.shared = scale, shared
+                        self._update(group, ps, gs, ss, target)
+                        continue
                     if scale is not None:  # grads still scaled: unscale copies (the model's grads stay)
                         gs = torch._foreach_div(gs, scale)
                     undo = None if skip is None else _Undo.of_batch(ps, ss, skip)
-                    self._update(group, ps, gs, ss, _Target(mode, ps, ss, noise, skip))
+                    self._update(group, ps, gs, ss, target)
                     if undo is not None:
                         undo()
                     del gs, undo
                 self._after_update(group, states, keep)
         return loss
+
+    def _prepare(self, group: Dict[str, Any], device: torch.device, states: List[Dict[str, Any]],
+                 skip: Optional[torch.Tensor], keep: Optional[torch.Tensor]) -> Any:
+        """For an optimizer that ``_skips_itself``: what every batch of ``group`` on ``device`` shares (factors
+        from the step counts, masks), made once per step after the counts advanced; ``target.shared``."""
+        return None
 
     def _after_update(self, group: Dict[str, Any], states: List[Dict[str, Any]], keep: Optional[torch.Tensor]) -> None:
         """Per-param bookkeeping once all pieces are updated (``keep``: 0.0 on a skipped step, or None)."""
@@ -301,6 +331,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         return (self._noise_seed ^ ((self._shard_rank + 1) * 0x9E3779B97F4A7C15)) % (1 << 64)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._flat_cache.clear()  # (views of the state tensors the load replaces)
         state_dict = dict(state_dict)
         for saved, group in zip(state_dict.get("param_groups", []), self.param_groups):
             if "compensation" in saved:

@@ -14,7 +14,7 @@ the weight) rounds back to the same weight, so small learning rates stall. Two f
 """
 from __future__ import annotations
 
-from typing import List, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -24,10 +24,6 @@ __all__ = ["kahan_add_", "stochastic_round_", "stochastic_round"]
 
 # random bits are drawn in chunks so the transient noise buffer stays <= 8 MiB
 _CHUNK = 1 << 22
-# a RoundingNoise draw in chunks of 2**19 values: its int64 hash state (one per two values), one
-# temporary of that size and the int16 lanes are ~10 B per value at most, 5 MiB (under torch.compile
-# inductor fuses them away)
-_HASH_CHUNK = 1 << 19
 # the largest int32 view to which a 16-bit addend cannot overflow: 0x7FFF0000 is a (positive) NaN, and
 # so is everything above it, so clamping there keeps those NaNs NaN
 _NO_OVERFLOW = 0x7FFF0000
@@ -35,14 +31,16 @@ _NO_OVERFLOW = 0x7FFF0000
 _BF16_MASK = -65536
 
 
-def kahan_add_(params: List[torch.Tensor], comps: List[torch.Tensor]) -> None:
+def kahan_add_(params: List[torch.Tensor], comps: List[torch.Tensor], keep: Optional[torch.Tensor] = None) -> None:
     """``params += comps``, keeping in ``comps`` the part the rounding to the params' dtype dropped.
 
     ``comps`` holds (last residual + this step's update) on entry and the new residual on exit.
-    Both lists hold tensors of the same dtype, device and shapes. Four foreach ops.
+    Both lists hold tensors of the same dtype, device and shapes. Four foreach ops; five with ``keep``
+    (a 0-dim float32 0/1 on the device: 0 adds nothing and leaves both lists bit for bit as they were,
+    for a skipped step; the finite ``comps`` times 0 is a zero, no host read).
     """
     applied = torch._foreach_neg(params)  # -p_old (exact)
-    torch._foreach_add_(params, comps)  # p_new = round(p_old + comp)
+    torch._foreach_add_(params, comps if keep is None else torch._foreach_mul(comps, keep))  # round(p_old + comp)
     torch._foreach_add_(applied, params)  # p_new - p_old: exact while they are within 2x (Sterbenz)
     torch._foreach_sub_(comps, applied)  # what was not applied waits for the next step
 
@@ -61,19 +59,25 @@ def stochastic_round_(x: torch.Tensor, generator: Noise = None) -> torch.Tensor:
     produce; with a ``torch.Generator``, positive ones too; and NaNs whose payload lies in the 16 low bits
     only, which become inf like any value there is cut). Afterwards ``x.to(torch.bfloat16)`` is exact.
 
-    ``generator``: a :class:`~ampkit.optim.noise.RoundingNoise` (traceable, advanced in place), a
-    ``torch.Generator``, or None (torch's default generator).
+    ``generator``: a :class:`~ampkit.optim.noise.RoundingNoise` (traceable; one draw for the whole tensor, a
+    fixed number of ops, temporaries of 4 B per value for the hash and 4 B for one more pass: bound ``x``),
+    a ``torch.Generator``, or None (torch's default generator; drawn in chunks of 4M values, eager only).
     """
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"stochastic_round_ needs a contiguous float32 tensor, got {x.dtype}"
                          f"{'' if x.is_contiguous() else ' (non-contiguous)'}.")
     bits = x.view(-1).view(torch.int32)
     if isinstance(generator, RoundingNoise):
-        for start in range(0, bits.numel(), _HASH_CHUNK):
-            seg = bits[start:start + _HASH_CHUNK]
-            # 32768 + an int16 lane = a uniform addend in [0, 65535], then the low 16 bits cut: rounds the
-            # magnitude up with probability (dropped bits) / 2**16; no int32 sum overflows after the clamp
-            seg.clamp_(max=_NO_OVERFLOW).add_(1 << 15).add_(generator.bits16(seg.numel())).bitwise_and_(_BF16_MASK)
+        # one draw over the whole tensor (a fixed handful of ops: the caller bounds its size): 32768 + an
+        # int16 lane = a uniform addend in [0, 65535], then the low 16 bits cut: rounds the magnitude up with
+        # probability (dropped bits) / 2**16; no int32 sum overflows after the clamp
+        n = bits.numel()
+        bits.clamp_(max=_NO_OVERFLOW).add_(1 << 15)
+        if n % 2 == 0:  # lanes added through a view: no copy
+            bits.view(n // 2, 2).add_(generator.lanes(n // 2))
+        else:
+            bits.add_(generator.bits16(n))
+        bits.bitwise_and_(_BF16_MASK)
         return x
     for start in range(0, bits.numel(), _CHUNK):
         seg = bits[start:start + _CHUNK]

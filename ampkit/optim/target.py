@@ -27,21 +27,39 @@ class _Target:
     """Where one batch's update accumulates, and how it lands in the params (see module doc)."""
 
     def __init__(self, mode: Optional[str], params: List[torch.Tensor], states: List[dict],
-                 noise: RoundingNoise, skip: Optional[torch.Tensor] = None) -> None:
+                 noise: RoundingNoise, skip: Optional[torch.Tensor] = None, *, keep: Optional[torch.Tensor] = None,
+                 scale: Optional[torch.Tensor] = None, where: Any = None) -> None:
         self.mode = mode
         self.params = params
+        self._states = states
         #: the step's skip flag on the device (bool, 0-dim) or None: the batch is restored after the
-        #: update when it is set; state created during the update must honour it itself
+        #: update when it is set (or, for an optimizer that ``_skips_itself``, the update lands nothing);
+        #: state created during the update must honour it itself
         self.skip = skip
+        #: ``(~skip)`` as float32 (0-dim), or None
+        self.keep = keep
+        #: the loss scale the grads still carry (0-dim), or None: for an optimizer that ``_skips_itself``
+        self.scale = scale
+        #: where the batch sits in the step (group, device, dtype, index): the key of its cached views
+        self.where = where
         #: the stochastic-rounding noise of this batch's device
         self.noise = noise
+        #: what the batches of the step's group on this device share (``CompensatedOptimizer._prepare``)
+        self.shared: Any = None
         self._flat: Optional[torch.Tensor] = None
-        if mode == "kahan":
-            self.tensors = [s["compensation"] for s in states]
-        elif mode == "stochastic":
-            self._flat, self.tensors = foreach_cast(params, torch.float32)  # exact upcast
-        else:
-            self.tensors = params
+        self._tensors: Optional[List[torch.Tensor]] = None
+
+    @property
+    def tensors(self) -> List[torch.Tensor]:
+        """What the update is added to (made on first use)."""
+        if self._tensors is None:
+            if self.mode == "kahan":
+                self._tensors = [s["compensation"] for s in self._states]
+            elif self.mode == "stochastic":
+                self._flat, self._tensors = foreach_cast(self.params, torch.float32)  # exact upcast
+            else:
+                self._tensors = self.params
+        return self._tensors
 
     def decay_(self, amount: Any) -> None:
         """Decoupled weight decay ``w -= amount * w``: multiplied into a weight, added to a Kahan buffer.

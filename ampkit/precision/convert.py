@@ -41,7 +41,13 @@ def convert_model(
     plan: Optional[Fp32Plan] = None,
     compute_copies: bool = False,
 ) -> nn.Module:
-    """Cast ``model``'s floating params and buffers to ``dtype`` in place and return it.
+    """Cast ``model``'s floating params to ``dtype`` in place and return it. Buffers are not weights: they keep
+    their dtype (fp32 in an fp32 model) in every mode, as FSDP2's ``MixedPrecisionPolicy`` casts parameters
+    only: a RoPE ``inv_freq``, ALiBi slopes or a sinusoidal table rounded to 16 bits turns angles wrong (max
+    |cos error| 1.31 at positions < 8000 in bf16), and running statistics need fp32 (a BatchNorm cast to 16
+    bits with ``keep_norm_fp32=False``, apex's O3, takes its statistics along: torch's kernel needs them so). A module that mixes an
+    fp32 buffer with 16-bit activations computes under the mode's autocast (``Precision.autocast()``), which
+    casts the matmuls' inputs; elementwise math with the buffer runs in fp32.
 
     Norm layers stay fp32 when ``keep_norm_fp32`` (with input/output casts where needed), and what a
     Hugging Face model lists in ``_keep_in_fp32_modules`` (see ``keep_fp32``). Modules named in
@@ -63,7 +69,10 @@ def convert_model(
         keep = name in plan.norms
         target = torch.float32 if keep else dtype
         copied = {"_parameters": [], "_buffers": []}
-        for attr in copied:
+        # buffers: none (see above), but a BatchNorm/InstanceNorm cast to 16 bits (keep_norm_fp32=False, apex
+        # O3) takes its running statistics along: torch's kernel wants them in its weight's dtype
+        stats = not keep and target != torch.float32 and isinstance(module, nn.modules.batchnorm._NormBase)
+        for attr in ("_parameters", "_buffers") if stats else ("_parameters",):
             for key, t in getattr(module, attr).items():
                 want = torch.float32 if f"{name}.{key}".lstrip(".") in plan.tensors else target
                 if t is None or not t.is_floating_point() or t.dtype == want:

@@ -99,10 +99,15 @@ def two(tmp_path_factory):
                                          ("bf16-mixed", "prepare-first"), ("bf16-pure", "setup-first")])
 def test_two_processes_match_one_process_within_the_modes_noise(two, mode, order):
     """Each rank steps on its half of every micro-batch; DDP averages the gradients, so the run is the one-process
-    run of the whole micro-batches, rounded differently in 16 bits: within twice the mode's distance from fp32."""
+    run of the whole micro-batches, rounded differently in 16 bits: within twice the mode's distance from fp32,
+    or, where the weights are stored in bf16 (bf16-pure), one bf16 ulp of the largest weight (one weight that
+    rounds to the other neighbour: bf16-pure tracks fp32 within 0.002 here, under that ulp)."""
     assert two[0]["distributed"].endswith("MULTI_CPU")
-    one, ref = _params(_run(mode, order)[1]), _params(_run("fp32", order)[1])
+    prec, model = _run(mode, order)
+    one, ref = _params(model), _params(_run("fp32", order)[1])
     noise = max((one[k] - ref[k]).abs().max().item() for k in one)
+    if prec.param_dtype == torch.bfloat16:
+        noise = max(noise, torch.finfo(torch.bfloat16).eps * max(p.abs().max().item() for p in one.values()) / 2)
     r0, r1 = two[0][(mode, order)], two[1][(mode, order)]
     assert r0["steps"] == r1["steps"] == 8
     assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in one)  # DDP keeps the ranks equal

@@ -78,36 +78,36 @@ def test_fp32_params_match_torch(cls, kw, compensation):
 
 
 def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, gen):
-    """The documented algorithm, one tensor at a time (bf16 params, bf16 moments, SR moment updates)."""
+    """The documented algorithm, one tensor at a time (bf16 params, bf16 moments): moments in fp32, both rounded
+    stochastically in one draw; the update in fp32; landed with the decay in fp32 (Kahan: into the buffer,
+    rounded once; stochastic: into fp32 params, one more draw; plain: the bf16 params decayed, the update rounded)."""
     beta1, beta2 = betas
     wd = weight_decay
-
-    targets = []
+    m32, v32 = [], []
     for p, s in zip(params, states):
         s["step"] += 1
-        t = reference_target(p, s, compensation)
-        if compensation == "kahan":
-            t.add_(p, alpha=-lr * wd)
-        else:
-            t.mul_(1 - lr * wd)
-        targets.append(t)
-    m32 = []
-    for p, s in zip(params, states):
-        m32.append(s["exp_avg"].float().mul_(beta1).add_(p.grad, alpha=1 - beta1))
-    stochastic_round_bucket_(m32, gen)
-    v32 = []
-    for p, s, m in zip(params, states, m32):
+        g = p.grad.float()
+        m32.append(s["exp_avg"].float().lerp_(g, 1 - beta1))
+        v32.append(s["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2))
+    stochastic_round_bucket_(m32 + v32, gen)
+    updates = []
+    for p, s, m, v in zip(params, states, m32, v32):
         s["exp_avg"].copy_(m)
-        v32.append(s["exp_avg_sq"].float().mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2))
-    stochastic_round_bucket_(v32, gen)
-    for p, s, t, v in zip(params, states, targets, v32):
         s["exp_avg_sq"].copy_(v)
         n = s["step"].double()
         bc2_sqrt = (1 - torch.pow(beta2, n)).sqrt().float()
         step_size = (-lr / (1 - torch.pow(beta1, n))).float()
-        denom = s["exp_avg_sq"].float().sqrt().div_(bc2_sqrt).add_(eps)  # fp32 update
-        t.add_(s["exp_avg"].float().div_(denom).mul_(step_size))
-    land_(params, targets, compensation, gen)
+        updates.append(m.div(v.sqrt().div_(bc2_sqrt).add_(eps)).mul_(step_size))
+    if compensation == "kahan":
+        for p, s, u in zip(params, states, updates):
+            s["compensation"].copy_(s["compensation"].float().add_(p.float(), alpha=-lr * wd).add_(u))
+        land_(params, [s["compensation"] for s in states], "kahan", gen)
+    elif compensation == "stochastic":
+        p32 = [p.float().mul_(1 - lr * wd).add_(u) for p, u in zip(params, updates)]
+        land_(params, p32, "stochastic", gen)
+    else:
+        for p, u in zip(params, updates):
+            p.mul_(1 - lr * wd).add_(u.to(p.dtype))
 
 
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic", None])

@@ -34,19 +34,35 @@ def test_bits_are_uniform_over_16_bits():
 
 
 def test_stream_is_seed_and_position():
+    """A draw's bits are a hash of (seed, draw number, index): the counter advances by one per draw whatever its
+    size, the same seed and counter give the same bits, and draws, seeds and neighbouring seeds are unrelated."""
     a, b = RoundingNoise(7), RoundingNoise(7)
     first = a.bits16(1000)
-    assert a.position.item() == 500  # one position per two values
+    assert a.position.item() == 1  # one draw
     assert torch.equal(first, b.bits16(1000))
-    # drawn in pieces (even sizes) == drawn at once; a restored position continues exactly
-    c = RoundingNoise(7)
-    assert torch.equal(torch.cat([c.bits16(400), c.bits16(600)]), first)
-    d = RoundingNoise(7, position=200)
-    assert torch.equal(d.bits16(600), first[400:])
-    # other seeds, even neighbouring ones, give unrelated streams
-    for seed in (6, 8, 7 + (1 << 32)):
-        other = RoundingNoise(seed).bits16(1000)
+    second = a.bits16(1 << 20)
+    assert a.position.item() == 2
+    # a prefix of a draw is the smaller draw (index-keyed); a restored counter continues exactly
+    assert torch.equal(RoundingNoise(7).bits16(600), first[:600])
+    assert torch.equal(RoundingNoise(7, position=1).bits16(1000), second[:1000])
+    assert torch.equal(RoundingNoise(7).lanes(500).reshape(-1), first)  # the no-copy view: the same values
+    # the next draw, other seeds, even neighbouring ones: unrelated streams
+    for other in (second[:1000], RoundingNoise(6).bits16(1000), RoundingNoise(8).bits16(1000),
+                  RoundingNoise(7 + (1 << 32)).bits16(1000)):
         assert (other == first).double().mean() < 0.01
+
+
+def test_consecutive_draws_are_uncorrelated():
+    """Draw k and draw k+1 (the optimizer's moments, then its params) at the same indices: no correlation,
+    and each value of 16 bits equally likely across draws at a fixed index (chi-square over 4096 draws of 256
+    bins)."""
+    noise = RoundingNoise(3)
+    draws = torch.stack([noise.bits16(64).int() + 32768 for _ in range(4096)])  # (draw, index)
+    a, b = draws[:-1].double().reshape(-1), draws[1:].double().reshape(-1)
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 5 / a.numel() ** 0.5
+    for column in (0, 1, 63):
+        counts = torch.bincount(draws[:, column] >> 8, minlength=256).double()
+        assert abs(((counts - 16) ** 2 / 16).sum().item() - 255) < 5 * (2 * 255) ** 0.5
 
 
 @pytest.mark.slow
