@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
+from ...optim.identity import become
+from ...optim.master import MasterWeightOptimizer
 from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
@@ -36,9 +38,9 @@ from ..tuned import Tuned
 __all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params"]
 
 #: the attribute an engine's optimizer wrapper keeps the real optimizer in: accelerate's AcceleratedOptimizer
-#: (``optimizer``), Lightning's LightningOptimizer (``_optimizer``)
-_WRAPPED_IN = ("optimizer", "_optimizer")
-_ENGINES = ("accelerate", "lightning", "pytorch_lightning", "lightning_fabric")
+#: (``optimizer``), Lightning's LightningOptimizer (``_optimizer``), fastai's OptimWrapper (``opt``)
+_WRAPPED_IN = ("optimizer", "_optimizer", "opt")
+_ENGINES = ("accelerate", "lightning", "pytorch_lightning", "lightning_fabric", "fastai")
 
 
 def engine_wrapper(optimizer: Any):
@@ -298,9 +300,15 @@ class Precision:
         if holder is not None:
             setattr(holder, attr, self.wrap_optimizer(getattr(holder, attr)))
             return holder
+        checks.check_torch_optimizer(optimizer, self.name)
+        given = optimizer
         optimizer = self._convert_optimizer(self._with_state(optimizer))
         self.check_optimizer_eps(optimizer)
         optimizer = self._wrap_optimizer(optimizer)
+        if optimizer is not given and not isinstance(optimizer, MasterWeightOptimizer):
+            # another class (bf16-pure's compensated optimizer, bf16/8-bit state): the user's object becomes it,
+            # so schedulers, engine wrappers and load_state_dict keep driving the object that steps
+            optimizer = become(given, optimizer)
         self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._name_optimizer(optimizer)
         return optimizer
