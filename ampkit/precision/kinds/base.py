@@ -14,6 +14,7 @@ fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host s
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -21,7 +22,6 @@ from torch import nn
 from torch.amp.grad_scaler import OptState
 
 from ...optim.identity import become
-from ...optim.master import MasterWeightOptimizer
 from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
@@ -30,12 +30,13 @@ from ..export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weig
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
 from ..options import PrecisionOptions
+from ..scaling.backward_unscale import BackwardUnscale
 from ..scaling.loss_scaler import LossScaler
 from ..scaling.nonfinite import nonfinite_flag, nonfinite_from_norm
-from ..scaling.step_result import StepResult
+from ..scaling.step_result import SkipFlag, StepResult
 from ..tuned import Tuned
 
-__all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params"]
+__all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params", "accelerate_accumulation_steps", "mark_skipped"]
 
 #: the attribute an engine's optimizer wrapper keeps the real optimizer in: accelerate's AcceleratedOptimizer
 #: (``optimizer``), Lightning's LightningOptimizer (``_optimizer``), fastai's OptimWrapper (``opt``)
@@ -58,6 +59,34 @@ def unwrapped(optimizer: Any) -> Any:
     """The optimizer inside accelerate's / Lightning's wrappers (itself when not wrapped)."""
     holder, attr = engine_wrapper(optimizer)
     return unwrapped(getattr(holder, attr)) if holder is not None else optimizer
+
+
+def accelerate_accumulation_steps() -> int:
+    """``gradient_accumulation_steps`` of the ``accelerate.Accelerator`` built in this process (its
+    ``GradientState``, a process-wide singleton), 1 without one: ``precision.backward`` divides the loss by it as
+    ``accelerator.backward`` does. Read from accelerate's module when loaded, never imported here."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    if not shared:
+        return 1
+    return int((shared.get("plugin_kwargs") or {}).get("num_steps", 1) or 1)
+
+
+def mark_skipped(optimizer: Any, result: StepResult) -> None:
+    """Tell the optimizer (and accelerate's wrapper) whether this step was skipped, lazily: ``step_was_skipped``
+    on the torch optimizer, ``_is_overflow`` (what ``AcceleratedOptimizer.step_was_skipped`` returns and
+    ``AcceleratedScheduler`` reads to hold the schedule back) on accelerate's wrapper."""
+    flag = SkipFlag(result)
+    holder = optimizer
+    while True:
+        if type(holder).__module__.split(".")[0] == "accelerate" and hasattr(holder, "_is_overflow"):
+            holder._is_overflow = flag
+        inner, attr = engine_wrapper(holder)
+        if inner is None:
+            break
+        holder = getattr(inner, attr)
+    if isinstance(holder, torch.optim.Optimizer):
+        holder.step_was_skipped = flag
 
 
 def grads_params(optimizer) -> List[torch.Tensor]:
@@ -200,6 +229,8 @@ class Precision:
             self.scaler.counters.low_dtype = self.mode.low_dtype
         self.scales_loss = self.mode.scaled
         self._setup_done = False
+        self._backward_params: List[torch.Tensor] = []
+        self._backward_unscale = BackwardUnscale()
 
     def _make_scaler(self) -> LossScaler:
         """The mode's loss scaler; unscaled modes get a check-only guard (scale 1, never grows, skips
@@ -289,6 +320,9 @@ class Precision:
         self.scaler.register_names(model)
         self.model = model
         self._setup_done = True
+        if self.scales_loss and self.unscales_in_backward:  # the gradients backward unscales: every set-up model's
+            seen = {id(p) for p in self._backward_params}
+            self._backward_params += [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
         return model
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -305,10 +339,8 @@ class Precision:
         optimizer = self._convert_optimizer(self._with_state(optimizer))
         self.check_optimizer_eps(optimizer)
         optimizer = self._wrap_optimizer(optimizer)
-        if optimizer is not given and not isinstance(optimizer, MasterWeightOptimizer):
-            # another class (bf16-pure's compensated optimizer, bf16/8-bit state): the user's object becomes it,
-            # so schedulers, engine wrappers and load_state_dict keep driving the object that steps
-            optimizer = become(given, optimizer)
+        if optimizer is not given:
+            optimizer = self._adopt(given, optimizer)
         self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._name_optimizer(optimizer)
         return optimizer
@@ -343,6 +375,12 @@ class Precision:
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer ``wrap_optimizer`` returns (after the eps check): as given here."""
         return optimizer
+
+    def _adopt(self, given: torch.optim.Optimizer, made: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the kind made for ``given`` is of another class (bf16-pure's compensated optimizer,
+        bf16/8-bit state): the user's object becomes it in place (``ampkit.optim.identity``), so schedulers, engine
+        wrappers and ``load_state_dict`` keep driving the object that steps."""
+        return become(given, made)
 
     def _name_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Tell the scaler the names of the tensors the optimizer steps that are not the model's (its errors
@@ -436,13 +474,30 @@ class Precision:
         return policy
 
     # ------------------------------------------------------------------ the loop
+    #: whether ``backward`` unscales the gradients it made (the scaled modes whose gradients land in fp32
+    #: parameters: ``scaling/backward_unscale.py``); fp16-pure's fp16 gradients stay scaled until the step
+    unscales_in_backward = True
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """loss.backward(), with the loss scaled first in the scaled modes."""
-        if self.scales_loss:
-            self.scaler.scale(loss).backward(**kwargs)
-        else:
+        """loss.backward(), with the loss scaled first in the scaled modes and, where the gradients land in fp32
+        parameters (fp16-mixed, fp16-master), unscaled (and checked for inf/NaN, on the device) before it returns:
+        nothing after ``backward`` sees scaled gradients. Under an ``accelerate.Accelerator`` built with
+        ``gradient_accumulation_steps=N`` the loss is divided by N first, as ``accelerator.backward`` does."""
+        steps = accelerate_accumulation_steps()
+        if steps > 1:
+            loss = loss / steps
+        if not self.scales_loss:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
+            return
+        params = self._backward_params if self.unscales_in_backward and self.scaler.is_enabled() else None
+        if not params:
+            self.scaler.scale(loss).backward(**kwargs)
+            return
+        scaled = self.scaler.scale(loss)  # creates the scale on the loss's device the first time
+        self._backward_unscale.before(params, self.scaler.scale_tensor)
+        scaled.backward(**kwargs)
+        self._backward_unscale.after(params, self.scaler._inv_scale())
 
     def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
         """Make the optimizer's grads real (unscaled) and record the non-finite check (once per step), as
@@ -460,7 +515,9 @@ class Precision:
         if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
             return
         scaler.ensure_initialized(self.device)  # backward() may not have come through us
-        if self.scales_loss:
+        if self.scales_loss and self._backward_unscale.found and self._covers(optimizer):
+            scaler.record_unscaled(optimizer, self._backward_unscale.take())  # backward unscaled them
+        elif self.scales_loss:
             scaler.unscale_(optimizer, to_model=to_model)
         else:
             found = (nonfinite_from_norm(norm, self.device) if norm is not None
@@ -499,6 +556,8 @@ class Precision:
             raise RuntimeError(
                 "Precision.step() found no gradients on the optimizer's parameters: call precision.backward(loss) "
                 "(or loss.backward()) before each step(); nothing was stepped or counted.")
+        if self.scales_loss:
+            self._check_scaled_backward(optimizer)
         if max_norm is not None and max_norm > 0:
             self.clip_grad_norm_(optimizer, max_norm, norm_type)
         else:
@@ -508,7 +567,46 @@ class Precision:
             found = self.scaler.found_inf(optimizer)
             result = StepResult(found) if found is not None else StepResult()
         self.scaler.update()
+        mark_skipped(optimizer, result)
         return result
+
+    def _covers(self, optimizer) -> bool:
+        """Whether every parameter ``optimizer`` steps is one ``backward`` unscales (cached per optimizer and its
+        number of parameters; a Python pass over ids, no kernel)."""
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        cache = self.__dict__.setdefault("_covered", {})
+        hit = cache.get(id(optimizer))
+        if hit is None or hit[0] != n:
+            ids = {id(p) for p in self._backward_params}
+            hit = cache[id(optimizer)] = (n, all(id(p) in ids for g in optimizer.param_groups for p in g["params"]))
+        return hit[1]
+
+    def _check_scaled_backward(self, optimizer) -> None:
+        """The scaled modes: refuse (one line) a step whose gradients no scaled loss made (the client's own
+        ``loss.backward()``/``accelerator.backward``: the step would divide true gradients by the loss scale, and
+        the weights move 65536x too little, silently), a second scaler on the loss (accelerate's fp16 one), and
+        gradients of parameters that no set-up model holds beside ones ``backward`` unscaled."""
+        holder = engine_wrapper(optimizer)[0]
+        other = getattr(holder, "scaler", None)
+        if other is not None and other is not self.scaler:
+            raise RuntimeError(
+                f"precision={self.name!r} scales the loss itself, and {type(holder).__module__.split('.')[0]}'s "
+                f"{type(other).__name__} scales it too (Accelerator(mixed_precision='fp16')): build "
+                "Accelerator(mixed_precision='no') and let ampkit own the precision (docs/INTEGRATIONS.md).")
+        if self.scaler.stage(optimizer) is not OptState.READY or not self.scaler.is_enabled():
+            return
+        if self._backward_unscale.found:
+            if not self._covers(optimizer):
+                raise RuntimeError(
+                    "Precision.step(): the optimizer steps parameters of a model precision.setup() never saw, beside "
+                    "ones precision.backward() unscaled: pass every model through precision.setup(model).")
+            return
+        if not getattr(self.scaler, "loss_scaled", True):
+            raise RuntimeError(
+                f"Precision.step() found gradients no scaled loss made: precision={self.name!r} scales the loss in "
+                "precision.backward(loss), and without it the step divides true gradients by the loss scale "
+                "(weights move 65536x too little): call precision.backward(loss) instead of loss.backward() "
+                "or accelerator.backward(loss).")
 
     # ------------------------------------------------------------------ state
     def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
