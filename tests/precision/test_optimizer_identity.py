@@ -93,3 +93,20 @@ def test_a_non_torch_optimizer_is_refused_in_one_line():
     with pytest.raises(TypeError, match="sets up a torch.optim.Optimizer, got .*NotTorch") as e:
         ampkit.Precision("bf16-master", "cpu").setup(_model(), NotTorch())
     assert "\n" not in str(e.value)
+
+
+def test_the_fused_switch_is_said_once_at_setup_naming_how_to_keep_the_kernel(caplog):
+    with caplog.at_level("WARNING", logger="ampkit.precision"):
+        p = ampkit.Precision("fp32", "cpu")
+        for _ in range(2):
+            model = _model()
+            _, opt = p.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+            assert opt.defaults["fused"] is True
+    said = [r.getMessage() for r in caplog.records if "fused" in r.getMessage()]
+    assert len(said) == 1 and "fused_optimizer=False" in said[0] and "\n" not in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ampkit.precision"):
+        model = _model()
+        _, opt = ampkit.Precision("fp32", "cpu", fused_optimizer=False).setup(
+            model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    assert not opt.defaults.get("fused") and not caplog.records

@@ -14,6 +14,7 @@ fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host s
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -41,6 +42,7 @@ __all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params", "accelera
 #: the attribute an engine's optimizer wrapper keeps the real optimizer in: accelerate's AcceleratedOptimizer
 #: (``optimizer``), Lightning's LightningOptimizer (``_optimizer``), fastai's OptimWrapper (``opt``)
 _WRAPPED_IN = ("optimizer", "_optimizer", "opt")
+log = logging.getLogger("ampkit.precision")
 _ENGINES = ("accelerate", "lightning", "pytorch_lightning", "lightning_fabric", "fastai")
 
 
@@ -369,7 +371,12 @@ class Precision:
         to their fused kernel (no host sync per step); torch's SGD over FSDP2's DTensor shards stays as built
         (torch has no DTensor rule for ``aten._fused_sgd_``)."""
         if self.fused_optimizer and not checks.fused_sgd_on_dtensors(optimizer):
-            checks.use_fused_kernel(optimizer, self.device)
+            if checks.use_fused_kernel(optimizer, self.device) and not getattr(self, "_said_fused", False):
+                self._said_fused = True  # once per precision: the user's optimizer changed kernel in place
+                log.warning("precision=%r: setup switched your %s to torch's fused kernel in place (fused=True: the "
+                            "skip flag stays on the device, no host sync per step; results differ from the foreach "
+                            "kernel in the last bits): keep your kernel with fused_optimizer=False.",
+                            self.name, type(optimizer).__name__)
         return optimizer
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
