@@ -27,7 +27,7 @@ from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
-from ..export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
+from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
 from ..options import PrecisionOptions
@@ -625,6 +625,20 @@ class Precision:
         the live ones."""
         opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
         return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
+
+    def export(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
+        """A plain fp32 copy of ``model`` with no ampkit in it (no hooks, fp32 weights from :meth:`fp32_state_dict`:
+        masters, Kahan-folded bf16-pure weights): ``torch.save(precision.export(model), path)`` loads and runs with
+        ``torch.load(path, weights_only=False)`` where ampkit is not installed (``ampkit.precision.export``)."""
+        return plain_module(model, self.fp32_state_dict(model, optimizer))
+
+    def fp32_view(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Fp32View:
+        """An fp32 copy of the model's weights that follows it: ``view.module`` (a plain fp32 module, as
+        :meth:`export`), ``view.refresh()`` after each step (foreach copies, Kahan buffers folded in, no sync).
+        Give ``view.module`` to an EMA (ignite's ``EMAHandler``, ``torch.optim.swa_utils.AveragedModel``) so it
+        averages fp32 weights, not bf16 ones (docs/INTEGRATIONS.md, "EMA")."""
+        opt = unwrapped(optimizer if optimizer is not None else getattr(self, "_optimizer", None))
+        return Fp32View(model, opt, self.fp32_state_dict(model, opt))
 
     def state_dict(self) -> Dict[str, Any]:
         """The precision's part of a checkpoint: the mode's name, the scaler's state (loss scale, skip counters,
