@@ -1,4 +1,4 @@
-"""ampkit inside a plain accelerate loop as its users write it (issue 41): ``Accelerator(mixed_precision="no")``,
+"""ampkit inside a plain accelerate loop as its users write it: ``Accelerator(mixed_precision="no")``,
 ``precision.setup`` then ``accelerator.prepare``, accelerate's scheduler, clip helper, ``accumulate()`` and
 ``save_state`` (docs/INTEGRATIONS.md, "accelerate")."""
 import warnings

@@ -1,4 +1,4 @@
-"""ampkit inside a fastai Learner as its users write it (issue 41): ``AmpkitCallback`` in place of
+"""ampkit inside a fastai Learner as its users write it: ``AmpkitCallback`` in place of
 ``MixedPrecision``, fastai's ``OptimWrapper`` around a torch optimizer, ``GradientClip``, ``fit_one_cycle``'s
 ``ParamScheduler``, ``learn.save``/``learn.load`` (docs/INTEGRATIONS.md, "fastai")."""
 import warnings

@@ -1,4 +1,4 @@
-"""ampkit inside a pytorch-ignite Engine as its users write it (issue 41): ``create_supervised_trainer`` with a
+"""ampkit inside a pytorch-ignite Engine as its users write it: ``create_supervised_trainer`` with a
 precision, an LR scheduler held back on skipped steps, ``EMAHandler`` over bf16-pure's fp32 view
 (docs/INTEGRATIONS.md, "ignite")."""
 import warnings

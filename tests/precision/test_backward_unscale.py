@@ -1,4 +1,4 @@
-"""Gradients are never seen scaled outside ``precision.backward`` (issue 41): fp16-mixed and fp16-master unscale
+"""Gradients are never seen scaled outside ``precision.backward``: fp16-mixed and fp16-master unscale
 at the end of each backward (sync-free, bitwise torch's GradScaler under accumulation); a step whose gradients no
 scaled loss made, or where a second scaler scales the loss, is refused in one line."""
 import warnings

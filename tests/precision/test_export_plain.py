@@ -1,5 +1,5 @@
 """``precision.export(model)``: a plain fp32 module with no ampkit in it, loadable and runnable where ampkit is not
-importable; ``precision.fp32_view(model)``: fp32 weights (Kahan folded) that follow the model, for EMAs (issue 41)."""
+importable; ``precision.fp32_view(model)``: fp32 weights (Kahan folded) that follow the model, for EMAs."""
 import subprocess
 import sys
 import textwrap

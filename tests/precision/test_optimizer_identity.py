@@ -1,4 +1,4 @@
-"""The user's optimizer keeps its identity through ``setup`` in every mode (issue 41): bf16-pure's compensated
+"""The user's optimizer keeps its identity through ``setup`` in every mode: bf16-pure's compensated
 optimizer and ``optimizer_state="bf16"`` turn the user's object into the new class in place, so a scheduler built
 before ``setup``, an engine's wrapper and ``load_state_dict`` keep driving the object that steps."""
 import warnings
