@@ -14,8 +14,6 @@ fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host s
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -27,6 +25,8 @@ from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
+from ..clients import (accelerate_accumulation_steps, check_second_scaler, engine_wrapper, log, mark_skipped,
+                       unwrapped)
 from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
@@ -34,62 +34,10 @@ from ..options import PrecisionOptions
 from ..scaling.backward_unscale import BackwardUnscale
 from ..scaling.loss_scaler import LossScaler
 from ..scaling.nonfinite import nonfinite_flag, nonfinite_from_norm
-from ..scaling.step_result import SkipFlag, StepResult
+from ..scaling.step_result import StepResult
 from ..tuned import Tuned
 
 __all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params", "accelerate_accumulation_steps", "mark_skipped"]
-
-#: the attribute an engine's optimizer wrapper keeps the real optimizer in: accelerate's AcceleratedOptimizer
-#: (``optimizer``), Lightning's LightningOptimizer (``_optimizer``), fastai's OptimWrapper (``opt``)
-_WRAPPED_IN = ("optimizer", "_optimizer", "opt")
-log = logging.getLogger("ampkit.precision")
-_ENGINES = ("accelerate", "lightning", "pytorch_lightning", "lightning_fabric", "fastai")
-
-
-def engine_wrapper(optimizer: Any):
-    """(wrapper, attribute) when ``optimizer`` is an engine's wrapper around a torch optimizer, else (None, None)."""
-    if type(optimizer).__module__.split(".")[0] not in _ENGINES:  # ampkit's own wrappers hold theirs too
-        return None, None
-    for attr in _WRAPPED_IN:
-        inner = getattr(optimizer, attr, None)
-        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            return optimizer, attr
-    return None, None
-
-
-def unwrapped(optimizer: Any) -> Any:
-    """The optimizer inside accelerate's / Lightning's wrappers (itself when not wrapped)."""
-    holder, attr = engine_wrapper(optimizer)
-    return unwrapped(getattr(holder, attr)) if holder is not None else optimizer
-
-
-def accelerate_accumulation_steps() -> int:
-    """``gradient_accumulation_steps`` of the ``accelerate.Accelerator`` built in this process (its
-    ``GradientState``, a process-wide singleton), 1 without one: ``precision.backward`` divides the loss by it as
-    ``accelerator.backward`` does. Read from accelerate's module when loaded, never imported here."""
-    state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
-    if not shared:
-        return 1
-    return int((shared.get("plugin_kwargs") or {}).get("num_steps", 1) or 1)
-
-
-def mark_skipped(optimizer: Any, result: StepResult) -> None:
-    """Tell the optimizer (and accelerate's wrapper) whether this step was skipped, lazily: ``step_was_skipped``
-    on the torch optimizer, ``_is_overflow`` (what ``AcceleratedOptimizer.step_was_skipped`` returns and
-    ``AcceleratedScheduler`` reads to hold the schedule back) on accelerate's wrapper."""
-    flag = SkipFlag(result)
-    holder = optimizer
-    while True:
-        if type(holder).__module__.split(".")[0] == "accelerate" and hasattr(holder, "_is_overflow"):
-            holder._is_overflow = flag
-        inner, attr = engine_wrapper(holder)
-        if inner is None:
-            break
-        holder = getattr(inner, attr)
-    if isinstance(holder, torch.optim.Optimizer):
-        holder.step_was_skipped = flag
-
 
 def grads_params(optimizer) -> List[torch.Tensor]:
     """The optimizer's parameters that hold a gradient."""
@@ -231,7 +179,6 @@ class Precision:
             self.scaler.counters.low_dtype = self.mode.low_dtype
         self.scales_loss = self.mode.scaled
         self._setup_done = False
-        self._backward_params: List[torch.Tensor] = []
         self._backward_unscale = BackwardUnscale()
 
     def _make_scaler(self) -> LossScaler:
@@ -323,8 +270,7 @@ class Precision:
         self.model = model
         self._setup_done = True
         if self.scales_loss and self.unscales_in_backward:  # the gradients backward unscales: every set-up model's
-            seen = {id(p) for p in self._backward_params}
-            self._backward_params += [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+            self._backward_unscale.add(model)
         return model
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -497,7 +443,7 @@ class Precision:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
             return
-        params = self._backward_params if self.unscales_in_backward and self.scaler.is_enabled() else None
+        params = self._backward_unscale.params if self.unscales_in_backward and self.scaler.is_enabled() else None
         if not params:
             self.scaler.scale(loss).backward(**kwargs)
             return
@@ -522,7 +468,7 @@ class Precision:
         if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
             return
         scaler.ensure_initialized(self.device)  # backward() may not have come through us
-        if self.scales_loss and self._backward_unscale.found and self._covers(optimizer):
+        if self.scales_loss and self._backward_unscale.found and self._backward_unscale.covers(optimizer):
             scaler.record_unscaled(optimizer, self._backward_unscale.take())  # backward unscaled them
         elif self.scales_loss:
             scaler.unscale_(optimizer, to_model=to_model)
@@ -577,38 +523,20 @@ class Precision:
         mark_skipped(optimizer, result)
         return result
 
-    def _covers(self, optimizer) -> bool:
-        """Whether every parameter ``optimizer`` steps is one ``backward`` unscales (cached per optimizer and its
-        number of parameters; a Python pass over ids, no kernel)."""
-        n = sum(len(g["params"]) for g in optimizer.param_groups)
-        cache = self.__dict__.setdefault("_covered", {})
-        hit = cache.get(id(optimizer))
-        if hit is None or hit[0] != n:
-            ids = {id(p) for p in self._backward_params}
-            hit = cache[id(optimizer)] = (n, all(id(p) in ids for g in optimizer.param_groups for p in g["params"]))
-        return hit[1]
-
     def _check_scaled_backward(self, optimizer) -> None:
         """The scaled modes: refuse (one line) a step whose gradients no scaled loss made (the client's own
         ``loss.backward()``/``accelerator.backward``: the step would divide true gradients by the loss scale, and
         the weights move 65536x too little, silently), a second scaler on the loss (accelerate's fp16 one), and
         gradients of parameters that no set-up model holds beside ones ``backward`` unscaled."""
-        holder = engine_wrapper(optimizer)[0]
-        other = getattr(holder, "scaler", None)
-        if other is not None and other is not self.scaler:
-            raise RuntimeError(
-                f"precision={self.name!r} scales the loss itself, and {type(holder).__module__.split('.')[0]}'s "
-                f"{type(other).__name__} scales it too (Accelerator(mixed_precision='fp16')): build "
-                "Accelerator(mixed_precision='no') and let ampkit own the precision (docs/INTEGRATIONS.md).")
+        check_second_scaler(optimizer, self.scaler)
         if self.scaler.stage(optimizer) is not OptState.READY or not self.scaler.is_enabled():
             return
         if self._backward_unscale.found:
-            if not self._covers(optimizer):
+            if not self._backward_unscale.covers(optimizer):
                 raise RuntimeError(
                     "Precision.step(): the optimizer steps parameters of a model precision.setup() never saw, beside "
                     "ones precision.backward() unscaled: pass every model through precision.setup(model).")
-            return
-        if not getattr(self.scaler, "loss_scaled", True):
+        elif not getattr(self.scaler, "loss_scaled", True):
             raise RuntimeError(
                 f"Precision.step() found gradients no scaled loss made: precision={self.name!r} scales the loss in "
                 "precision.backward(loss), and without it the step divides true gradients by the loss scale "
@@ -633,10 +561,8 @@ class Precision:
         return plain_module(model, self.fp32_state_dict(model, optimizer))
 
     def fp32_view(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Fp32View:
-        """An fp32 copy of the model's weights that follows it: ``view.module`` (a plain fp32 module, as
-        :meth:`export`), ``view.refresh()`` after each step (foreach copies, Kahan buffers folded in, no sync).
-        Give ``view.module`` to an EMA (ignite's ``EMAHandler``, ``torch.optim.swa_utils.AveragedModel``) so it
-        averages fp32 weights, not bf16 ones (docs/INTEGRATIONS.md, "EMA")."""
+        """An fp32 copy of the model's weights that follows it (``ampkit.precision.export.Fp32View``): give
+        ``view.module`` to an EMA and call ``view.refresh()`` after each step (docs/INTEGRATIONS.md, "EMA")."""
         opt = unwrapped(optimizer if optimizer is not None else getattr(self, "_optimizer", None))
         return Fp32View(model, opt, self.fp32_state_dict(model, opt))
 

@@ -33,6 +33,24 @@ class BackwardUnscale:
     def __init__(self) -> None:
         self.found: Dict[torch.device, torch.Tensor] = {}
         self.stepped = False  # a step took the flags: the next backward starts a new step
+        self.params: List[torch.Tensor] = []  # every set-up model's trainable parameters
+        self._covered: Dict[int, tuple] = {}
+
+    def add(self, model: torch.nn.Module) -> None:
+        """Unscale ``model``'s gradients too (``setup``)."""
+        seen = {id(p) for p in self.params}
+        self.params += [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+
+    def covers(self, optimizer) -> bool:
+        """Whether every parameter ``optimizer`` steps is one ``after`` unscales (cached per optimizer and its number
+        of parameters; a Python pass over ids, no kernel)."""
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        hit = self._covered.get(id(optimizer))
+        if hit is None or hit[0] != n:
+            ids = {id(p) for p in self.params}
+            hit = self._covered[id(optimizer)] = (n, all(id(p) in ids for g in optimizer.param_groups
+                                                         for p in g["params"]))
+        return hit[1]
 
     def before(self, params: List[torch.Tensor], scale: torch.Tensor) -> None:
         """Before a micro-step's scaled backward: gradients this step already unscaled go back to the scaled space
