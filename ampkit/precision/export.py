@@ -110,6 +110,9 @@ def plain_module(model: nn.Module, state: Dict[str, Any]) -> nn.Module:
                     hooks.pop(handle)
         for key in [k for k in vars(module) if k.startswith("_ampkit")]:
             delattr(module, key)
+        forward = vars(module).get("forward")
+        if forward is not None and _ampkit_object(getattr(forward, "func", forward)):
+            del module.forward  # an fp32 island's wrapper: the module's own forward (its weights are fp32)
         for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]:
             delattr(module, key)  # a compute copy left shadowing a parameter (a forward that raised)
     out.float()

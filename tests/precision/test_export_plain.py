@@ -88,3 +88,4 @@ def test_fp32_view_follows_the_model_for_an_ema():
         ema.update_parameters(view.refresh())
     assert torch.equal(view.module[0].weight, p.fp32_state_dict(model)["0.weight"])
     assert all(q.dtype == torch.float32 for q in ema.parameters())
+
