@@ -89,3 +89,15 @@ def test_fp32_view_follows_the_model_for_an_ema():
     assert torch.equal(view.module[0].weight, p.fp32_state_dict(model)["0.weight"])
     assert all(q.dtype == torch.float32 for q in ema.parameters())
 
+
+
+@pytest.mark.parametrize("mode", ["bf16-master", "fp16-master"])
+def test_master_models_compute_16_bit_only_inside_autocast(mode):
+    p, model, _ = _trained(mode, steps=1)
+    plain = p.export(model)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))  # outside precision.autocast(): the fp32 model it holds
+        with p.autocast():
+            inside = model(x)
+        assert not torch.equal(inside, plain(x)) and inside.dtype == torch.float32
