@@ -11,7 +11,7 @@ import torch
 
 from .scaling.step_result import SkipFlag, StepResult
 
-__all__ = ["engine_wrapper", "unwrapped", "accelerate_accumulation_steps", "mark_skipped", "check_second_scaler", "log"]
+__all__ = ["engine_wrapper", "unwrapped", "accelerate_accumulation_steps", "mark_skipped", "check_second_scaler", "stepped_object", "log"]
 
 log = logging.getLogger("ampkit.precision")
 
@@ -76,3 +76,10 @@ def check_second_scaler(optimizer: Any, scaler: Any) -> None:
             f"ampkit scales the loss itself, and {type(holder).__module__.split('.')[0]}'s {type(other).__name__} "
             "scales it too (Accelerator(mixed_precision='fp16')): build Accelerator(mixed_precision='no') and let "
             "ampkit own the precision (docs/INTEGRATIONS.md).")
+
+
+def stepped_object(optimizer: Any) -> Any:
+    """The object ``Precision.step`` steps: fastai's ``OptimWrapper`` unwrapped (the skip flag torch's fused
+    kernels read must land on the torch optimizer itself); accelerate's and Lightning's wrappers are kept (their
+    ``step`` does their own bookkeeping and delegates)."""
+    return unwrapped(optimizer) if type(optimizer).__module__.split(".")[0] == "fastai" else optimizer

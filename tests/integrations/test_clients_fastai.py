@@ -117,3 +117,21 @@ def test_setup_takes_fastais_optim_wrapper_directly():
         warnings.simplefilter("ignore")
         model, opt = ampkit.Precision("bf16-pure", "cpu").setup(model, wrapper)
     assert opt is wrapper and wrapper.opt is inner and isinstance(inner, ampkit.optim.AdamW)
+
+
+def test_precision_step_given_the_wrapper_steps_the_torch_optimizer_inside():
+    from fastai.optimizer import OptimWrapper
+
+    model = _model()
+    wrapper = OptimWrapper(opt=torch.optim.AdamW(model.parameters(), lr=0.01))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = ampkit.Precision("fp16-mixed", "cpu")
+        model, opt = p.setup(model, wrapper)
+    before = [q.detach().clone() for q in model.parameters()]
+    x, y = torch.stack([a for a, _ in _data()[:8]]), torch.stack([b for _, b in _data()[:8]])
+    with p.autocast():
+        p.backward(nn.functional.cross_entropy(model(x) * float("inf"), y))
+    assert not p.step(wrapper)  # the fused kernel got the skip flag: nothing moved
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert wrapper.opt.step_was_skipped

@@ -26,7 +26,7 @@ from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
 from ..clients import (accelerate_accumulation_steps, check_second_scaler, engine_wrapper, log, mark_skipped,
-                       unwrapped)
+                       stepped_object, unwrapped)
 from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
@@ -501,7 +501,7 @@ class Precision:
         A step no backward reached is refused; an optimizer wrapped by accelerate inside
         ``accelerator.accumulate`` on a micro-batch that does not sync is left alone (no unscale, no count).
         """
-        gradient_state = getattr(optimizer, "gradient_state", None)
+        optimizer, gradient_state = stepped_object(optimizer), getattr(optimizer, "gradient_state", None)
         if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
             return StepResult(stepped=False)
         self.check_step_optimizer(optimizer)
