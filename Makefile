@@ -20,6 +20,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	# fastai's core without torchvision/spacy (its metadata pulls both; the `clients` extra holds the rest)
+	$(PY) -m pip install -q --no-deps "fastai>=2.8,<2.9"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -15,7 +15,7 @@ from torch import nn
 from .capability import FAST, SLOW, DeviceInfo, capability
 from .modes import Mode
 
-__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_eps", "use_fused_kernel", "channels_last_rule",
+__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_torch_optimizer", "check_eps", "use_fused_kernel", "channels_last_rule",
            "fused_sgd_on_dtensors"]
 
 # Adam's eps where the optimizer state is fp16 (fp16-pure): the second moment v is stored in fp16,
@@ -48,6 +48,18 @@ def check_hardware(mode: Mode, device: torch.device, info: DeviceInfo) -> None:
         f"({info.speed_source}), so this mode is likely slower than fp32; faster here: {faster}.",
         stacklevel=3,
     )
+
+
+def check_torch_optimizer(optimizer: Any, name: str) -> None:
+    """Refuse, in one line naming the fix, an optimizer that is not a ``torch.optim.Optimizer`` (fastai's own
+    ``Optimizer`` keeps its state in its own layout: no ``defaults``, ``state_dict`` or hooks ampkit can drive)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return
+    cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    fix = ("build the Learner with opt_func=partial(OptimWrapper, opt=torch.optim.AdamW) (fastai's wrapper around a "
+           "torch optimizer; ampkit.integrations.fastai.torch_opt_func does this)" if cls.startswith("fastai.")
+           else "build a torch optimizer (torch.optim.AdamW...) over model.parameters()")
+    raise TypeError(f"precision={name!r} sets up a torch.optim.Optimizer, got {cls}: {fix}.")
 
 
 def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:

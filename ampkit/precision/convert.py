@@ -40,6 +40,7 @@ def convert_model(
     skip: Iterable[str] = (),
     plan: Optional[Fp32Plan] = None,
     compute_copies: bool = False,
+    gate: Optional[str] = None,
 ) -> nn.Module:
     """Cast ``model``'s floating params to ``dtype`` in place and return it. Buffers are not weights: they keep
     their dtype (fp32 in an fp32 model) in every mode, as FSDP2's ``MixedPrecisionPolicy`` casts parameters
@@ -55,7 +56,9 @@ def convert_model(
     skip)`` when already made. Parameter objects keep their identity, so optimizers built before the
     call still hold them. ``compute_copies``: the tensors stay fp32 in storage and each forward computes
     with their ``dtype`` casts (:class:`ComputeCopies`: the master modes, whose fp32 weights are the
-    model's own); otherwise they are cast in place (the pure modes, a user's ``model.half()``).
+    model's own); otherwise they are cast in place (the pure modes, a user's ``model.half()``). ``gate``: a
+    device type; the hooks cast only while autocast is on for it (the master modes: outside
+    ``precision.autocast()`` the model computes as the plain fp32 model it holds).
     """
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"convert_model casts to float16, bfloat16 or float32, not {dtype}.")
@@ -86,7 +89,7 @@ def convert_model(
         if (copied["_parameters"] or copied["_buffers"]) and not getattr(module, "_ampkit_compute_copies", False):
             shared = [k for k in copied["_parameters"] if tied is not None and id(module._parameters[k]) in tied.ids]
             module.register_forward_pre_hook(ComputeCopies(dtype, copied["_parameters"], copied["_buffers"],
-                                                           tied if shared else None, shared))
+                                                           tied if shared else None, shared, gate=gate))
             module.register_forward_hook(DropComputeCopies(copied["_parameters"], copied["_buffers"]),
                                          always_call=True)
             module._ampkit_compute_copies = True
@@ -94,10 +97,10 @@ def convert_model(
             device = next((t.device for t in module.parameters()), torch.device("cpu"))
             if _needs_input_cast(module, device):
                 module.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True)
-                module.register_forward_hook(CastOutput(dtype))
+                module.register_forward_hook(CastOutput(dtype, gate=gate))
             module._ampkit_norm_hooked = True
     if plan.islands and dtype != torch.float32:
-        apply_fp32_islands(model, list(plan.islands), output_dtype=dtype)
+        apply_fp32_islands(model, list(plan.islands), output_dtype=dtype, gate=gate)
     return model
 
 
@@ -150,11 +153,14 @@ class ComputeCopies:
     As FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does for its all-gathered parameters."""
 
     def __init__(self, dtype: torch.dtype, params: List[str], buffers: List[str],
-                 tied: Optional[_TiedCopies] = None, shared: Iterable[str] = ()) -> None:
+                 tied: Optional[_TiedCopies] = None, shared: Iterable[str] = (), gate: Optional[str] = None) -> None:
         self.dtype, self.params, self.buffers = dtype, tuple(params), tuple(buffers)
         self.tied, self.shared = tied, frozenset(shared)  # parameters other modules use too
+        self.gate = gate
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if gated_off(self):
+            return
         shadow = module.__dict__
         tied = self.tied if self.tied is not None and self.tied.active else None
         for key in self.params:
@@ -196,28 +202,39 @@ class CastInputs:
     """Forward pre-hook (``with_kwargs=True``): floating inputs cast to ``dtype`` (a module-level class,
     so a model carrying it pickles with ``torch.save(model)``)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, gate: Optional[str] = None) -> None:
+        self.dtype, self.gate = dtype, gate
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any):
+        if gated_off(self):
+            return None
         return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
 
 
 class CastOutput:
     """Forward hook: floating outputs cast to ``dtype``."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, gate: Optional[str] = None) -> None:
+        self.dtype, self.gate = dtype, gate
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if gated_off(self):
+            return None
         return cast_floating(output, self.dtype)
 
 
-def hook_io(model: nn.Module, dtype: torch.dtype, cast_outputs: bool = True) -> nn.Module:
+def gated_off(hook: Any) -> bool:
+    """A hook with a ``gate`` (a device type) casts only while autocast is on for that device (a model pickled
+    before hooks had a gate casts always)."""
+    gate = getattr(hook, "gate", None)
+    return gate is not None and not torch.is_autocast_enabled(gate)
+
+
+def hook_io(model: nn.Module, dtype: torch.dtype, cast_outputs: bool = True, gate: Optional[str] = None) -> nn.Module:
     """Cast a param-cast model's floating inputs to ``dtype`` (and, with ``cast_outputs``, its floating
     outputs to fp32: apex O2, so the loss is computed in fp32) with forward hooks; once per model."""
     if not getattr(model, "_ampkit_io_hooked", False):
-        model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True)
+        model.register_forward_pre_hook(CastInputs(dtype, gate=gate), with_kwargs=True)
         if cast_outputs:
             model.register_forward_hook(CastOutput(torch.float32))
         model._ampkit_io_hooked = True

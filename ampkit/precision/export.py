@@ -19,15 +19,16 @@ weight and is left out (it is in ``precision.state_dict()``).
 """
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
 
 from ..optim.master import MasterWeightOptimizer
 
-__all__ = ["fp32_state_dict", "master_weights", "kahan_folded", "fp8_recipe_keys"]
+__all__ = ["fp32_state_dict", "master_weights", "kahan_folded", "fp8_recipe_keys", "plain_module", "Fp32View"]
 
 
 def _narrow(t: torch.Tensor) -> bool:
@@ -83,3 +84,70 @@ def fp8_recipe_keys(model: nn.Module) -> set:
         if getattr(module, "fp8_gemm", False):
             keys.update(f"{name}.{b}" if name else b for b, _ in module.named_buffers(recurse=False))
     return keys
+
+
+def _ampkit_object(obj: Any) -> bool:
+    """A hook (or a bound method's owner) that is one of ampkit's objects."""
+    owner = getattr(obj, "__self__", obj)
+    return type(owner).__module__.split(".")[0] == "ampkit" or getattr(obj, "__module__", "").split(".")[0] == "ampkit"
+
+
+def plain_module(model: nn.Module, state: Dict[str, Any]) -> nn.Module:
+    """A copy of ``model`` with no ampkit in it: its hooks (input/output casts, compute copies) removed, every
+    floating parameter and buffer fp32, ``state`` (``fp32_state_dict``: masters, Kahan-folded weights) loaded;
+    ``torch.save(module)`` then loads and runs where ampkit is not installed. A module of one of ampkit's classes
+    (the fp8 modes' swapped layers) has no plain equivalent: a one-line ValueError naming the export that works."""
+    for name, module in model.named_modules():
+        if type(module).__module__.split(".")[0] == "ampkit":
+            raise ValueError(f"export: {name or 'the model'} is ampkit's {type(module).__name__} (a layer the mode "
+                             "swapped in), which needs ampkit to load: save precision.fp32_state_dict(model) and load "
+                             "it into the model built as you built it.")
+    out = copy.deepcopy(model)
+    for module in out.modules():
+        for key, hooks in list(vars(module).items()):
+            if key.startswith("_") and "hooks" in key and isinstance(hooks, dict):
+                for handle in [h for h, fn in hooks.items() if _ampkit_object(fn)]:
+                    hooks.pop(handle)
+        for key in [k for k in vars(module) if k.startswith("_ampkit")]:
+            delattr(module, key)
+        forward = vars(module).get("forward")
+        if forward is not None and _ampkit_object(getattr(forward, "func", forward)):
+            del module.forward  # an fp32 island's wrapper: the module's own forward (its weights are fp32)
+        for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]:
+            delattr(module, key)  # a compute copy left shadowing a parameter (a forward that raised)
+    out.float()
+    out.load_state_dict(state)
+    return out
+
+
+class Fp32View:
+    """An fp32 copy of a model's trained weights that follows it (``precision.fp32_view(model)``): ``module`` is
+    a plain fp32 module (:func:`plain_module`), ``refresh()`` copies the weights in again (foreach copies, Kahan
+    buffers added, no host sync). For EMA and averaging tools that would otherwise average 16-bit weights
+    (bf16-pure: at small momenta the rounding is as large as the movement): refresh after each step, then
+    update the EMA from ``module`` (ignite's ``EMAHandler(view.module)``, ``AveragedModel(view.module)``)."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, state: Dict[str, Any]) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.module = plain_module(model, state)
+        mine = dict(self.module.named_parameters())
+        self._pairs = [(mine[n], p) for n, p in model.named_parameters() if n in mine]
+
+    def refresh(self, *_: Any) -> nn.Module:
+        """Copy the model's current weights (Kahan buffers folded in) into ``module``; returns it (takes and ignores
+        an engine argument, so it can be an event handler)."""
+        dst = [d for d, _ in self._pairs]
+        src = [p.detach() for _, p in self._pairs]
+        state = getattr(self.optimizer, "state", None) or {}
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
+            folded: List[torch.Tensor] = []
+            comps: List[torch.Tensor] = []
+            for d, p in self._pairs:
+                comp = state.get(p, {}).get("compensation") if _narrow(p) else None
+                if isinstance(comp, torch.Tensor):
+                    folded.append(d)
+                    comps.append(comp)  # bf16 added into fp32: torch promotes, one foreach call
+            if folded:
+                torch._foreach_add_(folded, comps)
+        return self.module

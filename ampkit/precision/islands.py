@@ -44,14 +44,18 @@ def _fp32_forward(module: nn.Module, orig_forward, output_dtype, *args, **kwargs
     if device_type is None:
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)
         device_type = t.device.type if t is not None else "cpu"
+    gate = getattr(module, "_ampkit_island_gate", None)  # the master modes: cast back only inside autocast
+    if gate is not None and not torch.is_autocast_enabled(gate):
+        output_dtype = None
     with torch.autocast(device_type=device_type, enabled=False):
         out = orig_forward(*cast_floating(args, torch.float32), **cast_floating(kwargs, torch.float32))
     return out if output_dtype is None else cast_floating(out, output_dtype)
 
 
-def apply_fp32_islands(model: nn.Module, names: Iterable[str], output_dtype: Optional[torch.dtype] = None) -> List[str]:
-    """Make each named module run in fp32 (outputs cast to ``output_dtype`` if given); returns the names
-    applied. Idempotent."""
+def apply_fp32_islands(model: nn.Module, names: Iterable[str], output_dtype: Optional[torch.dtype] = None,
+                       gate: Optional[str] = None) -> List[str]:
+    """Make each named module run in fp32 (outputs cast to ``output_dtype`` if given; with ``gate``, a device type,
+    only while autocast is on for it); returns the names applied. Idempotent."""
     names = resolve_module_names(model, names)
     modules = dict(model.named_modules())
     for name in names:
@@ -64,4 +68,6 @@ def apply_fp32_islands(model: nn.Module, names: Iterable[str], output_dtype: Opt
         orig = m.forward
         m.forward = functools.partial(_fp32_forward, m, orig, output_dtype)
         m._ampkit_fp32_island = True
+        if gate is not None:
+            m._ampkit_island_gate = gate
     return names

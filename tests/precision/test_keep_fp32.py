@@ -1,6 +1,7 @@
 """The 16-bit-param modes keep the norms models write themselves in fp32 (nanoGPT's LayerNorm, a
 Llama-style RMSNorm, Hugging Face Llama and T5), honour ``_keep_in_fp32_modules[_strict]``, and say
 how many and which modules stayed fp32 (describe(), the Trainer's summary.json)."""
+import contextlib
 import json
 import os
 
@@ -43,10 +44,12 @@ def _train(precision, model, batches, loss_of):
     return model, loss
 
 
-def _norm_output_is_fp32_math(norm, dtype):
-    """The kept norm takes a 16-bit input and returns the fp32 computation rounded once to 16 bits."""
+def _norm_output_is_fp32_math(norm, dtype, autocast=contextlib.nullcontext):
+    """The kept norm takes a 16-bit input and returns the fp32 computation rounded once to 16 bits (inside
+    ``autocast``: the master modes cast only there)."""
     x = torch.randn(3, norm.weight.shape[0]).to(dtype)
-    out = norm(x)
+    with autocast():
+        out = norm(x)
     hooks = (norm._forward_pre_hooks, norm._forward_hooks)
     saved = [dict(h) for h in hooks]
     for h in hooks:
@@ -60,14 +63,15 @@ def _norm_output_is_fp32_math(norm, dtype):
 
 
 def _seen_in_forward(model, *args):
-    """module name -> {tensor name: the dtype the forward sees} (a master mode's 16-bit compute copies)."""
+    """module name -> {tensor name: the dtype the forward sees} (a master mode's 16-bit compute copies, made
+    inside autocast only)."""
     seen = {}
 
     def hook(m, a, name=""):
         seen[name] = {k: getattr(m, k).dtype for k in (*m._parameters, *m._buffers) if getattr(m, k) is not None}
 
     handles = [m.register_forward_pre_hook(lambda m, a, n=n: hook(m, a, n)) for n, m in model.named_modules()]
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(*args)
     for h in handles:
         h.remove()
@@ -85,7 +89,7 @@ def test_nanogpt_layernorm_stays_fp32_and_trains(name):
     modules = dict(model.named_modules())
     for n in norms:
         assert modules[n].weight.dtype == modules[n].bias.dtype == torch.float32
-        assert _norm_output_is_fp32_math(modules[n], low)
+        assert _norm_output_is_fp32_math(modules[n], low, precision.autocast)
     stored = precision.param_dtype  # fp32 in the master modes (the masters), 16-bit in the pure ones
     assert model.transformer.h[0].attn.c_attn.weight.dtype == stored and model.lm_head.weight.dtype == stored
     seen = _seen_in_forward(model, get_batch(0)[0])
@@ -106,7 +110,8 @@ def test_llama_style_rmsnorm_stays_fp32_and_trains(name):
     model, loss = _train(precision, TinyLlama(), batches,
                          lambda m, b: nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()))
     for norm in (model.norm1, model.norm2):
-        assert norm.weight.dtype == torch.float32 and _norm_output_is_fp32_math(norm, precision.compute_dtype)
+        assert norm.weight.dtype == torch.float32 and _norm_output_is_fp32_math(norm, precision.compute_dtype,
+                                                                                precision.autocast)
     assert model.up.weight.dtype == precision.param_dtype
     assert _seen_in_forward(model, batches[0])["up"]["weight"] == precision.compute_dtype
     assert torch.isfinite(loss) and all(torch.isfinite(p).all() for p in model.parameters())

@@ -47,7 +47,8 @@ def test_param_dtypes_and_norms_fp32(name, dtype):
         assert not isinstance(opt, MasterWeightOptimizer) and isinstance(opt, torch.optim.AdamW)
         assert all(m.dtype == torch.float32 for g in opt.param_groups for m in g["params"])
     seen, handle = _weight_dtype_in_forward(model[0], None)
-    out = model(torch.randn(2, 16))
+    with p.autocast():  # the master modes make their compute copies inside it only
+        out = model(torch.randn(2, 16))
     handle.remove()
     assert seen["dtype"] == dtype  # the forward computes with the 16-bit weight
     assert "weight" not in vars(model[0])  # and the compute copy is gone after it

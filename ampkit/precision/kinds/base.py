@@ -20,43 +20,24 @@ import torch
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
+from ...optim.identity import become
 from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
-from ..export import fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights
+from ..clients import (accelerate_accumulation_steps, check_second_scaler, engine_wrapper, log, mark_skipped,
+                       stepped_object, unwrapped)
+from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
 from ..options import PrecisionOptions
+from ..scaling.backward_unscale import BackwardUnscale
 from ..scaling.loss_scaler import LossScaler
 from ..scaling.nonfinite import nonfinite_flag, nonfinite_from_norm
 from ..scaling.step_result import StepResult
 from ..tuned import Tuned
 
-__all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params"]
-
-#: the attribute an engine's optimizer wrapper keeps the real optimizer in: accelerate's AcceleratedOptimizer
-#: (``optimizer``), Lightning's LightningOptimizer (``_optimizer``)
-_WRAPPED_IN = ("optimizer", "_optimizer")
-_ENGINES = ("accelerate", "lightning", "pytorch_lightning", "lightning_fabric")
-
-
-def engine_wrapper(optimizer: Any):
-    """(wrapper, attribute) when ``optimizer`` is an engine's wrapper around a torch optimizer, else (None, None)."""
-    if type(optimizer).__module__.split(".")[0] not in _ENGINES:  # ampkit's own wrappers hold theirs too
-        return None, None
-    for attr in _WRAPPED_IN:
-        inner = getattr(optimizer, attr, None)
-        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            return optimizer, attr
-    return None, None
-
-
-def unwrapped(optimizer: Any) -> Any:
-    """The optimizer inside accelerate's / Lightning's wrappers (itself when not wrapped)."""
-    holder, attr = engine_wrapper(optimizer)
-    return unwrapped(getattr(holder, attr)) if holder is not None else optimizer
-
+__all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params", "accelerate_accumulation_steps", "mark_skipped"]
 
 def grads_params(optimizer) -> List[torch.Tensor]:
     """The optimizer's parameters that hold a gradient."""
@@ -198,6 +179,7 @@ class Precision:
             self.scaler.counters.low_dtype = self.mode.low_dtype
         self.scales_loss = self.mode.scaled
         self._setup_done = False
+        self._backward_unscale = BackwardUnscale()
 
     def _make_scaler(self) -> LossScaler:
         """The mode's loss scaler; unscaled modes get a check-only guard (scale 1, never grows, skips
@@ -287,6 +269,8 @@ class Precision:
         self.scaler.register_names(model)
         self.model = model
         self._setup_done = True
+        if self.scales_loss and self.unscales_in_backward:  # the gradients backward unscales: every set-up model's
+            self._backward_unscale.add(model)
         return model
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -298,9 +282,13 @@ class Precision:
         if holder is not None:
             setattr(holder, attr, self.wrap_optimizer(getattr(holder, attr)))
             return holder
+        checks.check_torch_optimizer(optimizer, self.name)
+        given = optimizer
         optimizer = self._convert_optimizer(self._with_state(optimizer))
         self.check_optimizer_eps(optimizer)
         optimizer = self._wrap_optimizer(optimizer)
+        if optimizer is not given:
+            optimizer = self._adopt(given, optimizer)
         self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._name_optimizer(optimizer)
         return optimizer
@@ -329,12 +317,23 @@ class Precision:
         to their fused kernel (no host sync per step); torch's SGD over FSDP2's DTensor shards stays as built
         (torch has no DTensor rule for ``aten._fused_sgd_``)."""
         if self.fused_optimizer and not checks.fused_sgd_on_dtensors(optimizer):
-            checks.use_fused_kernel(optimizer, self.device)
+            if checks.use_fused_kernel(optimizer, self.device) and not getattr(self, "_said_fused", False):
+                self._said_fused = True  # once per precision: the user's optimizer changed kernel in place
+                log.warning("precision=%r: setup switched your %s to torch's fused kernel in place (fused=True: the "
+                            "skip flag stays on the device, no host sync per step; results differ from the foreach "
+                            "kernel in the last bits): keep your kernel with fused_optimizer=False.",
+                            self.name, type(optimizer).__name__)
         return optimizer
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer ``wrap_optimizer`` returns (after the eps check): as given here."""
         return optimizer
+
+    def _adopt(self, given: torch.optim.Optimizer, made: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the kind made for ``given`` is of another class (bf16-pure's compensated optimizer,
+        bf16/8-bit state): the user's object becomes it in place (``ampkit.optim.identity``), so schedulers, engine
+        wrappers and ``load_state_dict`` keep driving the object that steps."""
+        return become(given, made)
 
     def _name_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Tell the scaler the names of the tensors the optimizer steps that are not the model's (its errors
@@ -428,13 +427,30 @@ class Precision:
         return policy
 
     # ------------------------------------------------------------------ the loop
+    #: whether ``backward`` unscales the gradients it made (the scaled modes whose gradients land in fp32
+    #: parameters: ``scaling/backward_unscale.py``); fp16-pure's fp16 gradients stay scaled until the step
+    unscales_in_backward = True
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """loss.backward(), with the loss scaled first in the scaled modes."""
-        if self.scales_loss:
-            self.scaler.scale(loss).backward(**kwargs)
-        else:
+        """loss.backward(), with the loss scaled first in the scaled modes and, where the gradients land in fp32
+        parameters (fp16-mixed, fp16-master), unscaled (and checked for inf/NaN, on the device) before it returns:
+        nothing after ``backward`` sees scaled gradients. Under an ``accelerate.Accelerator`` built with
+        ``gradient_accumulation_steps=N`` the loss is divided by N first, as ``accelerator.backward`` does."""
+        steps = accelerate_accumulation_steps()
+        if steps > 1:
+            loss = loss / steps
+        if not self.scales_loss:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
+            return
+        params = self._backward_unscale.params if self.unscales_in_backward and self.scaler.is_enabled() else None
+        if not params:
+            self.scaler.scale(loss).backward(**kwargs)
+            return
+        scaled = self.scaler.scale(loss)  # creates the scale on the loss's device the first time
+        self._backward_unscale.before(params, self.scaler.scale_tensor)
+        scaled.backward(**kwargs)
+        self._backward_unscale.after(params, self.scaler._inv_scale())
 
     def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
         """Make the optimizer's grads real (unscaled) and record the non-finite check (once per step), as
@@ -452,7 +468,9 @@ class Precision:
         if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
             return
         scaler.ensure_initialized(self.device)  # backward() may not have come through us
-        if self.scales_loss:
+        if self.scales_loss and self._backward_unscale.found and self._backward_unscale.covers(optimizer):
+            scaler.record_unscaled(optimizer, self._backward_unscale.take())  # backward unscaled them
+        elif self.scales_loss:
             scaler.unscale_(optimizer, to_model=to_model)
         else:
             found = (nonfinite_from_norm(norm, self.device) if norm is not None
@@ -483,7 +501,7 @@ class Precision:
         A step no backward reached is refused; an optimizer wrapped by accelerate inside
         ``accelerator.accumulate`` on a micro-batch that does not sync is left alone (no unscale, no count).
         """
-        gradient_state = getattr(optimizer, "gradient_state", None)
+        optimizer, gradient_state = stepped_object(optimizer), getattr(optimizer, "gradient_state", None)
         if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
             return StepResult(stepped=False)
         self.check_step_optimizer(optimizer)
@@ -491,6 +509,8 @@ class Precision:
             raise RuntimeError(
                 "Precision.step() found no gradients on the optimizer's parameters: call precision.backward(loss) "
                 "(or loss.backward()) before each step(); nothing was stepped or counted.")
+        if self.scales_loss:
+            self._check_scaled_backward(optimizer)
         if max_norm is not None and max_norm > 0:
             self.clip_grad_norm_(optimizer, max_norm, norm_type)
         else:
@@ -500,7 +520,28 @@ class Precision:
             found = self.scaler.found_inf(optimizer)
             result = StepResult(found) if found is not None else StepResult()
         self.scaler.update()
+        mark_skipped(optimizer, result)
         return result
+
+    def _check_scaled_backward(self, optimizer) -> None:
+        """The scaled modes: refuse (one line) a step whose gradients no scaled loss made (the client's own
+        ``loss.backward()``/``accelerator.backward``: the step would divide true gradients by the loss scale, and
+        the weights move 65536x too little, silently), a second scaler on the loss (accelerate's fp16 one), and
+        gradients of parameters that no set-up model holds beside ones ``backward`` unscaled."""
+        check_second_scaler(optimizer, self.scaler)
+        if self.scaler.stage(optimizer) is not OptState.READY or not self.scaler.is_enabled():
+            return
+        if self._backward_unscale.found:
+            if not self._backward_unscale.covers(optimizer):
+                raise RuntimeError(
+                    "Precision.step(): the optimizer steps parameters of a model precision.setup() never saw, beside "
+                    "ones precision.backward() unscaled: pass every model through precision.setup(model).")
+        elif not getattr(self.scaler, "loss_scaled", True):
+            raise RuntimeError(
+                f"Precision.step() found gradients no scaled loss made: precision={self.name!r} scales the loss in "
+                "precision.backward(loss), and without it the step divides true gradients by the loss scale "
+                "(weights move 65536x too little): call precision.backward(loss) instead of loss.backward() "
+                "or accelerator.backward(loss).")
 
     # ------------------------------------------------------------------ state
     def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
@@ -512,6 +553,18 @@ class Precision:
         the live ones."""
         opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
         return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
+
+    def export(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
+        """A plain fp32 copy of ``model`` with no ampkit in it (no hooks, fp32 weights from :meth:`fp32_state_dict`:
+        masters, Kahan-folded bf16-pure weights): ``torch.save(precision.export(model), path)`` loads and runs with
+        ``torch.load(path, weights_only=False)`` where ampkit is not installed (``ampkit.precision.export``)."""
+        return plain_module(model, self.fp32_state_dict(model, optimizer))
+
+    def fp32_view(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Fp32View:
+        """An fp32 copy of the model's weights that follows it (``ampkit.precision.export.Fp32View``): give
+        ``view.module`` to an EMA and call ``view.refresh()`` after each step (docs/INTEGRATIONS.md, "EMA")."""
+        opt = unwrapped(optimizer if optimizer is not None else getattr(self, "_optimizer", None))
+        return Fp32View(model, opt, self.fp32_state_dict(model, opt))
 
     def state_dict(self) -> Dict[str, Any]:
         """The precision's part of a checkpoint: the mode's name, the scaler's state (loss scale, skip counters,

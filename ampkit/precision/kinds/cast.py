@@ -24,8 +24,9 @@ class CastParams(AutocastPrecision):
         compute each forward with 16-bit copies (``convert.ComputeCopies``); norms and islands stay fp32."""
         low = self.compute_dtype
         plan = fp32_plan(model, low, self.keep_norm_fp32, self.fp32_modules)
-        convert_model(model, low, skip=self.fp32_modules, plan=plan, compute_copies=compute_copies)
-        hook_io(model, low, self.cast_outputs)
+        gate = self.device.type if compute_copies else None  # fp32 weights: 16-bit compute inside autocast only
+        convert_model(model, low, skip=self.fp32_modules, plan=plan, compute_copies=compute_copies, gate=gate)
+        hook_io(model, low, self.cast_outputs, gate=gate)
         self._kept_fp32 = plan.kept()
 
     def _details(self) -> List[str]:

@@ -65,6 +65,11 @@ class MasterPrecision(CastParams):
     #: wrapper ``master_optimizer`` builds): ``ampkit.compat.apex``'s subclass
     model_holds_masters = True
 
+    @property
+    def unscales_in_backward(self) -> bool:
+        """The model's fp32 parameters take unscaled gradients; apex's layout (16-bit parameters) keeps them scaled."""
+        return self.model_holds_masters
+
     def _convert_model(self, model):
         self._cast(model, compute_copies=self.model_holds_masters)
         return model
@@ -78,6 +83,11 @@ class MasterPrecision(CastParams):
             optimizer.register_load_state_dict_post_hook(_adopt_after_load)
             optimizer._ampkit_adopts_masters = True
         return optimizer
+
+    def _adopt(self, given, made):
+        if isinstance(made, MasterWeightOptimizer):  # apex's layout: the wrapper holds the user's optimizer
+            return made
+        return super()._adopt(given, made)
 
     def _details(self) -> List[str]:
         extra = super()._details()

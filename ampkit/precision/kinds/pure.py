@@ -22,6 +22,7 @@ class PurePrecision(CastParams):
     optimizer for its compensated ``ampkit.optim`` form; fp16-pure raises a too-small Adam ``eps``."""
 
     kind = "pure"
+    unscales_in_backward = False  # fp16 gradients cannot hold true values: scaled until the step unscales in fp32
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """:class:`Precision`'s arguments; bf16-pure refuses 8-bit states (torchao's, which round bf16 params

@@ -80,6 +80,13 @@ class LossScaler(TraceableGradScaler):
         self._distributed = distributed
         self._allow_fp16_grads = allow_fp16_grads
         self.counters = SkipCounters(max_consecutive_skips)
+        #: ``scale()`` ran since the last ``update()``: the grads a step finds came from a scaled loss
+        self.loss_scaled = False
+
+    def scale(self, outputs):
+        """torch's ``scale`` (remembering, until ``update()``, that a loss was scaled)."""
+        self.loss_scaled = True
+        return super().scale(outputs)
 
     # ------------------------------------------------------------------ public seams
     def register_names(self, model: torch.nn.Module) -> "LossScaler":
@@ -288,11 +295,27 @@ class LossScaler(TraceableGradScaler):
         state["found_inf_per_device"] = {found.device: found}
         state["stage"] = OptState.UNSCALED
 
+    def record_unscaled(self, optimizer: torch.optim.Optimizer, found_per_device: Dict[torch.device, torch.Tensor]) -> None:
+        """Record ``optimizer``'s grads as unscaled already (``precision.backward`` unscaled them) with the inf/NaN
+        flags that unscale found (per device; all-reduced across ranks here, once per step, where ranks differ)."""
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("record_unscaled")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            raise RuntimeError("record_unscaled() must come before unscale_()/step() in an iteration.")
+        if distributed_active(self._distributed):
+            found = found_inf_total(list(found_per_device.values()), self._scale.device)
+            found_per_device = {found.device: all_reduce_max(found)}
+        state["found_inf_per_device"] = dict(found_per_device)
+        state["stage"] = OptState.UNSCALED
+
     # ------------------------------------------------------------------ update
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
         """torch's ``update``, plus static scaling, floor/cap, hysteresis, telemetry and the skip limit."""
         if not self._enabled:
             return
+        self.loss_scaled = False
         if new_scale is not None:
             self.counters.optimizers = {}
             super().update(new_scale)

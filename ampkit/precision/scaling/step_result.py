@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["HostCopy", "StepResult"]
+__all__ = ["HostCopy", "SkipFlag", "StepResult"]
 
 
 class HostCopy:
@@ -64,3 +64,20 @@ class StepResult:
     def __repr__(self) -> str:
         state = "unread" if self._stepped is None else ("stepped" if self._stepped else "skipped")
         return f"StepResult({state})"
+
+
+class SkipFlag:
+    """A step's "was it skipped?" for the clients that ask a bool (accelerate's ``step_was_skipped``): falsy when
+    the optimizer stepped, truthy when the step was skipped, the device flag read only when someone asks (one
+    host sync then, as ``bool(StepResult)``)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: StepResult) -> None:
+        self.result = result
+
+    def __bool__(self) -> bool:
+        return not bool(self.result)
+
+    def __repr__(self) -> str:
+        return f"SkipFlag({self.result!r})"
