@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-#: model sizes: on a GPU those of issue 39's run (Llama 0.54B, GPT-2 124M, batch 8 x 1024); the CPU smoke's tiny
+#: model sizes: on a GPU those of the H200 run of 2026-11-28 (Llama 0.54B, GPT-2 124M, batch 8 x 1024); the CPU smoke's tiny
 SIZES = {
     "gpu": {"llama": dict(hidden_size=2048, num_hidden_layers=8, intermediate_size=5632, vocab_size=32000,
                           num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024),
