@@ -36,6 +36,8 @@ import hf_compare  # noqa: E402 - benchmarks/hf_compare.py, beside this file
 
 PART_BUDGET_S = int(os.environ.get("GPU_CHECK_PART_BUDGET", os.environ.get("GPU_CHECK_PART_TIMEOUT", "90")))
 TOTAL_BUDGET_S = int(os.environ.get("GPU_CHECK_TOTAL_BUDGET", "480"))
+#: the CPU smoke checks that every part runs, on CPUs shared with other jobs: budgets 5x the GPU's unless set
+SMOKE_SLACK = 5
 #: a part is not started with less than this left of the whole check's budget
 MIN_PART_S = 15
 
@@ -258,7 +260,12 @@ def fsdp_modes(device: str, steps: int = 4) -> str:
     started = not dist.is_initialized()
     if started:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
+        if "MASTER_PORT" not in os.environ:  # a free port: a fixed one collides with another run on the machine
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
     done, refused, worst = [], [], 0.0
     try:
@@ -370,7 +377,8 @@ def main(argv=None) -> int:
         print(f"error: --out {out!r} is a file: pass a folder.", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
-    c = Check(out, cpu)
+    slack = 1 if not cpu or "GPU_CHECK_PART_BUDGET" in os.environ else SMOKE_SLACK
+    c = Check(out, cpu, PART_BUDGET_S * slack, TOTAL_BUDGET_S * slack)
     no_cuda = "needs CUDA (this run is the CPU smoke)"
     want = set(args.parts.split(",")) if args.parts else None
     gpt = ["--steps", "5", "--warmup", "2", "--repeats", "1"]

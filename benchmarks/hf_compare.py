@@ -31,7 +31,7 @@ SIZES = {
     "cpu": {"llama": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, vocab_size=64,
                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32),
             "gpt2": dict(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32),
-            "batch": (2, 16), "warmup": 1, "steps": 1, "compiled_layers": 2},
+            "batch": (2, 16), "warmup": 1, "steps": 1, "compiled_layers": 1},
 }
 #: the CPU smoke's rows (every kind of runner once, each model; in seconds): the GPU runs them all
 SMOKE = {"llama": {"plain fp32", "autocast bf16", "pure bf16 + fused AdamW", "accelerate bf16", "Fabric bf16-mixed",
