@@ -90,6 +90,18 @@ def test_eager_fp8_is_said_once_and_not_under_compile():
     torch.save(model, __import__("io").BytesIO())  # the hook pickles
 
 
+def test_eager_note_is_not_said_for_a_model_compiled_by_region():
+    torch.manual_seed(0)
+    model = Net()
+    note_eager(model, "fp8-tensorwise")
+    model.b.compile(backend="eager")  # as ampkit train --compile does with the blocks
+    torch._dynamo.reset()
+    try:
+        assert _eager_notes(lambda: [model(torch.randn(4, 32)) for _ in range(2)]) == []
+    finally:
+        torch._dynamo.reset()
+
+
 def test_setup_hooks_the_note_only_where_fp8_gemms_are_real(monkeypatch):
     def setup():
         with warnings.catch_warnings():

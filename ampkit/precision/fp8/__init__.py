@@ -61,6 +61,8 @@ class _EagerFp8Note:
         if torch.compiler.is_compiling() or self.said or not module.training:
             return
         self.said = True
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()):
+            return  # compiled by region (``block.compile()``: ampkit train --compile), the fp8 Linears inside
         warnings.warn(EAGER_NOTE.format(mode=self.mode), stacklevel=2)
 
 
