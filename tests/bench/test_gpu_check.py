@@ -32,7 +32,8 @@ def test_cpu_smoke_writes_its_table(tmp_path, monkeypatch):
     assert "| bench --paired (ampkit vs plain loop) | ok |" in table
     assert "ampkit bench" in (out / "commands.txt").read_text()
     # most important first, the CUDA suite (the longest) last; the whole check under its budget
-    names = [line.split(" | ")[0].lstrip("| ") for line in table.splitlines() if line.startswith("| ") and " | " in line]
+    parts = table.split("## Hugging Face", 1)[0].splitlines()
+    names = [line.split(" | ")[0][2:] for line in parts if line.startswith("| ") and not line.startswith("| part |")]
     assert names[0] == "every mode's steps, sync debug 'error'" and names[1] == "HF Llama vs plain loops and peers"
     assert "test suite on CUDA" in names[-1]
     assert "budget 2400 s, 450 s per part" in table  # the smoke's: 5x the lease's 480 s and 90 s (a shared CPU)
