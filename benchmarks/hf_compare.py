@@ -221,7 +221,7 @@ def run_row(runner: Runner, arch: str, device, size: dict, peak: float, layers: 
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
                     step(batch)
-                    torch.cuda.current_stream(device).synchronize()  # (a stream sync, not counted: outside)
+                    torch.cuda.current_stream(device).synchronize()  # explicit: sync debug mode flags implicit ones only
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
             row["syncs"] = sum("synchroniz" in str(w.message) for w in caught)
