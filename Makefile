@@ -59,9 +59,11 @@ clean:
 
 # On a CUDA machine: install a CUDA torch first, e.g.
 #   make gpu-check TORCH_SPEC='torch --index-url https://download.pytorch.org/whl/cu126'
-# Runs the CUDA test files (GPU_CHECK_ARGS='--suite full': all), every mode's steps under sync debug "error",
-# every mode under FSDP2 (nccl) + sharded checkpoint, the fp8 filter, fp8 vs bf16 and MFU on GPT-2 124M, the
-# memory plan vs max_memory_allocated, bench --paired; writes benchmarks/gpu-check-<device>-<time>/.
+# Fits a 15-minute lease: each part under 90 s (GPU_CHECK_PART_BUDGET), the whole under 480 s
+# (GPU_CHECK_TOTAL_BUDGET), most important first: every mode's steps under sync debug "error", HF Llama and
+# GPT-2 vs plain loops and peers, compiled ampkit fp8 vs torchao fp8 vs bf16, the fp8 filter, the memory plan,
+# FSDP2 + sharded checkpoint, bench --paired, fp8 vs bf16 and MFU on GPT-2 124M, the CUDA test files
+# (GPU_CHECK_ARGS='--suite full': all) last; writes benchmarks/gpu-check-<device>-<time>/, one table at the end.
 # Without CUDA it runs the CPU smoke (tiny sizes, CUDA-only parts skipped with the reason).
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

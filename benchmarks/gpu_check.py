@@ -1,13 +1,17 @@
-"""``make gpu-check``: what ampkit claims on a GPU, checked by one command, each part under 10 minutes.
+"""``make gpu-check``: what ampkit claims on a GPU, checked by one command inside a 15-minute GPU lease.
 
-On a CUDA machine it runs: the test suite on CUDA; training steps of every precision mode under
-``torch.cuda.set_sync_debug_mode("error")`` (a host sync in a step raises); ``ampkit bench --paired``
-(every ampkit row against the plain torch loop in the same precision, target >= 0.98x); fp8's real
-``_scaled_mm`` path against bf16 on the GPT-2 124M preset; GPT-2 124M MFU in bf16, eager and compiled;
-and the memory planner's prediction (``ampkit.memory.plan``, where present) against
-``torch.cuda.max_memory_allocated``. Without CUDA (or with ``--cpu-smoke``) it runs the same script
-with tiny sizes and skips the CUDA-only parts, saying why. It writes ``<out>/gpu-check.md`` (the table
-of parts: status, seconds, result) and ``<out>/commands.txt``; ``<out>`` defaults to
+Parts run most important first, each under a time budget (``GPU_CHECK_PART_BUDGET``, default 90 s: a part
+past it is stopped and marked "over budget" with what it finished), the whole check under
+``GPU_CHECK_TOTAL_BUDGET`` (default 480 s: a part that would start with under 15 s left is skipped with a
+note). On a CUDA machine: training steps of every precision mode under ``torch.cuda.set_sync_debug_mode
+("error")``; Hugging Face Llama (0.54B) and GPT-2 (124M) from configs, each ampkit mode against the plain
+fp32 loop, autocast bf16 (+ fused AdamW), pure bf16, accelerate and Fabric (ms/step, MFU, peak GiB, host
+syncs: benchmarks/hf_compare.py); compiled ampkit fp8 vs compiled torchao fp8 vs compiled bf16; the fp8
+filter's choices; the memory planner against ``max_memory_allocated``; every mode under FSDP2; ``ampkit
+bench --paired``; fp8's ``_scaled_mm`` against bf16 on GPT-2 124M; MFU eager and compiled; the CUDA test
+files last (the longest). Without CUDA (or with ``--cpu-smoke``) the same script runs at tiny sizes and
+skips the CUDA-only parts, saying why. It writes ``<out>/gpu-check.md`` (one table of parts: status,
+seconds, result; then the Hugging Face tables) and ``<out>/commands.txt``; ``<out>`` defaults to
 ``benchmarks/gpu-check-<device>-<UTC date-time>``.
 
     python benchmarks/gpu_check.py                 # what the machine can run
@@ -19,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,32 +31,74 @@ from typing import Callable, List
 
 import torch
 
-PART_TIMEOUT_S = int(os.environ.get("GPU_CHECK_PART_TIMEOUT", "600"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_compare  # noqa: E402 - benchmarks/hf_compare.py, beside this file
+
+PART_BUDGET_S = int(os.environ.get("GPU_CHECK_PART_BUDGET", os.environ.get("GPU_CHECK_PART_TIMEOUT", "90")))
+TOTAL_BUDGET_S = int(os.environ.get("GPU_CHECK_TOTAL_BUDGET", "480"))
+#: the CPU smoke checks that every part runs, on CPUs shared with other jobs: budgets 5x the GPU's unless set
+SMOKE_SLACK = 5
+#: a part is not started with less than this left of the whole check's budget
+MIN_PART_S = 15
+
+
+class OverBudget(BaseException):
+    """A part ran past its time budget (raised in the main thread by SIGALRM; a BaseException, so a part's own
+    ``except Exception`` around one row does not swallow it)."""
+
+
+def _alarm(signum, frame):
+    raise OverBudget()
 
 
 class Check:
-    def __init__(self, out: str, cpu: bool) -> None:
+    def __init__(self, out: str, cpu: bool, part_budget: float = PART_BUDGET_S,
+                 total_budget: float = TOTAL_BUDGET_S) -> None:
         self.out, self.cpu, self.rows, self.commands = out, cpu, [], []
         self.device = "cpu" if cpu else "cuda"
+        self.part_budget, self.total_budget = part_budget, total_budget
+        self.started = time.perf_counter()
+        self.hf_rows: list = []  # benchmarks/hf_compare.py's rows, appended as they finish
+        self._deadline = None
+
+    def left(self) -> float:
+        """Seconds the running part has left (subprocesses get this as their timeout)."""
+        return max(1.0, (self._deadline or time.perf_counter() + self.part_budget) - time.perf_counter())
 
     def part(self, name: str, fn: Callable[[], str], cuda_only: str = "") -> None:
         if self.cpu and cuda_only:
             self.rows.append((name, "skipped", 0.0, cuda_only))
             print(f"[skip] {name}: {cuda_only}", flush=True)
             return
+        remaining = self.total_budget - (time.perf_counter() - self.started)
+        if remaining < MIN_PART_S:
+            note = f"not started: {max(remaining, 0):.0f} s left of the check's {self.total_budget:.0f} s budget"
+            self.rows.append((name, "skipped", 0.0, note))
+            print(f"[skip] {name}: {note}", flush=True)
+            return
+        budget = min(self.part_budget, remaining)
         t0 = time.perf_counter()
+        self._deadline = t0 + budget
+        old = signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, budget)
         try:
             result, status = fn(), "ok"
-        except subprocess.TimeoutExpired:
-            result, status = f"over {PART_TIMEOUT_S} s", "timeout"
+        except (OverBudget, subprocess.TimeoutExpired):
+            result, status = f"stopped at its {budget:.0f} s budget (what it finished is kept)", "over budget"
         except Exception as e:  # a failed part is recorded; the others still run
             result, status = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", "FAILED"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            self._deadline = None
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode(0)  # a part stopped inside a checked region
         self.rows.append((name, status, time.perf_counter() - t0, result))
         print(f"[{status}] {name}: {result}", flush=True)
 
-    def sh(self, cmd: List[str], timeout: int = PART_TIMEOUT_S) -> str:
+    def sh(self, cmd: List[str], timeout: float = None) -> str:
         self.commands.append(" ".join(cmd))
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or self.left())
         if p.returncode != 0:
             raise RuntimeError(f"exit {p.returncode}: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
         return p.stdout
@@ -67,6 +114,10 @@ class Check:
                  "", f"torch {torch.__version__}, " + (torch.cuda.get_device_name() if not self.cpu else "CPU smoke"),
                  "", "| part | status | seconds | result |", "|---|---|---:|---|"]
         lines += [f"| {n} | {s} | {t:.0f} | {r} |" for n, s, t, r in self.rows]
+        lines += [f"", f"total {time.perf_counter() - self.started:.0f} s (budget {self.total_budget:.0f} s, "
+                       f"{self.part_budget:.0f} s per part)"]
+        if self.hf_rows:
+            lines += ["", "## Hugging Face models from configs", "", hf_compare.table(self.hf_rows)]
         path = os.path.join(self.out, "gpu-check.md")
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -209,7 +260,12 @@ def fsdp_modes(device: str, steps: int = 4) -> str:
     started = not dist.is_initialized()
     if started:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
+        if "MASTER_PORT" not in os.environ:  # a free port: a fixed one collides with another run on the machine
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
     done, refused, worst = [], [], 0.0
     try:
@@ -294,8 +350,8 @@ CUDA_TESTS = ["tests/precision/test_sync_free.py", "tests/precision/test_compile
 
 def suite(c: "Check", which: str) -> str:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"] + (CUDA_TESTS if which == "cuda" else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=PART_TIMEOUT_S)
     c.commands.append(" ".join(cmd))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=c.left())
     with open(os.path.join(c.out, "suite.log"), "w") as f:
         f.write(p.stdout + p.stderr)
     last = (p.stdout.strip().splitlines() or ["no output"])[-1]
@@ -311,8 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", choices=("cuda", "full", "none"), default="cuda",
                     help="tests run on CUDA: the files that exercise CUDA paths (default), all of them, or none")
     ap.add_argument("--skip-suite", dest="suite", action="store_const", const="none", help="= --suite none")
-    ap.add_argument("--parts", help="comma-separated: steps,fsdp,fp8-filter,suite,fp8,paired,mfu,memory,mfu-compiled "
-                                    "(default: all)")
+    ap.add_argument("--parts", help="comma-separated: steps,hf-llama,hf-compiled,hf-gpt2,fp8-filter,memory,fsdp,paired,"
+                                    "fp8,mfu,mfu-compiled,suite (default: all, in this order)")
     args = ap.parse_args(argv)
     cpu = args.cpu_smoke or not torch.cuda.is_available()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
@@ -321,30 +377,35 @@ def main(argv=None) -> int:
         print(f"error: --out {out!r} is a file: pass a folder.", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
-    c = Check(out, cpu)
+    slack = 1 if not cpu or "GPU_CHECK_PART_BUDGET" in os.environ else SMOKE_SLACK
+    c = Check(out, cpu, PART_BUDGET_S * slack, TOTAL_BUDGET_S * slack)
     no_cuda = "needs CUDA (this run is the CPU smoke)"
     want = set(args.parts.split(",")) if args.parts else None
-    gpt = ["--steps", "10", "--warmup", "3", "--repeats", "1"]
+    gpt = ["--steps", "5", "--warmup", "2", "--repeats", "1"]
     small = ["--models", "mlp", "--precisions", "fp32", "--steps", "1", "--warmup", "1", "--repeats", "1"]
-    parts = [
+    parts = [  # most important first: a lease that ends early keeps these
         ("steps", "every mode's steps, sync debug 'error'", lambda: sync_free_steps(c.device), ""),
-        ("fsdp", "every mode under FSDP2 + sharded checkpoint", lambda: fsdp_modes(c.device), ""),
+        ("hf-llama", "HF Llama vs plain loops and peers", lambda: hf_compare.compare("llama", c.device, c.hf_rows), ""),
+        ("hf-compiled", "compiled: ampkit fp8 vs torchao fp8 vs bf16 (HF Llama)",
+         lambda: hf_compare.compare("llama", c.device, c.hf_rows, compiled=True), ""),
+        ("hf-gpt2", "HF GPT-2 vs plain loops and peers", lambda: hf_compare.compare("gpt2", c.device, c.hf_rows), ""),
         ("fp8-filter", "fp8 auto filter: GPT-2 124M, Llama-8B MLP", lambda: fp8_filter_report(c.device), ""),
-        ("suite", "test suite on CUDA", lambda: suite(c, args.suite), "CPU: the suite runs in CI (`make test`)"),
+        ("memory", "memory plan vs max_memory_allocated", lambda: memory_plan_vs_measured(c.device), ""),
+        ("fsdp", "every mode under FSDP2 + sharded checkpoint", lambda: fsdp_modes(c.device), ""),
+        ("paired", "bench --paired (ampkit vs plain loop)",
+         lambda: paired_summary(c.bench("paired", "--paired", *(small if cpu else ["--quick"]))), ""),
         # "ends": GPT-2 124M is below the roofline's size, so the default filter would run no fp8 GEMM at all
         ("fp8", "fp8 _scaled_mm vs bf16, GPT-2 124M (--fp8-filter ends)",
          lambda: mfu_summary(c.bench("fp8", "--models", "gpt2", "--precisions", "bf16-mixed,fp8-tensorwise,fp8-rowwise",
                                      "--runners", "ampkit", "--fp8-filter", "ends", *gpt)),
          "fp8 _scaled_mm needs an sm89+ GPU"),
-        ("paired", "bench --paired (ampkit vs plain loop)",
-         lambda: paired_summary(c.bench("paired", "--paired", *(small if cpu else ["--quick"]))), ""),
         ("mfu", "MFU GPT-2 124M bf16 eager",
          lambda: mfu_summary(c.bench("mfu-eager", "--models", "gpt2", "--precisions", "bf16-mixed",
                                      "--runners", "ampkit", *gpt)), no_cuda + "; MFU against a GPU's peak"),
-        ("memory", "memory plan vs max_memory_allocated", lambda: memory_plan_vs_measured(c.device), ""),
         ("mfu-compiled", "MFU GPT-2 124M bf16 compiled",
          lambda: mfu_summary(c.bench("mfu-compiled", "--models", "gpt2", "--precisions", "bf16-mixed",
                                      "--runners", "ampkit", "--compile", *gpt)), no_cuda),
+        ("suite", "test suite on CUDA", lambda: suite(c, args.suite), "CPU: the suite runs in CI (`make test`)"),
     ]
     for key, name, fn, cuda_only in parts:
         if want is not None and key not in want:
@@ -355,6 +416,8 @@ def main(argv=None) -> int:
         c.part(name, fn, cuda_only=cuda_only)
         c.write()  # after every part: a run stopped at its limit keeps what it measured
     path = c.write()
+    with open(path) as f:
+        print(f.read(), flush=True)  # the one table, at the end
     print(f"wrote {path}")
     return 1 if any(s in ("FAILED", "timeout") for _, s, _, _ in c.rows) else 0
 

@@ -99,6 +99,7 @@ def check(
     fp8_filter: Optional[str] = None,
     fp8_gpu: Optional[str] = None,
     fp8_tokens: Optional[int] = None,
+    compiled: bool = False,
 ) -> CheckReport:
     """Check mixed precision for ``model`` on one ``batch``; returns a :class:`CheckReport` (a dict).
 
@@ -121,6 +122,8 @@ def check(
         fp8_filter, fp8_gpu, fp8_tokens: the fp8 filter (``'auto'``, the default: per-layer roofline; ``'ends'``;
             ``'all'``), the GPU class it judges for (default: this GPU's, on a CPU ``'h100'``, ``'b200'`` for mxfp8)
             and tokens per GEMM.
+        compiled: the run will be under ``torch.compile``: only then may `auto` recommend an fp8 mode (eager fp8
+            measures slower than bf16-mixed, its casts and scales unfused).
 
     Keys: ``device``, ``auto``, ``loss_scale``, ``reference``, ``verdicts``, ``modules``,
     ``gradients``, ``stale_updates``, ``audit``, ``recommendation``, ``thresholds``; with an fp8
@@ -184,7 +187,7 @@ def check(
                                fp8_skip, fp8_force, fp8_filter, fp8_gpu, fp8_tokens)
     if any(f not in ("fp8-tensorwise", "fp8-rowwise") for f in formats) and ref.nonfinite is None:
         fp8["blockscale"] = blockscale_check(model, batch, loss_fn, forward_fn, dev, formats, fp8_gpu, fp8_tokens)
-    auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if "fp8" in fp8 else None)
+    auto = choose_auto(verdicts, dev, fp8=fp8["fp8"]["recipes"] if "fp8" in fp8 else None, compiled=compiled)
     if ref.nonfinite is not None:  # no precision is the safe choice for a model that fails in fp32
         auto["reason"] = ("the model is non-finite in fp32 already (see reference.first_nonfinite): no precision "
                           "is safe until the model, its init or the data is fixed")

@@ -25,7 +25,8 @@ import torch
 
 from .capability import capability, device_info
 from .device import resolve_device
-from .fp8 import RECIPES, has_fp8_gemm
+from .fp8 import RECIPES, MXFP8Scaling, has_fp8_gemm, needs
+from .fp8.mx import has_mx_gemm
 from .modes import AUTO, MODES, resolve
 from .tuned import Tuned
 
@@ -165,14 +166,16 @@ def _verdict_level(v: Any) -> str:
 
 
 def safe_modes(verdicts: Dict[str, Any], device: Any = None, grad_accum: int = 1, *,
-               fp8: Optional[Dict[str, Dict[str, Any]]] = None, unchecked_ok: bool = False) -> Dict[str, Any]:
+               fp8: Optional[Dict[str, Dict[str, Any]]] = None, unchecked_ok: bool = False,
+               compiled: bool = False) -> Dict[str, Any]:
     """The one rule behind `auto`: the modes the AMP check calls safe here, in the device's preference order.
 
     ``verdicts``: ``{autocast mode: verdict record or "ok"|"risky"|"unsafe"}`` (``ampkit.diagnose.verdict.amp_verdicts``).
     Candidates, fastest first: the checked fp8 modes whose verdict is ok, whose every converted
     Linear passes (``fp8``: the check's per-recipe verdicts, ``ampkit.diagnose.fp8``), that convert at least half
-    the model's Linear/Conv1D FLOPs, and whose GEMMs are real fp8 on this device (an emulated fp8
-    mode is numerics only, never a speed pick); then the first compute dtype
+    the model's Linear/Conv1D FLOPs, whose GEMMs are real fp8 on this device (an emulated fp8
+    mode is numerics only, never a speed pick), and only for a ``compiled`` run (eager fp8 measures slower
+    than bf16-mixed: its casts and scales are unfused kernels); then the first compute dtype
     of :func:`preference_order` whose verdict is ok (or ok with fp32 modules, ``verdicts[p]
     ["with_fp32_modules"]``), with its :func:`mode_family`; fp32 last (the reference, always safe).
     A dtype without a verdict is passed over, or taken as ok with ``unchecked_ok`` (a check that could
@@ -201,10 +204,12 @@ def safe_modes(verdicts: Dict[str, Any], device: Any = None, grad_accum: int = 1
         elif recipe["verdict"] != "ok":
             skipped.append(f"{name} was {recipe['verdict']} per layer"
                            + (f" ({recipe['reasons'][0]})" if recipe.get("reasons") else ""))
-        elif not has_fp8_gemm(device, RECIPES[name].rowwise):
-            skipped.append(f"{name} passes, but its GEMMs are emulated on {device.type} (no fp8 tensor cores): "
-                           "numerics only, slower than bf16-mixed; a candidate on GPUs with compute capability "
-                           f"{'9.0' if RECIPES[name].rowwise else '8.9'}+")
+        elif not (has_mx_gemm(device) if RECIPES[name] is MXFP8Scaling else has_fp8_gemm(device, RECIPES[name].rowwise)):
+            skipped.append(f"{name} passes, but its GEMMs are emulated on {device.type} (no tensor cores for them): "
+                           f"numerics only, slower than bf16-mixed; a candidate on GPUs with {needs(RECIPES[name])}")
+        elif not compiled:  # measured on an H200: eager fp8 0.51x of bf16-mixed (casts and scales not fused)
+            skipped.append(f"{name} passes, but eager fp8 runs slower than bf16-mixed (its casts and scales are "
+                           "separate kernels: 0.51x measured on an H200); a candidate for a run under torch.compile")
         else:
             modes.append({"mode": name, "fp32_modules": [], "note": "AMP check ok; every converted Linear passes in fp8"})
     for name in preference_order(device):
@@ -235,13 +240,13 @@ def _fp8_rank(name: str) -> tuple:
 
 
 def choose_auto(verdicts: Dict[str, Dict[str, Any]], device: Any = None,
-                fp8: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+                fp8: Optional[Dict[str, Dict[str, Any]]] = None, compiled: bool = False) -> Dict[str, Any]:
     """`auto` with the AMP check, no timing: the first of :func:`safe_modes` (the device's preferred
     precision if its verdict is ok, else the next; a checked fp8 mode first where it passes).
 
     Returns ``{"mode", "reason", "fp32_modules", "device_choice", "device_reason"}``.
     """
-    safe = safe_modes(verdicts, device, fp8=fp8)
+    safe = safe_modes(verdicts, device, fp8=fp8, compiled=compiled)
     first, skipped = safe["modes"][0], safe["skipped"]
     dev_choice, dev_reason = safe["device_choice"], safe["device_reason"]
     name = first["mode"]

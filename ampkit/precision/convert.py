@@ -193,7 +193,7 @@ class DropComputeCopies:
             shadow.pop(key, None)
         for key in self.buffers:
             copy = shadow.pop(key, None)
-            if copy is not None and copy._version and not torch.compiler.is_compiling():
+            if copy is not None and not torch.compiler.is_compiling() and copy._version:  # (compiled: _version is data-dependent)
                 with torch.no_grad():
                     module._buffers[key].copy_(copy)
 

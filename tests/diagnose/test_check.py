@@ -180,7 +180,10 @@ def test_safe_modes_is_the_one_rule_for_check_and_tuning(monkeypatch):
     safe = verdict.safe_modes({"bf16-mixed": ok, "fp8-rowwise": ok}, "cpu", fp8=fp8_ok)
     assert "fp8-rowwise" not in [m["mode"] for m in safe["modes"]] and "emulated on cpu" in safe["skipped"][0]
     monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)
-    assert modes({"bf16-mixed": ok, **{"fp8-rowwise": ok}}, fp8=fp8_ok)[:2] == ["fp8-rowwise", "bf16-mixed"]
+    assert modes({"bf16-mixed": ok, **{"fp8-rowwise": ok}}, fp8=fp8_ok, compiled=True)[:2] == ["fp8-rowwise", "bf16-mixed"]
+    # eager fp8 measures slower than bf16-mixed (0.51x on an H200): never the pick without torch.compile
+    safe = verdict.safe_modes({"bf16-mixed": ok, "fp8-rowwise": ok}, "cpu", fp8=fp8_ok)
+    assert safe["modes"][0]["mode"] == "bf16-mixed" and "eager fp8 runs slower" in safe["skipped"][0]
     nothing = {"fp8-rowwise": {**fp8_ok["fp8-rowwise"], "applies": False, "why_not": "fp8-rowwise: no layer runs"}}
     assert modes({"bf16-mixed": ok, "fp8-rowwise": ok}, fp8=nothing)[0] == "bf16-mixed"
     bad_layer = {"fp8-rowwise": {"verdict": "risky", "reasons": ["1: output_sqnr 12 dB < 18"]}}
@@ -205,8 +208,10 @@ def test_check_fp8_alone_recommends_the_fp8_mode(monkeypatch):
     assert "(the fastest recipe)" not in advice["reason"]
     assert r["auto"]["mode"] == "fp32" and "emulated on cpu" in r["auto"]["reason"], r["auto"]
     monkeypatch.setattr(verdict, "has_fp8_gemm", lambda device, rowwise=False: True)  # as on an sm90 GPU
-    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu", fp8_filter="ends")
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu", fp8_filter="ends", compiled=True)
     assert r["auto"]["mode"] == r["recommendation"]["precision"] == "fp8-rowwise", r["auto"]
+    r = check(model, batch, precisions=["fp8-rowwise"], device="cpu", fp8_filter="ends")  # eager: slower than bf16
+    assert r["auto"]["mode"] != "fp8-rowwise" and "eager fp8 runs slower" in r["auto"]["reason"], r["auto"]
 
 
 def test_check_with_the_default_auto_filter_recommends_no_fp8_when_nothing_pays(monkeypatch):

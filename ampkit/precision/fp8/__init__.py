@@ -16,7 +16,7 @@ from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm, r
 from .detect import gemm_kind, is_conv1d
 from .quant import amax, fake_quantise, quantise, saturates, scale_from_amax
 from .recipes import (E4M3, E5M2, RECIPES, DelayedScaling, MXFP8Scaling, Recipe, RowwiseScaling, TensorwiseScaling, fp8_max,
-                      recipe_for)
+                      needs, recipe_for)
 from .roofline import DEFAULT_GPU, GPUS, MIN_SPEEDUP, TOKENS, default_gpu, estimate, gpu_class
 from .swap import (DEFAULT_RULE, MIN_FLOP_SHARE, RULES, Fp8Filter, has_gemm, convert_to_fp8, coverage, coverage_warning,
                    fp8_layers, plan, skip_label)
@@ -26,10 +26,50 @@ __all__ = [
     "DelayedScalingLinear", "DelayedScalingConv1D", "Fp8Filter", "plan", "convert_to_fp8", "fp8_layers",
     "coverage", "coverage_warning", "MIN_FLOP_SHARE", "gemm_kind", "is_conv1d", "has_fp8_gemm",
     "E4M3", "E5M2", "fp8_max", "amax", "scale_from_amax", "quantise", "saturates", "fake_quantise",
-    "EMULATED_NOTE", "RULES", "DEFAULT_RULE", "estimate", "gpu_class", "GPUS", "TOKENS", "MIN_SPEEDUP", "DEFAULT_GPU", "default_gpu",
+    "EMULATED_NOTE", "EAGER_NOTE", "note_eager", "emulated_warning", "needs", "RULES", "DEFAULT_RULE", "estimate", "gpu_class", "GPUS", "TOKENS", "MIN_SPEEDUP", "DEFAULT_GPU", "default_gpu",
 ]
 
 EMULATED_NOTE = "emulated: numerics only, not a speed claim"
+
+
+def emulated_warning(mode: str, recipe: Recipe, capability) -> str:
+    """The setup warning for a GPU of ``capability`` (major, minor) without tensor cores for ``recipe``'s GEMMs:
+    what the recipe needs (8.9+ per-tensor, 9.0+ row-wise, 10.0+ MX) and what runs fast instead."""
+    have = ".".join(map(str, capability))
+    other = [] if capability < (8, 9) or mode == "fp8-tensorwise" else ["fp8-tensorwise (8.9+)"]
+    if isinstance(recipe, MXFP8Scaling) and capability >= (9, 0):
+        other.append("fp8-rowwise (9.0+)")
+    return (f"{mode}: this GPU (compute capability {have}) has no tensor cores for its GEMMs, which need "
+            f"{needs(recipe)}: they are emulated (same numerics, slower than bf16-mixed). For speed use "
+            f"{' or '.join(other + ['bf16-mixed'])}.")
+
+
+EAGER_NOTE = ("{mode} runs eagerly (the model is not under torch.compile): each fp8 Linear's casts and scales are "
+              "separate kernels, so a step is slower than bf16-mixed (torchao's eager float8: 0.51x on an H200); "
+              "torch.compile(model) (ampkit train --compile) fuses them and makes fp8 the faster one.")
+
+
+class _EagerFp8Note:
+    """A forward pre-hook on an fp8 model with real fp8 GEMMs: the first training forward that runs eagerly says
+    once (a warning) what eager fp8 costs and that compiling fixes it; under torch.compile it says nothing
+    (``is_compiling()`` is a constant there: no graph break). A class, so ``torch.save(model)`` pickles it."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.said = mode, False
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling() or self.said or not module.training:
+            return
+        self.said = True
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()):
+            return  # compiled by region (``block.compile()``: ampkit train --compile), the fp8 Linears inside
+        warnings.warn(EAGER_NOTE.format(mode=self.mode), stacklevel=2)
+
+
+def note_eager(model: nn.Module, mode: str) -> None:
+    """Hook :class:`_EagerFp8Note` on ``model`` (once)."""
+    if not any(isinstance(h, _EagerFp8Note) for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(_EagerFp8Note(mode))
 
 
 class Fp8Plan:
@@ -61,9 +101,7 @@ class Fp8Plan:
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
         self.emulated = not has_gemm(device, self.recipe)
         if self.emulated and torch.device(device).type == "cuda":
-            warnings.warn("fp8: this GPU has no fp8 tensor cores for this recipe (compute capability 8.9+, 9.0+ for "
-                          "row-wise): the fp8 GEMMs "
-                          "are emulated (same numerics, slower than bf16-mixed). Use bf16-mixed for speed.",
+            warnings.warn(emulated_warning(self.mode, self.recipe, torch.cuda.get_device_capability(device)),
                           stacklevel=3)
         if self.coverage is None:  # setup twice (resume, tune) warns once and swaps once
             self._device_type = torch.device(device).type
@@ -79,6 +117,8 @@ class Fp8Plan:
             model = convert_to_fp8(model, self.recipe, self.filter, device, fsdp_all_gather=self.fsdp_all_gather)
         self.layers = fp8_layers(model)
         self._gathered = model if self.fsdp_all_gather else None
+        if not self.emulated and self.layers:
+            note_eager(model, self.mode)
         self._delayed = watch_histories(model)  # delayed scaling: one amax all-reduce per micro-batch
         return model
 

@@ -77,6 +77,11 @@ def import_torchao_float8():
 
 
 def _run(forward, x: torch.Tensor) -> torch.Tensor:
+    """``forward(x)`` in eager, under ``inference_mode`` too, and with the ``torch.func`` hint; under
+    ``torch.compile`` plainly: dynamo cannot trace ``is_inference_mode_enabled`` (a graph break per layer), nor
+    the ``try`` around a call that may raise (``is_compiling()`` is a constant there, so neither is traced)."""
+    if torch.compiler.is_compiling():
+        return forward(x)
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
             return forward(x)

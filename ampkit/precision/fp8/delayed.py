@@ -78,8 +78,15 @@ class _ReduceBeforeForward:
         self.layers = layers
 
     def __call__(self, module: nn.Module, args) -> None:
-        if module.training:
-            reduce_histories(self.layers)
+        if not module.training:
+            return
+        if torch.compiler.is_compiling():
+            # compiled: a training forward of the model opens the next micro-batch's entry (a compiled backward
+            # runs no Python, so it cannot); the amaxes are reduced at ``Precision.step``, outside the graph
+            for m in self.layers:
+                m._fp8_new_entry = True
+            return
+        reduce_histories(self.layers)
 
 
 @torch.compiler.disable
@@ -154,7 +161,8 @@ class _DelayedFp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, mod, record, real, out_dtype):
-        if record and mod._fp8_new_entry and not in_backward():  # an original forward, not a recompute
+        compiled = torch.compiler.is_compiling()  # compiled: the module's forward did this (no side effect here)
+        if record and mod._fp8_new_entry and not compiled and not in_backward():  # an original forward, not a recompute
             mod._start_micro_batch()  # here, not in the module: under torch.func the buffers are plain here
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
@@ -162,7 +170,7 @@ class _DelayedFp8Linear(torch.autograd.Function):
             xq, sx = _use(x2, mod.amax_history_input, mod.amax_past_input, dt["input"], mod.recipe, record)
             # the weight is the same on every rank (replicated, or FSDP's gathered one): nothing to reduce
             wq, sw = _use(weight, mod.amax_history_weight, mod.amax_past_weight, dt["weight"], mod.recipe, record)
-            if record:
+            if record and not compiled:
                 mod._amax_unreduced = True
             out = _mm(xq, sx, wq, sw, out_dtype, real)
         return out.reshape(*x.shape[:-1], out.shape[-1]), xq, sx, wq, sw
@@ -180,7 +188,7 @@ class _DelayedFp8Linear(torch.autograd.Function):
     def backward(ctx, grad_out, *_):
         xq, sx, wq, sw = ctx.saved_tensors
         mod = ctx.mod
-        if ctx.record:
+        if ctx.record and not torch.compiler.is_compiling():  # compiled: the model's forward pre-hook does it
             mod._fp8_new_entry = True  # the next original forward starts the next micro-batch
         with torch.autocast(grad_out.device.type, enabled=False):
             go = grad_out.reshape(-1, grad_out.shape[-1])
@@ -224,7 +232,14 @@ class _DelayedGemm:
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         real = (not self.emulate) and x.is_cuda
-        record = self.training and not torch.is_inference_mode_enabled()
+        # (dynamo cannot trace is_inference_mode_enabled: compiled, eval() is what stops the recording)
+        record = self.training and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled())
+        if record and torch.compiler.is_compiling():
+            # compiled, the Python state changes here, outside the autograd.Function (dynamo refuses a side effect
+            # on an outer object inside one); the model's forward pre-hook set _fp8_new_entry for this micro-batch
+            if self._fp8_new_entry:
+                self._start_micro_batch()
+            self._amax_unreduced = True
         weight = self.weight.t() if self.transposed else self.weight
         out = _DelayedFp8Linear.apply(x, weight, self, record, real, out_dtype)[0]
         return out if self.bias is None else out + self.bias.to(out.dtype)

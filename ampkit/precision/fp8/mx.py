@@ -8,8 +8,6 @@ padded with zero rows (zeros change no block's scale) and cut back.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,12 +27,19 @@ def has_mx_gemm(device) -> bool:
     return torch.cuda.get_device_capability(device) >= (10, 0)
 
 
-@functools.lru_cache(maxsize=None)
+_LOADED: tuple = ()  # (mx_mm, config module, KernelPreference) once imported
+
+
 def _torchao():
-    lin = quiet_import("torchao.prototype.moe_training.mxfp8_linear", _HINT)
-    cfg = quiet_import("torchao.prototype.mx_formats.config", _HINT)
-    kp = quiet_import("torchao.quantization.quantize_.common.kernel_preference", _HINT)
-    return lin.mx_mm, cfg, kp.KernelPreference
+    """torchao's MX matmul and its settings, imported once (a module global after that: under torch.compile the
+    forward reads a constant instead of tracing the import's logging, a graph break per layer)."""
+    global _LOADED
+    if not _LOADED:
+        lin = quiet_import("torchao.prototype.moe_training.mxfp8_linear", _HINT)
+        cfg = quiet_import("torchao.prototype.mx_formats.config", _HINT)
+        kp = quiet_import("torchao.quantization.quantize_.common.kernel_preference", _HINT)
+        _LOADED = (lin.mx_mm, cfg, kp.KernelPreference)
+    return _LOADED
 
 
 class MXLinear(nn.Module):
@@ -60,7 +65,7 @@ class MXLinear(nn.Module):
         return cls(m.weight, m.bias, emulate, transposed=kind == "conv1d")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mx_mm, cfg, kp = _torchao()
+        mx_mm, cfg, kp = _LOADED or _torchao()
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         if dt not in (torch.bfloat16, torch.float32):
             dt = torch.bfloat16

@@ -23,7 +23,7 @@ from typing import Union
 import torch
 
 __all__ = ["E4M3", "E5M2", "fp8_max", "TensorwiseScaling", "RowwiseScaling", "DelayedScaling", "MXFP8Scaling", "Recipe",
-           "recipe_for", "RECIPES"]
+           "recipe_for", "RECIPES", "needs"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -48,6 +48,7 @@ class TensorwiseScaling(_CurrentScaling):
     name = "tensorwise"
     mode = "fp8-tensorwise"
     rowwise = False
+    capability = (8, 9)  # torch._scaled_mm with per-tensor scales: Ada, Hopper, Blackwell
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RowwiseScaling(_CurrentScaling):
     name = "rowwise"
     mode = "fp8-rowwise"
     rowwise = True
+    capability = (9, 0)  # torch's row-wise _scaled_mm is an sm90 kernel
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class DelayedScaling:
     name = "delayed"
     mode = "fp8-delayed"
     rowwise = False
+    capability = (8, 9)
 
     def __post_init__(self):
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
@@ -101,11 +104,21 @@ class MXFP8Scaling(_CurrentScaling):
     mode = "mxfp8"
     rowwise = True  # scales along the contraction dim, per block
     block = 32
+    capability = (10, 0)  # MX block-scaled tensor cores: Blackwell (sm100); Hopper has none
 
 
 Recipe = Union[TensorwiseScaling, RowwiseScaling, DelayedScaling, MXFP8Scaling]
 RECIPES = {"fp8-tensorwise": TensorwiseScaling, "fp8-rowwise": RowwiseScaling, "fp8-delayed": DelayedScaling,
            "mxfp8": MXFP8Scaling}
+
+
+_GPUS = {(8, 9): "Ada, Hopper, Blackwell", (9, 0): "Hopper, Blackwell", (10, 0): "Blackwell"}
+
+
+def needs(recipe) -> str:
+    """The CUDA compute capability ``recipe``'s fp8 GEMMs need, in words: "compute capability 10.0+ (Blackwell)"."""
+    major, minor = recipe.capability
+    return f"compute capability {major}.{minor}+ ({_GPUS[recipe.capability]})"
 
 
 def recipe_for(mode: str, recipe: Recipe = None) -> Recipe:
