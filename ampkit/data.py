@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from ._optional import require
 
 __all__ = ["DataSplits", "load_data", "digits", "synthetic_images", "sequences", "DATASETS", "RowsDataset",
-           "check_labels", "row_of"]
+           "check_labels", "row_of", "data_fingerprint", "fingerprint_changes"]
 
 
 class RowsDataset(TensorDataset):
@@ -234,6 +234,66 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
                          "a (train, test) pair of Datasets or DataLoaders, or (x, y) arrays.")
     raise ValueError(f"Unknown data {spec!r}: use {', '.join(DATASETS)}, a .npz file with x/y arrays, "
                      "or 'pkg.module:factory'.")
+
+
+_HASHED = 64  # evenly spaced samples hashed into a data fingerprint
+
+
+def data_fingerprint(dataset: Dataset) -> dict:
+    """What identifies a training set cheaply: its ``size``, a SHA-256 of ``_HASHED`` evenly spaced samples
+    (``sample_hash``; None where a sample holds something else than tensors, arrays, numbers or strings) and
+    its number of distinct integer labels (``classes``; None where the labels are not exposed or not
+    integers). A checkpoint records it, so a resume on another file is noticed (``fingerprint_changes``)."""
+    import hashlib
+
+    from torch.utils._pytree import tree_leaves
+
+    n = len(dataset)
+    picks = sorted({round(i * (n - 1) / max(1, _HASHED - 1)) for i in range(min(n, _HASHED))})
+    h = hashlib.sha256()
+
+    def add(leaf) -> bool:
+        if isinstance(leaf, np.ndarray):
+            leaf = torch.from_numpy(np.ascontiguousarray(leaf))
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            return True
+        if isinstance(leaf, (bool, int, float, str, bytes, np.generic)):
+            h.update(repr(leaf).encode())
+            return True
+        return False
+
+    hashed = True
+    if isinstance(dataset, TensorDataset):
+        index = torch.as_tensor(picks, dtype=torch.long)
+        hashed = all(add(t[index]) for t in dataset.tensors)
+    else:
+        try:
+            hashed = all(add(leaf) for i in picks for leaf in tree_leaves(dataset[i]))
+        except Exception:  # a dataset that cannot be indexed so: its size and labels still identify it
+            hashed = False
+    labels = _all_labels(dataset)
+    classes = None
+    if labels is not None and not labels.is_floating_point() and labels.dtype != torch.bool and labels.numel():
+        flat = labels.reshape(-1)
+        classes = int(torch.unique(flat[flat >= 0]).numel())
+    return {"size": n, "sample_hash": h.hexdigest()[:16] if hashed else None, "classes": classes}
+
+
+def fingerprint_changes(saved: dict, now: dict) -> list:
+    """What differs between two :func:`data_fingerprint`s, as phrases (empty: the same data, as far as seen)."""
+    out = []
+    if saved.get("size") != now.get("size"):
+        out.append(f"{saved.get('size')} training samples -> {now.get('size')}")
+    if saved.get("classes") is not None and now.get("classes") is not None and saved["classes"] != now["classes"]:
+        out.append(f"{saved['classes']} classes -> {now['classes']}")
+    if (saved.get("sample_hash") and now.get("sample_hash") and saved["sample_hash"] != now["sample_hash"]
+            and not out):
+        out.append(f"the same size, other samples (hash of {_HASHED} evenly spaced samples {saved['sample_hash']} "
+                   f"-> {now['sample_hash']})")
+    return out
 
 
 _PREFIX = 2000  # samples read to count the classes of a Dataset that does not expose its labels

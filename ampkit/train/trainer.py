@@ -27,17 +27,18 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..data import data_fingerprint
 from ..precision import NonFiniteGradientsError, Precision
 from ..utils.tree import to_device
 from . import checkpoint as ckpt
 from . import distributed as _dist
 from . import resume, setup, sharded
 from .batches import Batches, unwrap_loaders
-from .config import TrainConfig
+from .config import TrainConfig, recorded_options
 from .evaluate import default_loss, evaluate_shards
 from .loop import Counters, Outcomes, RunState, Training, TrainLoop
 from .metrics import MetricsLogger
-from .report import announce, build_summary, open_metrics, publish, write_nonfinite_report
+from .report import announce, build_summary, open_metrics, publish, set_aside_reports, write_nonfinite_report
 from .rundir import RunDir, RunDirError, checkpoint_dir
 from .setup import build_optimizer, build_scheduler
 from .signals import StopSignal, TrainingInterrupted
@@ -111,9 +112,17 @@ class Trainer:
         self.loss_fn = loss_fn or default_loss
         # resuming: refuse options that contradict the checkpoint before the data is even tried on the
         # model (another --data can make the model fail on it first, with a less useful message)
+        if cfg.resume:  # an earlier checkpoint of a run with later ones: continuing in place would lose them
+            resume.refuse_rewind(cfg.resume, cfg.out)
         self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
+        self.data_fingerprint = data_fingerprint(train_data)  # in each checkpoint: a resume on other data is noticed
+        self._data_changes: List[Dict[str, Any]] = []  # data changes accepted at resumes (allow_new_data), recorded
+        self._data_change: Optional[str] = None
         if self._resume is not None:
             self._resume.check_options(cfg, self.world_size)
+            ck = self._resume.peek()
+            if ck is not None:
+                self._data_change = resume.check_data(ck, self.data_fingerprint, cfg, self._resume.path)
         setup.check_model_accepts_data(model, self.batches, self.loss_fn, self.task)  # before timing or writing
         if not isinstance(precision, Precision):  # not a ready Precision: measure what it left open
             saved_mode = self._resume.saved_mode if self._resume else None
@@ -186,8 +195,10 @@ class Trainer:
             "train_time_s": self._time_before + (time.perf_counter() - self._t_segment
                                                  if self._t_segment is not None else 0.0),
             "rng": ckpt.rng_state(),
-            "config": {k: v for k, v in self.config.to_dict().items() if v is not None},
+            "config": {k: v for k, v in recorded_options(self.config).to_dict().items() if v is not None},
             "model_signature": ckpt.model_signature(self.raw_model),
+            "data_fingerprint": self.data_fingerprint,
+            "data_changes": self._data_changes,
         }
 
     def save_checkpoint(self) -> Optional[str]:
@@ -237,6 +248,10 @@ class Trainer:
         if self._own_schedule:  # --weight-decay / schedule options given on the resume: applied, as recorded
             resume.apply_given_options(self.optimizer, built, self.scheduler, resume.schedule_changed(
                 self.config, ck.get("config") or {}, self.steps_per_epoch), self.global_step, bool(ck.get("scheduler")))
+        self._data_changes = list(ck.get("data_changes") or [])
+        if self._data_change:  # accepted with allow_new_data: recorded in the checkpoints, config.toml, metrics
+            self._data_changes.append({"step": self.attempted_steps, "change": self._data_change,
+                                       "data": self.config.data})
         self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
@@ -296,13 +311,23 @@ class Trainer:
         self.batches.check_finite(self.epoch)
         if cfg.resume and self.run_dir and _dist.is_main_process():  # a checkpoint (if any) loaded: clear
             ckpt.remove_partial_writes(checkpoint_dir(self.run_dir))  # what a crash left
+            if resume_path:  # an earlier attempt's report (it diverged) no longer describes the run: kept, renamed
+                for name in set_aside_reports(self.run_dir, self.attempted_steps):
+                    print(f"ampkit: an earlier attempt's report is kept as {os.path.join(self.run_dir, name)}",
+                          file=sys.stderr)
         logger, kept = open_metrics(self.run_dir, cfg.tensorboard,
-                                    (self.attempted_steps, self.epoch) if resume_path else None, self.world_size)
+                                    (self.attempted_steps, self.epoch) if resume_path else None, self.world_size,
+                                    resume.run_of(resume_path) if resume_path else None)
         if kept is not None:
             self.history = kept
         if _dist.is_main_process():
+            changes = {f"data changed at step {c['step']}": f"{c['change']} (--allow-new-data; data {c['data']!r})"
+                       for c in self._data_changes}
             announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
-                     resume_path and f"{resume_path} (epoch {self.epoch}, step {self.global_step})")
+                     resume_path and resume.position_text(resume_path, self.counters, self.config), changes)
+            if self._data_change:
+                logger.event({"kind": "data_change", "step": self.attempted_steps, "change": self._data_change,
+                              "data": self.config.data, "fingerprint": self.data_fingerprint})
         t_start = self._t_segment = time.perf_counter()
         self._training_started = True
         loop = TrainLoop(
@@ -316,6 +341,7 @@ class Trainer:
             with self.stop.guard():
                 peak_memory_bytes = loop.run(logger)
         except NonFiniteGradientsError as e:
+            loop.flush(logger)  # the steps up to the stopping one, with their throughput
             logger.close()
             if self.run_dir and _dist.is_main_process():
                 write_nonfinite_report(self.run_dir, str(e), self.counters, self.precision.skipped_steps,
