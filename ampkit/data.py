@@ -209,8 +209,7 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
                 x = f["x"] if "x" in files else None
                 y = f["y"] if "y" in files else None
         except Exception as e:
-            raise ValueError(f"data file {spec!r} is not a readable .npz ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:120]}); save it with numpy.savez(path, x=..., y=...).") from e
+            raise ValueError(_npz_error(spec, e)) from e
         if x is None or y is None:
             raise ValueError(f"data file {spec!r} has arrays {sorted(files)}; it needs 'x' and 'y'.")
         return _from_arrays(x, y, os.path.basename(spec), test_fraction, seed)
@@ -232,8 +231,47 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
             return _from_arrays(out[0], out[1], spec, test_fraction, seed)
         raise ValueError(f"data factory {spec!r} returned {type(out).__name__}: return a Dataset, "
                          "a (train, test) pair of Datasets or DataLoaders, or (x, y) arrays.")
-    raise ValueError(f"Unknown data {spec!r}: use {', '.join(DATASETS)}, a .npz file with x/y arrays, "
-                     "or 'pkg.module:factory'.")
+    raise ValueError(_unknown_data(spec))
+
+
+_READS = "ampkit reads a .npz file (numpy arrays x and y), a built-in set ({}) or a 'pkg.module:factory'"
+# how to turn a file of another format into an .npz (x: the features, y: the labels)
+_CONVERT = {
+    ".csv": "numpy: d = numpy.loadtxt({p!r}, delimiter=',', skiprows=1); numpy.savez({n!r}, x=d[:, :-1].astype("
+            "'float32'), y=d[:, -1].astype('int64')) (the last column as the label)",
+    ".tsv": "numpy: d = numpy.loadtxt({p!r}, delimiter='\\t', skiprows=1); numpy.savez({n!r}, x=d[:, :-1].astype("
+            "'float32'), y=d[:, -1].astype('int64'))",
+    ".npy": "numpy: numpy.savez({n!r}, x=numpy.load({p!r}), y=LABELS)",
+    ".pt": "torch: x, y = torch.load({p!r}); numpy.savez({n!r}, x=x.numpy(), y=y.numpy())",
+    ".pth": "torch: x, y = torch.load({p!r}); numpy.savez({n!r}, x=x.numpy(), y=y.numpy())",
+}
+
+
+def _unknown_data(spec: str) -> str:
+    """The one line for a --data ampkit does not read: what it reads, and how to convert a file it found."""
+    reads = _READS.format(", ".join(DATASETS))
+    if os.path.isfile(spec):
+        stem, ext = os.path.splitext(spec)
+        how = _CONVERT.get(ext.lower())
+        fix = (f"convert it with {how.format(p=spec, n=stem + '.npz')}" if how else
+               f"save its features and labels with numpy.savez({stem + '.npz'!r}, x=..., y=...)")
+        return f"data file {spec!r} is not a format ampkit reads ({reads}): {fix}, then pass --data {stem}.npz."
+    return f"Unknown data {spec!r}: no such file or data set; {reads}."
+
+
+def _npz_error(spec: str, e: Exception) -> str:
+    """Why an .npz file did not load, whole (numpy's messages go on with advice that does not apply here)."""
+    import zipfile
+
+    fix = "save it with numpy.savez(path, x=..., y=...)"
+    if not zipfile.is_zipfile(spec):
+        return (f"data file {spec!r} is not an .npz archive (not a zip file: damaged, or another format named "
+                f".npz): {fix}.")
+    if "pickle" in str(e):
+        return (f"data file {spec!r} holds Python objects (object arrays), which ampkit does not unpickle: {fix} "
+                "with numeric arrays (e.g. x.astype('float32'), y.astype('int64')).")
+    text = " ".join(str(e).split())
+    return f"data file {spec!r} is not a readable .npz ({type(e).__name__}: {text[:300]}): {fix}."
 
 
 _HASHED = 64  # evenly spaced samples hashed into a data fingerprint
