@@ -173,6 +173,12 @@ def _config_from_args(args, announce: bool = False):
             raise ValueError(f"data file {data!r}, from the run's saved options ({saved.get('out') or 'its checkpoint'}"
                              f"/config.toml), is a path relative to where the run started, and {os.getcwd()!r} "
                              "has no such file: resume from that directory, or pass --data with the file's path.")
+    config_toml = os.path.join(values.get("out") or "", "config.toml")
+    if saved and values.get("out") and os.path.isfile(config_toml):  # a checkpoint of another run put in this one
+        located = ResumePlan.locate(values.get("resume"), values.get("out"), plan)
+        ck = located.peek()
+        if ck is not None:
+            resume.refuse_foreign(located.path, ck, saved, values["out"], given)
     if saved and not given_out and resume.later_checkpoints(values.get("resume"), values.get("out")):
         # an earlier checkpoint of a run that went on: train from it in a new run directory, the run untouched
         branch = resume.branch_dir(values["out"], values["resume"])

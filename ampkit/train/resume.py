@@ -22,7 +22,7 @@ from .rundir import RunDirError, checkpoint_dir
 
 __all__ = ["ResumePlan", "checkpoint_to_resume", "check_saved_options", "check_model_signature", "check_checkpoint",
            "saved_position", "finished_summary", "schedule_change", "schedule_changed", "saved_run_options",
-           "apply_given_options", "MUST_MATCH", "check_data", "position_text", "later_checkpoints", "refuse_rewind", "branch_dir", "run_of"]
+           "apply_given_options", "MUST_MATCH", "check_data", "position_text", "foreign_options", "refuse_foreign", "later_checkpoints", "refuse_rewind", "branch_dir", "run_of"]
 
 # options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
 MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
@@ -68,6 +68,48 @@ def refuse_rewind(resume: Optional[str], out: Optional[str]) -> None:
             f"--resume {resume}: the run in {out!r} has later checkpoints ({names}) that continuing from it in "
             f"place would delete (and its metrics, summary and report with them): pass --out NEW_DIR to train from "
             f"it in a new run directory, or --resume auto to continue from the latest (nothing was changed).")
+
+
+def foreign_options(ck: Dict[str, Any], saved: Dict[str, Any], given=()) -> list:
+    """(option, the checkpoint's value, the run's) where a checkpoint's options contradict its run directory's
+    config.toml (``saved``) on what defines the run (`MUST_MATCH`, the precision mode): a checkpoint of another
+    run put there. Options the user gave (``given``) are left to the checks that name their flags."""
+    theirs = dict(ck.get("config") or {})
+    theirs["precision"] = (ck.get("precision") or {}).get("name", theirs.get("precision"))
+    out = []
+    for key in MUST_MATCH + ("precision",):  # batch_size aside: a resume on other ranks may change it
+        if key in given or key == "batch_size" or key not in theirs or key not in saved:
+            continue
+        a, b = theirs[key], saved[key]
+        if a != b and not _same_file(key, a, b):
+            out.append((key, theirs[key], saved[key]))
+    return out
+
+
+def refuse_foreign(path: str, ck: Dict[str, Any], saved: Dict[str, Any], out: str, given=()) -> None:
+    """A CheckpointError when the checkpoint at ``path`` is another run's (`foreign_options`), naming this run's
+    last good checkpoint (the latest whose options are the run's) and how to continue from it."""
+    differ = foreign_options(ck, saved, given)
+    if not differ:
+        return
+    what = ", ".join(f"{k}={a!r} where the run's config.toml has {b!r}" for k, a, b in differ)
+    good = None
+    for other in reversed(ckpt.list_checkpoints(checkpoint_dir(out))):
+        if os.path.abspath(other) == os.path.abspath(path):
+            continue
+        try:
+            if not foreign_options(sharded.read_checkpoint(other, map_location="cpu"), saved):
+                good = other
+                break
+        except Exception:  # damaged: not a good one
+            continue
+    later = later_checkpoints(good, out) if good else []
+    fix = (f"this run's last good checkpoint is {good!r}: move {', '.join(repr(p) for p in later)} out of "
+           f"{checkpoint_dir(out)!r}, then continue with --out {out} --resume auto" if good else
+           "the run has no checkpoint of its own: start it again (delete the directory or choose another --out)")
+    raise ckpt.CheckpointError(
+        f"checkpoint {path!r} is not from the run in {out!r} (it was written with {what}): {fix}; or continue "
+        f"that checkpoint's own run in a new directory with --resume {path} --out NEW_DIR.")
 
 
 def run_of(checkpoint: str) -> Optional[str]:
@@ -272,11 +314,12 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
     if steps_per_epoch is not None and "lr" in saved and saved["lr"] != cfg.lr:
         cfg = cfg.updated(lr=saved["lr"])  # what config.toml then records
     scaling = {k: saved.get(k) for k in ("loss_scale", "init_scale") if saved and saved.get(k) != getattr(cfg, k)}
-    if scaling:  # the loss scaler's state (scale, static or dynamic) is the checkpoint's
-        given = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in scaling)
+    if any(getattr(cfg, k) is not None for k in scaling):  # the loss scaler's state is the checkpoint's
+        given = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in scaling if getattr(cfg, k) is not None)
         warnings.warn(f"{given} does not apply to a resumed run: the checkpoint's loss scaler (its scale, static or "
                       "dynamic) continues, and config.toml records the run's own setting; start a new run to use "
                       "another scale.", stacklevel=3)
+    if scaling:  # what config.toml then records
         cfg = cfg.updated(**scaling)
     return cfg
 

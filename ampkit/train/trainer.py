@@ -32,7 +32,7 @@ from ..precision import NonFiniteGradientsError, Precision
 from ..utils.tree import to_device
 from . import checkpoint as ckpt
 from . import distributed as _dist
-from . import resume, setup, sharded
+from . import change, resume, setup, sharded
 from .batches import Batches, unwrap_loaders
 from .config import TrainConfig, recorded_options
 from .evaluate import default_loss, evaluate_shards
@@ -44,6 +44,9 @@ from .setup import build_optimizer, build_scheduler
 from .signals import StopSignal, TrainingInterrupted
 
 __all__ = ["Trainer", "TrainingInterrupted", "RunDirError", "build_optimizer", "build_scheduler"]
+
+
+_DONE = {"convert": "converted", "reset": "reset"}
 
 
 def _counter(name: str) -> property:
@@ -118,11 +121,15 @@ class Trainer:
         self.data_fingerprint = data_fingerprint(train_data)  # in each checkpoint: a resume on other data is noticed
         self._data_changes: List[Dict[str, Any]] = []  # data changes accepted at resumes (allow_new_data), recorded
         self._data_change: Optional[str] = None
+        self._precision_change: Optional[tuple] = None  # (old mode, new mode): allow_precision_change, this resume
+        self._precision_changes: List[Dict[str, Any]] = []  # changes at resumes, recorded
         if self._resume is not None:
             self._resume.check_options(cfg, self.world_size)
             ck = self._resume.peek()
             if ck is not None:
                 self._data_change = resume.check_data(ck, self.data_fingerprint, cfg, self._resume.path)
+                self._precision_change = change.check_precision_change(ck, self.precision, cfg, self._resume.path,
+                                                                       self._fsdp)
         setup.check_model_accepts_data(model, self.batches, self.loss_fn, self.task)  # before timing or writing
         if not isinstance(precision, Precision):  # not a ready Precision: measure what it left open
             saved_mode = self._resume.saved_mode if self._resume else None
@@ -199,6 +206,7 @@ class Trainer:
             "model_signature": ckpt.model_signature(self.raw_model),
             "data_fingerprint": self.data_fingerprint,
             "data_changes": self._data_changes,
+            "precision_changes": self._precision_changes,
         }
 
     def save_checkpoint(self) -> Optional[str]:
@@ -228,15 +236,22 @@ class Trainer:
         self._apply_checkpoint(sharded.read_checkpoint(path, map_location=self.device), path)
 
     def _apply_checkpoint(self, ck: Dict[str, Any], path: str, plan: Optional[resume.ResumePlan] = None) -> None:
-        self.config = resume.check_checkpoint(ck, path, self.config, self.world_size,
-                                              ckpt.model_signature(self.raw_model),
+        switch = self._precision_change
+        signature = ckpt.model_signature(self.raw_model)
+        theirs = ck.get("model_signature")
+        if switch and theirs and len(theirs) == len(signature):  # the dtypes change with the mode, not the tensors
+            signature = [[name, shape, t[2]] for (name, shape, _), t in zip(signature, theirs)]
+        self.config = resume.check_checkpoint(ck, path, self.config, self.world_size, signature,
                                               self.steps_per_epoch if self._own_schedule else None, plan)
         if self.device.type != "cpu":
             ck = to_device(ck, self.device)  # a plan reads on the CPU: where map_location would have put it
         built = [g["weight_decay"] for g in self.optimizer.param_groups] if self._own_optimizer else []
         try:
-            self.precision.load_state_dict(ck["precision"])
-            sharded.load_model_and_optimizer(self.raw_model, self.optimizer, ck, self._fsdp)
+            if switch:  # another mode: its weights carried over, its optimizer state converted or reset
+                change.carry_over(self.raw_model, self.optimizer, ck, self.config.precision_change_optimizer)
+            else:
+                self.precision.load_state_dict(ck["precision"])
+                sharded.load_model_and_optimizer(self.raw_model, self.optimizer, ck, self._fsdp)
             if self.scheduler is not None and ck.get("scheduler"):
                 self.scheduler.load_state_dict(ck["scheduler"])
         except ckpt.CheckpointError:  # a damaged or refused shard: said as it is
@@ -252,6 +267,10 @@ class Trainer:
         if self._data_change:  # accepted with allow_new_data: recorded in the checkpoints, config.toml, metrics
             self._data_changes.append({"step": self.attempted_steps, "change": self._data_change,
                                        "data": self.config.data})
+        self._precision_changes = list(ck.get("precision_changes") or [])
+        if switch:
+            self._precision_changes.append({"step": self.attempted_steps, "from": switch[0], "to": switch[1],
+                                            "optimizer": self.config.precision_change_optimizer})
         self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
@@ -265,8 +284,10 @@ class Trainer:
         except ckpt.CheckpointError as e:
             older = ckpt.list_checkpoints(os.path.dirname(path))[:-1] if self.config.resume == "auto" else []
             if older and e.damaged:
-                raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: continue from it "
-                                           f"with --resume {older[-1]}") from e
+                raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: move the damaged one out of "
+                                           f"{os.path.dirname(path)!r} and continue with --resume auto, or train from "
+                                           f"the earlier one in a new run directory with --resume {older[-1]} "
+                                           "--out NEW_DIR.") from e
             raise
         finally:
             plan.release()
@@ -323,8 +344,15 @@ class Trainer:
         if _dist.is_main_process():
             changes = {f"data changed at step {c['step']}": f"{c['change']} (--allow-new-data; data {c['data']!r})"
                        for c in self._data_changes}
+            changes.update({f"precision changed at step {c['step']}": f"{c['from']} -> {c['to']} (--allow-precision-"
+                            f"change; the weights carried over, the optimizer state {_DONE[c['optimizer']]})"
+                            for c in self._precision_changes})
             announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
                      resume_path and resume.position_text(resume_path, self.counters, self.config), changes)
+            if self._precision_change:
+                logger.event({"kind": "precision_change", "step": self.attempted_steps,
+                              "from": self._precision_change[0], "to": self._precision_change[1],
+                              "optimizer": cfg.precision_change_optimizer})
             if self._data_change:
                 logger.event({"kind": "data_change", "step": self.attempted_steps, "change": self._data_change,
                               "data": self.config.data, "fingerprint": self.data_fingerprint})
