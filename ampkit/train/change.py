@@ -13,11 +13,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..precision.modes import AUTO
+from ..precision import Precision
+from ..precision.modes import AUTO, resolve
 from . import checkpoint as ckpt
 from .config import TrainConfig
 
-__all__ = ["check_precision_change", "carry_over", "MOMENTS"]
+__all__ = ["requested", "check_precision_change", "carry_over", "MOMENTS"]
 
 #: the optimizer state a conversion keeps (torch's Adam/AdamW/SGD); anything else is the old mode's own
 MOMENTS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
@@ -27,17 +28,25 @@ def _is_fp8(name: Optional[str]) -> bool:
     return bool(name) and (name.startswith("fp8") or name.startswith("mx"))
 
 
-def check_precision_change(ck: Dict[str, Any], precision, cfg: TrainConfig, path: str,
+def requested(precision: Any, cfg: TrainConfig) -> Tuple[str, Optional[str]]:
+    """(mode asked for, optimizer_state) of a run, before its `Precision` is built: a ready one's, or the
+    name given (or the config's) resolved from its alias; ``auto`` stays ``auto``."""
+    if isinstance(precision, Precision):
+        return (AUTO if precision.requested == AUTO else precision.name), precision.optimizer_state
+    return resolve(precision or cfg.precision), cfg.optimizer_state
+
+
+def check_precision_change(ck: Dict[str, Any], new: str, new_state: Optional[str], cfg: TrainConfig, path: str,
                            fsdp: bool) -> Optional[Tuple[str, str]]:
     """(old mode, new mode) when this run continues the checkpoint in another precision (allowed), None when
     it keeps the checkpoint's; a CheckpointError naming the fix when the change is not allowed or supported.
-    Called before any timing or writing. ``precision``: this run's `Precision`, not yet set up."""
+    ``new``/``new_state``: the mode and optimizer state the run asks for (`requested`). Called before the
+    precision is built, before any timing or writing."""
     saved = ck.get("precision") or {}
     old = saved.get("name")
-    if old is None or precision.requested == AUTO:
+    if old is None or new == AUTO:
         return None  # a resumed auto run keeps its checkpoint's mode
-    new = precision.name
-    old_state, new_state = saved.get("optimizer_state"), precision.optimizer_state
+    old_state = saved.get("optimizer_state")
     if old == new and ("optimizer_state" not in saved or old_state == new_state):
         return None
     what = (f"precision {old}, this run asks for {new}" if old != new else

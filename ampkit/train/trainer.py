@@ -105,16 +105,9 @@ class Trainer:
         setup.check_config(cfg, train_data)
         self.rank, self.world_size = _dist.rank_and_world()
         self._fsdp = cfg.strategy == "fsdp"
-        self.precision = setup.make_precision(precision, cfg, self.world_size)
-        self.device = self.precision.device
-        self.train_data, self.eval_data = train_data, eval_data
-        self.batches = Batches(train_data, eval_data, collate, cfg.batch_size, cfg.seed, self.rank, self.world_size,
-                               self.device)
-        self.task = task or setup.infer_task(train_data)
-        self.class_names = list(class_names) if class_names else None
-        self.loss_fn = loss_fn or default_loss
         # resuming: refuse options that contradict the checkpoint before the data is even tried on the
-        # model (another --data can make the model fail on it first, with a less useful message)
+        # model (another --data can make the model fail on it first, with a less useful message), and before the
+        # precision is built (it may measure this machine's 16-bit speed)
         if cfg.resume:  # an earlier checkpoint of a run with later ones: continuing in place would lose them
             resume.refuse_rewind(cfg.resume, cfg.out)
         self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
@@ -128,8 +121,16 @@ class Trainer:
             ck = self._resume.peek()
             if ck is not None:
                 self._data_change = resume.check_data(ck, self.data_fingerprint, cfg, self._resume.path)
-                self._precision_change = change.check_precision_change(ck, self.precision, cfg, self._resume.path,
-                                                                       self._fsdp)
+                self._precision_change = change.check_precision_change(
+                    ck, *change.requested(precision, cfg), cfg, self._resume.path, self._fsdp)
+        self.precision = setup.make_precision(precision, cfg, self.world_size)
+        self.device = self.precision.device
+        self.train_data, self.eval_data = train_data, eval_data
+        self.batches = Batches(train_data, eval_data, collate, cfg.batch_size, cfg.seed, self.rank, self.world_size,
+                               self.device)
+        self.task = task or setup.infer_task(train_data)
+        self.class_names = list(class_names) if class_names else None
+        self.loss_fn = loss_fn or default_loss
         setup.check_model_accepts_data(model, self.batches, self.loss_fn, self.task)  # before timing or writing
         if not isinstance(precision, Precision):  # not a ready Precision: measure what it left open
             saved_mode = self._resume.saved_mode if self._resume else None

@@ -174,3 +174,54 @@ def test_an_earlier_attempts_report_is_kept_renamed(run, capsys):
     assert not (run / "nonfinite_report.txt").exists()
     assert (run / "nonfinite_report.before-step-24.txt").read_text() == "training stopped: an earlier attempt\n"
     assert "nonfinite_report.before-step-24.txt" in r.stderr
+
+
+def test_a_checkpoint_of_another_run_names_this_runs_last_good_one(run, capsys):
+    """Another run's checkpoint (other seed, fp16-mixed) copied in as the latest: said as such, with this run's last
+    good checkpoint and how to continue; no flag the user never gave is blamed."""
+    ck = torch.load(_ckpts(run)[-1], weights_only=True)
+    ck["config"]["seed"], ck["precision"]["name"] = 4, "fp16-mixed"
+    foreign = os.path.join(run, "checkpoints", "step-00000099.pt")
+    torch.save(ck, foreign)
+    before = tree_bytes(run)
+    line = one_error(InProcess(["train", "--out", str(run), "--resume", "auto", "--epochs", "3"], capsys))
+    assert f"checkpoint {foreign!r} is not from the run in" in line, line
+    assert "seed=4" in line and "precision='fp16-mixed'" in line, line
+    assert f"last good checkpoint is {_ckpts(run)[-2]!r}" in line and "--resume auto" in line, line
+    assert "without --data" not in line and "--loss-scale" not in line and "--precision fp16-mixed" not in line
+    assert tree_bytes(run) == before
+    os.unlink(foreign)  # the advice works
+    assert InProcess(["train", "--out", str(run), "--resume", "auto", "--epochs", "3"], capsys).returncode == 0
+
+
+def test_another_precision_is_refused_before_any_timing(run, capsys, monkeypatch, tmp_path):
+    from ampkit.train import setup
+
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
+    timed = []
+    monkeypatch.setattr(setup, "tune_for_run", lambda *a, **k: timed.append(a) or a[0])
+    before = tree_bytes(run)
+    line = one_error(InProcess(["train", "--out", str(run), "--resume", "auto", "--epochs", "3", "--precision",
+                                "bf16-mixed"], capsys))
+    assert "trained in precision fp32, this run asks for bf16-mixed" in line and "--allow-precision-change" in line
+    assert not timed and not (tmp_path / "cache").exists()  # nothing timed, no layout.json written
+    assert tree_bytes(run) == before
+
+
+@pytest.mark.parametrize("how", ["convert", "reset"])
+def test_continue_in_another_precision(run, capsys, how):
+    r = InProcess(["train", "--out", str(run), "--resume", "auto", "--epochs", "3", "--precision", "bf16-mixed",
+                   "--allow-precision-change", "--precision-change-optimizer", how], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["precision"] == "bf16-mixed" and summary["optimizer_steps"] == 36
+    done = "converted" if how == "convert" else "reset"
+    config = (run / "config.toml").read_text()
+    assert 'precision = "bf16-mixed"' in config and "allow_precision_change" not in config
+    assert f"# precision changed at step 24: fp32 -> bf16-mixed" in config and f"optimizer state {done}" in config
+    change = _records(run, "precision_change")
+    assert change == [{"kind": "precision_change", "step": 24, "from": "fp32", "to": "bf16-mixed", "optimizer": how}]
+    # the next resume continues in bf16-mixed without asking again
+    r = InProcess(["train", "--out", str(run), "--resume", "auto", "--epochs", "4"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["precision"] == "bf16-mixed"
