@@ -1,4 +1,4 @@
-"""Resuming never loses or misstates what a run wrote (issue 43): an earlier checkpoint of a run that went on
+"""Resuming never loses or misstates what a run wrote: an earlier checkpoint of a run that went on
 branches to a new run directory or is refused (every file of the run compared byte for byte); a data file
 changed under a run is noticed (a fingerprint in each checkpoint); the records (summary.json,
 metrics.jsonl, config.toml) say what ran. Each command runs ``ampkit``'s ``main()`` in this process."""
