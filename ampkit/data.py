@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from ._optional import require
 
 __all__ = ["DataSplits", "load_data", "digits", "synthetic_images", "sequences", "DATASETS", "RowsDataset",
-           "check_labels", "row_of", "data_fingerprint", "fingerprint_changes"]
+           "check_labels", "row_of", "split_indices", "data_fingerprint", "fingerprint_changes"]
 
 
 class RowsDataset(TensorDataset):
@@ -69,18 +69,55 @@ class DataSplits:
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int, stratify: bool = True):
-    train_test_split = require("sklearn.model_selection", "the train/test split").train_test_split
-
-    idx = np.arange(len(x))
+    """(train, test) RowsDatasets: ``split_indices`` over the rows, stratified by integer class labels."""
     strat = y.numpy() if (stratify and y.dim() == 1 and not y.is_floating_point()) else None
-    if strat is not None:  # stratifying needs >= 2 samples per class and a test split holding every class
-        counts = np.unique(strat, return_counts=True)[1]
-        n_test = int(np.ceil(test_fraction * len(x)))
-        if counts.min() < 2 or n_test < len(counts) or len(x) - n_test < len(counts):
-            strat = None
-    tr, te = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=strat)
+    tr, te = split_indices(len(x), test_fraction, seed, strat)
     tr, te = torch.as_tensor(tr), torch.as_tensor(te)
     return RowsDataset(x[tr], y[tr], rows=tr), RowsDataset(x[te], y[te], rows=te)
+
+
+def split_indices(n: int, test_fraction: float, seed: int, labels: Optional[np.ndarray] = None):
+    """(train rows, test rows) of ``n`` samples, ``ceil(test_fraction * n)`` of them for the test, drawn from
+    ``numpy.random.RandomState(seed)``; stratified when ``labels`` are given (each class split in proportion,
+    ties in the rounding broken at random) unless a class has fewer than 2 samples or a side could not hold
+    every class. No scikit-learn needed; the rows drawn are those of scikit-learn's
+    ``train_test_split(..., random_state=seed, stratify=labels)``, so runs split before keep their sets."""
+    n_test = int(np.ceil(test_fraction * n))
+    n_train = n - n_test
+    rng = np.random.RandomState(seed)
+    if labels is not None:
+        classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+        if counts.min() < 2 or n_test < len(classes) or n_train < len(classes):
+            labels = None
+    if labels is None:
+        order = rng.permutation(n)
+        return order[n_test:n_test + n_train], order[:n_test]
+    members = np.split(np.argsort(inverse.reshape(-1), kind="stable"), np.cumsum(counts)[:-1])
+    to_train = _share(counts, n_train, rng)
+    to_test = _share(counts - to_train, n_test, rng)
+    train, test = [], []
+    for rows, k_train, k_test in zip(members, to_train, to_test):
+        rows = rows.take(rng.permutation(len(rows)), mode="clip")
+        train.extend(rows[:k_train])
+        test.extend(rows[k_train:k_train + k_test])
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _share(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of ``draws`` each class gets: its proportional share rounded down, the rest handed out by the
+    largest fractional parts (equal ones in random order, from ``rng``)."""
+    exact = counts / counts.sum() * draws
+    given = np.floor(exact)
+    left = int(draws - given.sum())
+    fractions = exact - given
+    for value in np.sort(np.unique(fractions))[::-1]:
+        if left <= 0:
+            break
+        (tied,) = np.where(fractions == value)
+        take = min(len(tied), left)
+        given[rng.choice(tied, size=take, replace=False)] += 1
+        left -= take
+    return given.astype(int)
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
