@@ -198,9 +198,9 @@ def load_config_file(path: str) -> Dict[str, Any]:
     except ValueError as e:  # TOML/JSON syntax errors are ValueErrors too: name the file
         if str(e).startswith(("config file", "YAML config")):
             raise
-        raise ValueError(f"config file {path!r} could not be parsed: {e}") from e
-    except Exception as e:
-        raise ValueError(f"config file {path!r} could not be parsed: {e}") from e
+        raise ValueError(f"config file {path!r} could not be parsed: {_one_line(e)}") from e
+    except Exception as e:  # a YAML error spans several lines (a caret under the spot): one line here
+        raise ValueError(f"config file {path!r} could not be parsed: {_one_line(e)}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"config file {path!r} must hold a mapping of keys to values.")
     raw = {str(k).replace("-", "_"): v for k, v in raw.items()}
@@ -208,6 +208,10 @@ def load_config_file(path: str) -> Dict[str, Any]:
     if unknown:
         raise ValueError(f"config file {path!r} has unknown key(s): {', '.join(sorted(unknown))}.")
     return raw
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 def _toml_value(v: Any) -> str:
@@ -222,7 +226,8 @@ def _toml_value(v: Any) -> str:
 
 def write_config(config: TrainConfig, path: str, extra: Optional[Dict[str, Any]] = None) -> None:
     """Write the config as TOML (None values are omitted: TOML has no null), loadable by --config."""
-    lines = ["# ampkit train config (reload with: ampkit train --config THIS_FILE)"]
+    lines = ["# ampkit train config (continue this run: ampkit train --config THIS_FILE --resume auto; a new run with "
+             "these options: ampkit train --config THIS_FILE --out NEW_DIR)"]
     for k, v in config.to_dict().items():
         if v is not None and k not in ONE_RESUME:  # one resume's options are not the run's
             lines.append(f"{k} = {_toml_value(v)}")

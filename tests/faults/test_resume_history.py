@@ -225,3 +225,28 @@ def test_continue_in_another_precision(run, capsys, how):
     r = InProcess(["train", "--out", str(run), "--resume", "auto", "--epochs", "4"], capsys)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((run / "summary.json").read_text())["precision"] == "bf16-mixed"
+
+
+def test_config_toml_header_commands_work(tmp_path, capsys):
+    run = tmp_path / "r"
+    assert InProcess(["train", *QUICK, "--max-steps", "4", "--out", str(run)], capsys).returncode == 0
+    config = run / "config.toml"
+    header = config.read_text().splitlines()[0]
+    assert "--config THIS_FILE --resume auto" in header and "--config THIS_FILE --out NEW_DIR" in header, header
+    before = tree_bytes(run)
+    new = tmp_path / "new"
+    r = InProcess(["train", "--config", str(config), "--out", str(new), "--max-steps", "2"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert tree_bytes(run) == before and json.loads((new / "summary.json").read_text())["optimizer_steps"] == 2
+    r = InProcess(["train", "--config", str(config), "--resume", "auto", "--max-steps", "6"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["optimizer_steps"] == 6
+
+
+def test_a_malformed_yaml_config_is_one_line(tmp_path, capsys):
+    pytest.importorskip("yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("epochs: 3\nlr: [0.1\nbatch_size: 8\n")
+    line = one_error(InProcess(["train", "--config", str(bad), *FAST], capsys))
+    assert f"config file {str(bad)!r} could not be parsed" in line, line
+    assert len([ln for ln in capsys.readouterr().err.splitlines()]) <= 1

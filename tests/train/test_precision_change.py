@@ -77,3 +77,4 @@ def test_the_mode_asked_for_is_known_before_the_precision_is_built():
     assert requested(None, TrainConfig(precision="bf16")) == ("bf16-mixed", None)
     assert requested("O2", TrainConfig(optimizer_state="bf16")) == ("fp16-master", "bf16")
     assert requested(None, TrainConfig()) == ("auto", None)
+

@@ -486,6 +486,9 @@ class Precision:
         gradient_state = getattr(optimizer, "gradient_state", None)
         if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
             return StepResult(stepped=False)
+        if isinstance(max_norm, (int, float)) and not max_norm > 0:  # 0, a negative or NaN would clip nothing, silently
+            raise ValueError(f"Precision.step(max_norm={max_norm!r}): max_norm must be > 0, or None for no clipping; "
+                             "nothing was stepped.")
         self.check_step_optimizer(optimizer)
         if not self.has_grads(optimizer):
             raise RuntimeError(
