@@ -1,4 +1,4 @@
-"""`ampkit.train.change`: what continuing a checkpoint in another precision mode carries over."""
+"""Continuing a checkpoint in another precision mode (`ampkit.train.change`), and what the Trainer says when it builds the precision."""
 import pytest
 import torch
 
@@ -78,3 +78,25 @@ def test_the_mode_asked_for_is_known_before_the_precision_is_built():
     assert requested("O2", TrainConfig(optimizer_state="bf16")) == ("fp16-master", "bf16")
     assert requested(None, TrainConfig()) == ("auto", None)
 
+
+
+def test_a_modes_warning_at_trainer_construction_points_at_the_callers_line(monkeypatch):
+    """What the precision says when built (e.g. 'likely slower than fp32' on some CPUs) is attributed to the line
+    that built the Trainer, not to ampkit's own code."""
+    import warnings
+
+    from ampkit.train import Trainer, setup
+
+    real = setup._dist.run_device
+
+    def warning_device(*a, **k):  # a warning raised while the precision is built, from inside ampkit
+        warnings.warn("this mode is likely slower than fp32 here", UserWarning)
+        return real(*a, **k)
+
+    monkeypatch.setattr(setup._dist, "run_device", warning_device)
+    ds = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(torch.nn.Linear(4, 2), ds, precision="fp32", epochs=1, progress=False, autotune=False)
+    slow = [w for w in caught if "likely slower" in str(w.message)]
+    assert len(slow) == 1 and slow[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
