@@ -1,4 +1,5 @@
-"""Continuing a checkpoint in another precision mode (`ampkit.train.change`), and what the Trainer says when it builds the precision."""
+"""Continuing a checkpoint in another precision mode (`ampkit.train.change`), and what the Trainer says when
+it builds the precision."""
 import pytest
 import torch
 
