@@ -156,28 +156,11 @@ def _checked(args):
     return strategy, budget, device, remote
 
 
-def _run(args) -> int:
-    import torch
-
-    from ..data import load_data
-    from ..memory import available_memory, format_bytes, plan
-    from ..models import build_model
+def _plan_modes(args, modes, model, batch, budget, device, remote, strategy):
+    """([(mode, plan, batch choice)], {mode: why not planned}), a progress line per mode when several."""
+    from ..memory import plan
     from ..precision import Precision
 
-    strategy, budget, device, remote = _checked(args)
-    modes = _modes(args.precision)
-    data = load_data(args.data)
-    spec = args.model or data.default_model
-    if not spec:
-        raise ValueError(f"--data {args.data} yields dict samples: pass the model with --model pkg.module:factory.")
-    with torch.device("meta"):  # shapes only: a model larger than this machine's memory plans the same
-        model = build_model(spec, **data.model_kwargs)
-    batch = sample_batch(data, 1)
-    if budget is None:
-        budget = available_memory(device)
-        source = f"free memory of {device}"
-    else:
-        source = "--memory"
     rows, failed = [], {}
     t0 = time.perf_counter()
     for i, mode in enumerate(modes):
@@ -195,6 +178,31 @@ def _run(args) -> int:
             failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
             continue
         rows.append((mode, p, choice))
+    return rows, failed
+
+
+def _run(args) -> int:
+    import torch
+
+    from ..data import load_data
+    from ..memory import available_memory, format_bytes
+    from ..models import build_model
+
+    strategy, budget, device, remote = _checked(args)
+    modes = _modes(args.precision)
+    data = load_data(args.data)
+    spec = args.model or data.default_model
+    if not spec:
+        raise ValueError(f"--data {args.data} yields dict samples: pass the model with --model pkg.module:factory.")
+    with torch.device("meta"):  # shapes only: a model larger than this machine's memory plans the same
+        model = build_model(spec, **data.model_kwargs)
+    batch = sample_batch(data, 1)
+    if budget is None:
+        budget = available_memory(device)
+        source = f"free memory of {device}"
+    else:
+        source = "--memory"
+    rows, failed = _plan_modes(args, modes, model, batch, budget, device, remote, strategy)
     errors = set(failed.values())
     if not rows and not args.json:  # nothing to show: one line
         why = next(iter(errors))

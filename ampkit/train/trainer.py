@@ -105,24 +105,7 @@ class Trainer:
         setup.check_config(cfg, train_data)
         self.rank, self.world_size = _dist.rank_and_world()
         self._fsdp = cfg.strategy == "fsdp"
-        # resuming: refuse options that contradict the checkpoint before the data is even tried on the
-        # model (another --data can make the model fail on it first, with a less useful message), and before the
-        # precision is built (it may measure this machine's 16-bit speed)
-        if cfg.resume:  # an earlier checkpoint of a run with later ones: continuing in place would lose them
-            resume.refuse_rewind(cfg.resume, cfg.out)
-        self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
-        self.data_fingerprint = data_fingerprint(train_data)  # in each checkpoint: a resume on other data is noticed
-        self._data_changes: List[Dict[str, Any]] = []  # data changes accepted at resumes (allow_new_data), recorded
-        self._data_change: Optional[str] = None
-        self._precision_change: Optional[tuple] = None  # (old mode, new mode): allow_precision_change, this resume
-        self._precision_changes: List[Dict[str, Any]] = []  # changes at resumes, recorded
-        if self._resume is not None:
-            self._resume.check_options(cfg, self.world_size)
-            ck = self._resume.peek()
-            if ck is not None:
-                self._data_change = resume.check_data(ck, self.data_fingerprint, cfg, self._resume.path)
-                self._precision_change = change.check_precision_change(
-                    ck, *change.requested(precision, cfg), cfg, self._resume.path, self._fsdp)
+        self._plan_resume(cfg, precision, train_data, resume_plan)  # its refusals before anything is built
         self.precision = setup.make_precision(precision, cfg, self.world_size)
         self.device = self.precision.device
         self.train_data, self.eval_data = train_data, eval_data
@@ -156,6 +139,29 @@ class Trainer:
         self._t_segment: Optional[float] = None
         self._fit_called = False
         self._training_started = False  # config.toml and metrics written: a failure keeps the run directory
+
+    def _plan_resume(self, cfg: TrainConfig, precision: Any, train_data: Dataset,
+                     resume_plan: Optional[resume.ResumePlan]) -> None:
+        """The resume planned and checked before the precision is built (it may measure this machine) and before
+        the data is tried on the model (another --data can make the model fail on it first, with a less useful
+        message): no rewind of a run with later checkpoints, the saved options, the data's fingerprint, a change
+        of precision (refused, or allowed and carried out at the load)."""
+        self.data_fingerprint = data_fingerprint(train_data)  # in each checkpoint: a resume on other data is noticed
+        self._data_changes: List[Dict[str, Any]] = []  # data changes accepted at resumes (allow_new_data), recorded
+        self._data_change: Optional[str] = None
+        self._precision_change: Optional[tuple] = None  # (old mode, new mode): allow_precision_change, this resume
+        self._precision_changes: List[Dict[str, Any]] = []  # changes at resumes, recorded
+        if cfg.resume:  # an earlier checkpoint of a run with later ones: continuing in place would lose them
+            resume.refuse_rewind(cfg.resume, cfg.out)
+        self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
+        if self._resume is None:
+            return
+        self._resume.check_options(cfg, self.world_size)
+        ck = self._resume.peek()
+        if ck is not None:
+            self._data_change = resume.check_data(ck, self.data_fingerprint, cfg, self._resume.path)
+            self._precision_change = change.check_precision_change(
+                ck, *change.requested(precision, cfg), cfg, self._resume.path, self._fsdp)
 
     # ------------------------------------------------------------------ run directory
     def _prepare_run(self) -> Optional[str]:
@@ -343,20 +349,7 @@ class Trainer:
         if kept is not None:
             self.history = kept
         if _dist.is_main_process():
-            changes = {f"data changed at step {c['step']}": f"{c['change']} (--allow-new-data; data {c['data']!r})"
-                       for c in self._data_changes}
-            changes.update({f"precision changed at step {c['step']}": f"{c['from']} -> {c['to']} (--allow-precision-"
-                            f"change; the weights carried over, the optimizer state {_DONE[c['optimizer']]})"
-                            for c in self._precision_changes})
-            announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
-                     resume_path and resume.position_text(resume_path, self.counters, self.config), changes)
-            if self._precision_change:
-                logger.event({"kind": "precision_change", "step": self.attempted_steps,
-                              "from": self._precision_change[0], "to": self._precision_change[1],
-                              "optimizer": cfg.precision_change_optimizer})
-            if self._data_change:
-                logger.event({"kind": "data_change", "step": self.attempted_steps, "change": self._data_change,
-                              "data": self.config.data, "fingerprint": self.data_fingerprint})
+            self._announce(logger, resume_path)
         t_start = self._t_segment = time.perf_counter()
         self._training_started = True
         loop = TrainLoop(
@@ -383,6 +376,23 @@ class Trainer:
         summary = self._finish(logger, train_time, peak_memory_bytes)
         logger.close()
         return summary
+
+    def _announce(self, logger: MetricsLogger, resume_path: Optional[str]) -> None:
+        """Rank 0, at the start of training: config.toml (with what resumes changed, as comments), the precision
+        line, where a resume continues from, and this resume's data or precision change in metrics.jsonl."""
+        changes = {f"data changed at step {c['step']}": f"{c['change']} (--allow-new-data; data {c['data']!r})"
+                   for c in self._data_changes}
+        changes.update({f"precision changed at step {c['step']}": f"{c['from']} -> {c['to']} (--allow-precision-"
+                        f"change; the weights carried over, the optimizer state {_DONE[c['optimizer']]})"
+                        for c in self._precision_changes})
+        announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
+                 resume_path and resume.position_text(resume_path, self.counters, self.config), changes)
+        if self._precision_change:
+            logger.event({"kind": "precision_change", "step": self.attempted_steps, "from": self._precision_change[0],
+                          "to": self._precision_change[1], "optimizer": self.config.precision_change_optimizer})
+        if self._data_change:
+            logger.event({"kind": "data_change", "step": self.attempted_steps, "change": self._data_change,
+                          "data": self.config.data, "fingerprint": self.data_fingerprint})
 
     # ------------------------------------------------------------------ evaluation and the summary
     def _evaluate(self, collect: bool) -> Dict[str, Any]:
