@@ -164,9 +164,9 @@ def _plan_modes(args, modes, model, batch, budget, device, remote, strategy):
     rows, failed = [], {}
     t0 = time.perf_counter()
     for i, mode in enumerate(modes):
-        if len(modes) > 1:  # progress: a plan of every mode traces each several times
-            print(f"ampkit plan: {mode} ({i + 1}/{len(modes)}, {time.perf_counter() - t0:.0f} s)", file=sys.stderr,
-                  flush=True)
+        if len(modes) > 1 and _show_progress():  # a plan of every mode traces each several times
+            print(f"\rampkit plan: tracing {mode} ({i + 1}/{len(modes)}, {time.perf_counter() - t0:.0f} s)\033[K",
+                  end="", file=sys.stderr, flush=True)
         try:
             with _memory_warnings_only():  # a mode's training advice (eps, speed) is not the plan's to give
                 prec = (Precision(mode, "cpu" if remote else device, optimizer_state=args.optimizer_state)
@@ -178,7 +178,14 @@ def _plan_modes(args, modes, model, batch, budget, device, remote, strategy):
             failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
             continue
         rows.append((mode, p, choice))
+    if len(modes) > 1 and _show_progress():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line cleared: the table follows
     return rows, failed
+
+
+def _show_progress() -> bool:
+    """Progress on a terminal only (one line, rewritten): a script's or a log's stderr keeps only what matters."""
+    return sys.stderr.isatty()
 
 
 def _run(args) -> int:
