@@ -1,5 +1,5 @@
 # One entry point for setting up and running ampkit.
-#   make run    - create .venv if needed, install, train the embedded default (digits CNN)
+#   make run    - create .venv if needed, install what the default run needs (.[data]), train it (digits CNN)
 #   make test   - create .venv if needed, install with dev deps, run the test suite
 #   make dist-run - the default training on 2 CPU processes (torchrun, gloo, DDP); NPROC=N for more
 #   make docs   - the docs/ pages and the API reference (mkdocs + mkdocstrings, the `docs` extra) into site/
@@ -26,7 +26,15 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
-run: $(STAMP)
+# make run needs only ampkit and its data extra (scikit-learn: the digits set), not the dev toolchain
+RUN_STAMP := $(VENV)/.ampkit-run-installed
+
+$(RUN_STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[data]"
+	touch $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(VENV)/bin/ampkit train
 
 test: $(STAMP)

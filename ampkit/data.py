@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from ._optional import require
 
 __all__ = ["DataSplits", "load_data", "digits", "synthetic_images", "sequences", "DATASETS", "RowsDataset",
-           "check_labels", "row_of"]
+           "check_labels", "row_of", "split_indices", "data_fingerprint", "fingerprint_changes"]
 
 
 class RowsDataset(TensorDataset):
@@ -69,18 +69,55 @@ class DataSplits:
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int, stratify: bool = True):
-    train_test_split = require("sklearn.model_selection", "the train/test split").train_test_split
-
-    idx = np.arange(len(x))
+    """(train, test) RowsDatasets: ``split_indices`` over the rows, stratified by integer class labels."""
     strat = y.numpy() if (stratify and y.dim() == 1 and not y.is_floating_point()) else None
-    if strat is not None:  # stratifying needs >= 2 samples per class and a test split holding every class
-        counts = np.unique(strat, return_counts=True)[1]
-        n_test = int(np.ceil(test_fraction * len(x)))
-        if counts.min() < 2 or n_test < len(counts) or len(x) - n_test < len(counts):
-            strat = None
-    tr, te = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=strat)
+    tr, te = split_indices(len(x), test_fraction, seed, strat)
     tr, te = torch.as_tensor(tr), torch.as_tensor(te)
     return RowsDataset(x[tr], y[tr], rows=tr), RowsDataset(x[te], y[te], rows=te)
+
+
+def split_indices(n: int, test_fraction: float, seed: int, labels: Optional[np.ndarray] = None):
+    """(train rows, test rows) of ``n`` samples, ``ceil(test_fraction * n)`` of them for the test, drawn from
+    ``numpy.random.RandomState(seed)``; stratified when ``labels`` are given (each class split in proportion,
+    ties in the rounding broken at random) unless a class has fewer than 2 samples or a side could not hold
+    every class. No scikit-learn needed; the rows drawn are those of scikit-learn's
+    ``train_test_split(..., random_state=seed, stratify=labels)``, so runs split before keep their sets."""
+    n_test = int(np.ceil(test_fraction * n))
+    n_train = n - n_test
+    rng = np.random.RandomState(seed)
+    if labels is not None:
+        classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+        if counts.min() < 2 or n_test < len(classes) or n_train < len(classes):
+            labels = None
+    if labels is None:
+        order = rng.permutation(n)
+        return order[n_test:n_test + n_train], order[:n_test]
+    members = np.split(np.argsort(inverse.reshape(-1), kind="stable"), np.cumsum(counts)[:-1])
+    to_train = _share(counts, n_train, rng)
+    to_test = _share(counts - to_train, n_test, rng)
+    train, test = [], []
+    for rows, k_train, k_test in zip(members, to_train, to_test):
+        rows = rows.take(rng.permutation(len(rows)), mode="clip")
+        train.extend(rows[:k_train])
+        test.extend(rows[k_train:k_train + k_test])
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _share(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of ``draws`` each class gets: its proportional share rounded down, the rest handed out by the
+    largest fractional parts (equal ones in random order, from ``rng``)."""
+    exact = counts / counts.sum() * draws
+    given = np.floor(exact)
+    left = int(draws - given.sum())
+    fractions = exact - given
+    for value in np.sort(np.unique(fractions))[::-1]:
+        if left <= 0:
+            break
+        (tied,) = np.where(fractions == value)
+        take = min(len(tied), left)
+        given[rng.choice(tied, size=take, replace=False)] += 1
+        left -= take
+    return given.astype(int)
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
@@ -209,8 +246,7 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
                 x = f["x"] if "x" in files else None
                 y = f["y"] if "y" in files else None
         except Exception as e:
-            raise ValueError(f"data file {spec!r} is not a readable .npz ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:120]}); save it with numpy.savez(path, x=..., y=...).") from e
+            raise ValueError(_npz_error(spec, e)) from e
         if x is None or y is None:
             raise ValueError(f"data file {spec!r} has arrays {sorted(files)}; it needs 'x' and 'y'.")
         return _from_arrays(x, y, os.path.basename(spec), test_fraction, seed)
@@ -232,8 +268,107 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
             return _from_arrays(out[0], out[1], spec, test_fraction, seed)
         raise ValueError(f"data factory {spec!r} returned {type(out).__name__}: return a Dataset, "
                          "a (train, test) pair of Datasets or DataLoaders, or (x, y) arrays.")
-    raise ValueError(f"Unknown data {spec!r}: use {', '.join(DATASETS)}, a .npz file with x/y arrays, "
-                     "or 'pkg.module:factory'.")
+    raise ValueError(_unknown_data(spec))
+
+
+_READS = "ampkit reads a .npz file (numpy arrays x and y), a built-in set ({}) or a 'pkg.module:factory'"
+# how to turn a file of another format into an .npz (x: the features, y: the labels)
+_CONVERT = {
+    ".csv": "numpy: d = numpy.loadtxt({p!r}, delimiter=',', skiprows=1); numpy.savez({n!r}, x=d[:, :-1].astype("
+            "'float32'), y=d[:, -1].astype('int64')) (the last column as the label)",
+    ".tsv": "numpy: d = numpy.loadtxt({p!r}, delimiter='\\t', skiprows=1); numpy.savez({n!r}, x=d[:, :-1].astype("
+            "'float32'), y=d[:, -1].astype('int64'))",
+    ".npy": "numpy: numpy.savez({n!r}, x=numpy.load({p!r}), y=LABELS)",
+    ".pt": "torch: x, y = torch.load({p!r}); numpy.savez({n!r}, x=x.numpy(), y=y.numpy())",
+    ".pth": "torch: x, y = torch.load({p!r}); numpy.savez({n!r}, x=x.numpy(), y=y.numpy())",
+}
+
+
+def _unknown_data(spec: str) -> str:
+    """The one line for a --data ampkit does not read: what it reads, and how to convert a file it found."""
+    reads = _READS.format(", ".join(DATASETS))
+    if os.path.isfile(spec):
+        stem, ext = os.path.splitext(spec)
+        how = _CONVERT.get(ext.lower())
+        fix = (f"convert it with {how.format(p=spec, n=stem + '.npz')}" if how else
+               f"save its features and labels with numpy.savez({stem + '.npz'!r}, x=..., y=...)")
+        return f"data file {spec!r} is not a format ampkit reads ({reads}): {fix}, then pass --data {stem}.npz."
+    return f"Unknown data {spec!r}: no such file or data set; {reads}."
+
+
+def _npz_error(spec: str, e: Exception) -> str:
+    """Why an .npz file did not load, whole (numpy's messages go on with advice that does not apply here)."""
+    import zipfile
+
+    fix = "save it with numpy.savez(path, x=..., y=...)"
+    if not zipfile.is_zipfile(spec):
+        return (f"data file {spec!r} is not an .npz archive (not a zip file: damaged, or another format named "
+                f".npz): {fix}.")
+    if "pickle" in str(e):
+        return (f"data file {spec!r} holds Python objects (object arrays), which ampkit does not unpickle: {fix} "
+                "with numeric arrays (e.g. x.astype('float32'), y.astype('int64')).")
+    text = " ".join(str(e).split())
+    return f"data file {spec!r} is not a readable .npz ({type(e).__name__}: {text[:300]}): {fix}."
+
+
+_HASHED = 64  # evenly spaced samples hashed into a data fingerprint
+
+
+def data_fingerprint(dataset: Dataset) -> dict:
+    """What identifies a training set cheaply: its ``size``, a SHA-256 of ``_HASHED`` evenly spaced samples
+    (``sample_hash``; None where a sample holds something else than tensors, arrays, numbers or strings) and
+    its number of distinct integer labels (``classes``; None where the labels are not exposed or not
+    integers). A checkpoint records it, so a resume on another file is noticed (``fingerprint_changes``)."""
+    import hashlib
+
+    from torch.utils._pytree import tree_leaves
+
+    n = len(dataset)
+    picks = sorted({round(i * (n - 1) / max(1, _HASHED - 1)) for i in range(min(n, _HASHED))})
+    h = hashlib.sha256()
+
+    def add(leaf) -> bool:
+        if isinstance(leaf, np.ndarray):
+            leaf = torch.from_numpy(np.ascontiguousarray(leaf))
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            return True
+        if isinstance(leaf, (bool, int, float, str, bytes, np.generic)):
+            h.update(repr(leaf).encode())
+            return True
+        return False
+
+    hashed = True
+    if isinstance(dataset, TensorDataset):
+        index = torch.as_tensor(picks, dtype=torch.long)
+        hashed = all(add(t[index]) for t in dataset.tensors)
+    else:
+        try:
+            hashed = all(add(leaf) for i in picks for leaf in tree_leaves(dataset[i]))
+        except Exception:  # a dataset that cannot be indexed so: its size and labels still identify it
+            hashed = False
+    labels = _all_labels(dataset)
+    classes = None
+    if labels is not None and not labels.is_floating_point() and labels.dtype != torch.bool and labels.numel():
+        flat = labels.reshape(-1)
+        classes = int(torch.unique(flat[flat >= 0]).numel())
+    return {"size": n, "sample_hash": h.hexdigest()[:16] if hashed else None, "classes": classes}
+
+
+def fingerprint_changes(saved: dict, now: dict) -> list:
+    """What differs between two :func:`data_fingerprint`s, as phrases (empty: the same data, as far as seen)."""
+    out = []
+    if saved.get("size") != now.get("size"):
+        out.append(f"{saved.get('size')} training samples -> {now.get('size')}")
+    if saved.get("classes") is not None and now.get("classes") is not None and saved["classes"] != now["classes"]:
+        out.append(f"{saved['classes']} classes -> {now['classes']}")
+    if (saved.get("sample_hash") and now.get("sample_hash") and saved["sample_hash"] != now["sample_hash"]
+            and not out):
+        out.append(f"the same size, other samples (hash of {_HASHED} evenly spaced samples {saved['sample_hash']} "
+                   f"-> {now['sample_hash']})")
+    return out
 
 
 _PREFIX = 2000  # samples read to count the classes of a Dataset that does not expose its labels

@@ -69,6 +69,20 @@ def _loss_axis(ax, values: List[float]) -> str:
     return ""
 
 
+#: the PNG's Software field: a file that holds it was written by ``ampkit plot`` and may be replaced by it
+WRITER = "ampkit plot"
+
+
+def written_by_ampkit(path: str) -> bool:
+    """Whether the PNG at ``path`` was written by `plot_runs` (its Software text chunk, before the image data)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and b"Software\x00" + WRITER.encode() in head
+
+
 def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[str] = None) -> str:
     """Write a PNG with three panels (train loss, eval accuracy or loss, loss scale) to ``out``.
 
@@ -129,6 +143,6 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
         fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, metadata={"Software": WRITER})  # marks the file as ours (`written_by_ampkit`)
     plt.close(fig)
     return out

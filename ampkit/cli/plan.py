@@ -7,6 +7,8 @@ import contextlib
 import json
 import logging
 import sys
+import time
+import warnings
 from typing import List
 
 from . import UsageError
@@ -103,6 +105,26 @@ def _quiet_fake_tensors():
         log.setLevel(level)
 
 
+#: words of a warning that concerns memory (kept); the others are training advice (dropped by the plan)
+_MEMORY_WORDS = ("memory", "bytes", "fit", "GiB", "GB", "OOM", "out of memory")
+
+
+@contextlib.contextmanager
+def _memory_warnings_only():
+    """Warnings raised while a mode is built and traced, re-issued only where they concern memory: a mode's
+    training advice (fp16-pure's Adam eps, "likely slower than fp32", fp8's converted layers) is for
+    `ampkit train`, not a memory plan."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    seen = set()
+    for w in caught:
+        text = str(w.message)
+        if text not in seen and any(word in text for word in _MEMORY_WORDS):
+            seen.add(text)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def param_count(n: int) -> str:
     """1,797 params / 11.2M params: small models are not rounded to 0.00M."""
     return f"{n:,} params" if n < 1_000_000 else f"{n / 1e6:.1f}M params"
@@ -134,13 +156,44 @@ def _checked(args):
     return strategy, budget, device, remote
 
 
+def _plan_modes(args, modes, model, batch, budget, device, remote, strategy):
+    """([(mode, plan, batch choice)], {mode: why not planned}), a progress line per mode when several."""
+    from ..memory import plan
+    from ..precision import Precision
+
+    rows, failed = [], {}
+    t0 = time.perf_counter()
+    for i, mode in enumerate(modes):
+        if len(modes) > 1 and _show_progress():  # a plan of every mode traces each several times
+            print(f"\rampkit plan: tracing {mode} ({i + 1}/{len(modes)}, {time.perf_counter() - t0:.0f} s)\033[K",
+                  end="", file=sys.stderr, flush=True)
+        try:
+            with _memory_warnings_only():  # a mode's training advice (eps, speed) is not the plan's to give
+                prec = (Precision(mode, "cpu" if remote else device, optimizer_state=args.optimizer_state)
+                        if args.optimizer_state else mode)
+                p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device,
+                         batch_size=args.batch_size, world_size=args.world_size, strategy=strategy)
+                choice = p.max_batch_size(budget, margin=args.margin, cap=args.max_batch)
+        except (ValueError, RuntimeError, TypeError, ImportError) as e:  # a mode this device or install cannot run
+            failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+            continue
+        rows.append((mode, p, choice))
+    if len(modes) > 1 and _show_progress():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line cleared: the table follows
+    return rows, failed
+
+
+def _show_progress() -> bool:
+    """Progress on a terminal only (one line, rewritten): a script's or a log's stderr keeps only what matters."""
+    return sys.stderr.isatty()
+
+
 def _run(args) -> int:
     import torch
 
     from ..data import load_data
-    from ..memory import available_memory, format_bytes, plan
+    from ..memory import available_memory, format_bytes
     from ..models import build_model
-    from ..precision import Precision
 
     strategy, budget, device, remote = _checked(args)
     modes = _modes(args.precision)
@@ -156,18 +209,7 @@ def _run(args) -> int:
         source = f"free memory of {device}"
     else:
         source = "--memory"
-    rows, failed = [], {}
-    for mode in modes:
-        try:
-            prec = (Precision(mode, "cpu" if remote else device, optimizer_state=args.optimizer_state)
-                    if args.optimizer_state else mode)
-            p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device, batch_size=args.batch_size,
-                     world_size=args.world_size, strategy=strategy)
-            choice = p.max_batch_size(budget, margin=args.margin, cap=args.max_batch)
-        except (ValueError, RuntimeError, TypeError, ImportError) as e:  # a mode this device or install cannot run
-            failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
-            continue
-        rows.append((mode, p, choice))
+    rows, failed = _plan_modes(args, modes, model, batch, budget, device, remote, strategy)
     errors = set(failed.values())
     if not rows and not args.json:  # nothing to show: one line
         why = next(iter(errors))

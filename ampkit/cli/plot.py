@@ -13,19 +13,21 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="PNG path (default: RUN_DIR/curves.png for one run, curves.png for several)")
     p.add_argument("--smooth", type=int, default=10, help="moving-mean window for the train loss (1 = raw)")
     p.add_argument("--title")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file that ampkit plot did not write (its own plots are replaced)")
 
 
 def run(args) -> int:
-    from ..plot import plot_runs
+    from ..plot import plot_runs, written_by_ampkit
 
     out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1 else "curves.png")
     if args.smooth < 1:
         raise UsageError(f"--smooth must be >= 1, got {args.smooth}.")
     if os.path.isdir(out):
         raise UsageError(f"--out {out!r} is a directory: give a file path, e.g. {os.path.join(out, 'curves.png')}.")
-    if os.path.exists(out) and (args.out or len(args.runs) > 1) and not args.force:  # RUN_DIR/curves.png is ours
-        raise UsageError(f"{out!r} exists: pass --force to overwrite it, or another --out.")
+    if (os.path.exists(out) and (args.out or len(args.runs) > 1) and not args.force
+            and not written_by_ampkit(out)):  # RUN_DIR/curves.png and any plot of ours are replaced
+        raise UsageError(f"{out!r} exists and was not written by ampkit plot: pass --force to overwrite it, or "
+                         "another --out.")
     for d in args.runs:
         if not os.path.isdir(d):
             raise UsageError(f"run directory {d!r} does not exist.")

@@ -7,7 +7,7 @@ import sys
 
 from . import UsageError
 
-_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune", "retune"}
+_BOOL_FLAGS = {"progress", "compile", "tensorboard", "autotune", "retune", "allow_new_data", "allow_precision_change"}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -67,6 +67,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
     g.add_argument("--out", help="run directory (default: runs/<data>-<precision>-<time>)")
     g.add_argument("--resume", help="auto (latest checkpoint in --out) or a checkpoint path")
+    _add_resume_flags(g)
     g.add_argument("--save-every", type=int, help="checkpoint every N optimizer steps (default: each epoch)")
     g.add_argument("--keep-last", type=int, help="checkpoints kept (default 3)")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None,
@@ -108,6 +109,18 @@ def _typed_values(args) -> dict:
     return values
 
 
+def _add_resume_flags(g) -> None:
+    g.add_argument("--allow-new-data", action="store_true", default=None,
+                   help="resuming: continue on data other than the checkpoint's (another size, other samples or "
+                   "classes; refused otherwise); recorded in config.toml and metrics.jsonl")
+    g.add_argument("--allow-precision-change", action="store_true", default=None,
+                   help="resuming: continue in the --precision given instead of the checkpoint's mode (the weights "
+                   "carried over; see docs/CHECKPOINTS.md); recorded in config.toml")
+    g.add_argument("--precision-change-optimizer", choices=["convert", "reset"],
+                   help="with --allow-precision-change: convert the optimizer state (moments cast to the new mode, "
+                   "the default) or reset it (a fresh optimizer; the learning-rate schedule continues)")
+
+
 def _add_fp8_flags(g) -> None:
     g.add_argument("--fp8-filter", choices=["ends", "auto", "all"],
                    help="fp8 modes: which Linears convert: auto (default: dims multiples of 16, not first/last, and "
@@ -127,6 +140,7 @@ def _config_from_args(args, announce: bool = False):
     from ..train.resume import ResumePlan, saved_run_options
 
     values = _typed_values(args)
+    given_out, given = values.get("out"), set(values)
     auto_batch = values.get("batch_size") == "auto"
     if auto_batch:
         del values["batch_size"]
@@ -164,6 +178,7 @@ def _config_from_args(args, announce: bool = False):
                              f"/config.toml), is a path relative to where the run started, and {os.getcwd()!r} "
                              "has no such file: resume from that directory, or pass --data with the file's path.")
         values = _fit_to_launch(values, given, plan, note)
+        values = _resume_in_place(values, saved, given, given_out, plan, note)
     data = values.get("data")
     if isinstance(data, str) and data.endswith(".npz") and os.path.isfile(data):
         values["data"] = os.path.abspath(data)  # recorded so: a resume from another directory finds it
@@ -186,6 +201,36 @@ def _fit_to_launch(values: dict, given: set, plan, note) -> dict:
                                 world, launched)
     if said:
         note(f"resuming on {world} process{'' if world == 1 else 'es'}: {said}")
+    return values
+
+
+def _resume_in_place(values: dict, saved: dict, given: set, given_out, plan, note) -> dict:
+    """A resume's options, checked against the run directory it continues: a checkpoint of another run put there
+    is refused (naming this run's last good one); an earlier checkpoint of a run that went on trains in a new run
+    directory (``--out`` not given: the run untouched); a resumed ``auto`` run keeps asking for auto."""
+    from ..train import resume
+    from ..train.resume import ResumePlan
+
+    out = values.get("out")
+    if out and os.path.isfile(os.path.join(out, "config.toml")):  # a checkpoint of another run put in this one
+        located = ResumePlan.locate(values.get("resume"), out, plan)
+        ck = located.peek()
+        if ck is not None:
+            resume.refuse_foreign(located.path, ck, saved, out, given)
+    later = resume.later_checkpoints(values.get("resume"), out)
+    if later and not given_out:  # an earlier checkpoint of a run that went on: train from it elsewhere
+        branch = resume.branch_dir(out, values["resume"])
+        note(f"{os.path.basename(values['resume'])} is not the latest checkpoint of {out} (it has "
+             f"{', '.join(os.path.basename(p) for p in later)} after it): training from it in a new run directory, "
+             f"{branch}; {out} is left as it is (pass --out DIR to choose the directory).")
+        values = {**values, "out": branch}
+    if "precision" not in given and values.get("precision") not in (None, "auto"):
+        # config.toml records the mode auto chose (a reload runs it); a resume keeps asking for auto, which keeps
+        # the checkpoint's mode: precision_requested and config.toml's note stay the run's
+        ck = ResumePlan.locate(values.get("resume"), values.get("out"), plan).peek()
+        if (ck and (ck.get("config") or {}).get("precision") == "auto"
+                and (ck.get("precision") or {}).get("name") == values["precision"]):
+            values = {**values, "precision": "auto"}
     return values
 
 

@@ -46,7 +46,7 @@ try:
     from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ampkit.integrations.lightning needs the `lightning` package: "
-                      "pip install 'ampkit[lightning]' (or pip install lightning).") from e
+                      "pip install lightning (or, in ampkit's checkout, pip install '.[lightning]').") from e
 
 from ..precision import Precision, resolve
 from ..utils.tree import cast_floating

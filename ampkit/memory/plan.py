@@ -124,13 +124,23 @@ class MemoryPlan:
                 break
             if not lo < guess < hi:  # the line left the bracket: bisect it
                 guess = (lo + hi) // 2 if lo else max(1, min(guess, hi - 1) // 2 or 1)
-            if peak_at(guess) <= target:
+            fits = peak_at(guess) <= target
+            if fits:
                 lo = guess
             else:
                 hi = guess
             near = sorted(points, key=lambda b: abs(b - guess))[:2]
             fixed, slope = _fit({b: points[b] for b in near})
-            guess = _solve(fixed, slope, target, cap)
+            line = _solve(fixed, slope, target, cap)
+            # the line lands within 2% of the batch just traced: trace the other end of that 2% instead (a peak
+            # linear in the batch then closes the bracket in one trace, not a bisection of the rest)
+            step = max(1, lo // 50)
+            if fits and line <= lo + step:
+                guess = min(hi - 1, lo + step)
+            elif not fits and line >= hi - step:
+                guess = max(lo + 1, hi - step)
+            else:
+                guess = line
         best_fit = lo
         chosen = best_fit
         peak = points.get(chosen, 0)

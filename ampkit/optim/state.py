@@ -70,7 +70,7 @@ def _lowbit(optimizer: torch.optim.Optimizer, bf16_stochastic_round: bool) -> to
         import torchao.optim as lowbit
     except ImportError:
         raise ImportError("optimizer_state='8bit' needs torchao's low-bit optimizers, which are not installed: "
-                          "pip install 'ampkit[fp8]' (torchao), or use optimizer_state='bf16'.") from None
+                          "pip install torchao (in ampkit's checkout: pip install '.[fp8]'), or use optimizer_state='bf16'.") from None
     if optimizer.state:
         raise ValueError("optimizer_state='8bit' replaces the optimizer: pass one that has not stepped yet.")
     d = optimizer.defaults

@@ -31,7 +31,7 @@ import torch
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-    "latest_checkpoint", "prune_checkpoints", "remove_partial_writes", "sharded_path", "fsync_dir", "rng_state", "set_rng_state",
+    "latest_checkpoint", "step_of", "prune_checkpoints", "remove_partial_writes", "sharded_path", "fsync_dir", "rng_state", "set_rng_state",
     "model_signature",
 ]
 
@@ -220,6 +220,12 @@ def list_checkpoints(directory: str) -> List[str]:
         if m:
             found.append((int(m.group(1)), os.path.join(directory, name)))
     return [p for _, p in sorted(found)]
+
+
+def step_of(path: str) -> Optional[int]:
+    """The step a checkpoint's name (``step-N.pt`` or ``step-N/``) counts, or None for another name."""
+    m = _NAME.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:

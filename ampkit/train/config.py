@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
-__all__ = ["TrainConfig", "load_config_file", "write_config"]
+__all__ = ["TrainConfig", "load_config_file", "write_config", "recorded_options", "ONE_RESUME"]
 
 
 @dataclass
@@ -55,6 +55,12 @@ class TrainConfig:
     tensorboard: bool = False
     device: Optional[str] = None
     num_threads: Optional[int] = None
+    # resuming: continue on other data than the checkpoint's (its size, samples or classes differ); one resume
+    allow_new_data: bool = False
+    # resuming: continue in another precision mode than the checkpoint's (weights carried over); one resume
+    allow_precision_change: bool = False
+    # with allow_precision_change: "convert" the optimizer state (moments cast to the new mode's) or "reset" it
+    precision_change_optimizer: str = "convert"
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,6 +109,17 @@ class TrainConfig:
         return dataclasses.replace(self, **overrides)
 
 
+# options that apply to one resume only: a config.toml or checkpoint records them at their defaults (what they
+# changed is recorded as such), so the next resume is checked afresh
+ONE_RESUME = ("allow_new_data", "allow_precision_change", "precision_change_optimizer")
+
+
+def recorded_options(config: TrainConfig) -> TrainConfig:
+    """``config`` as a run records it: the one-resume options at their defaults."""
+    defaults = TrainConfig()
+    return config.updated(**{k: getattr(defaults, k) for k in ONE_RESUME})
+
+
 _FLOAT32_MAX = 3.4028234663852886e38
 _SEED_MAX = 2**32 - 1  # numpy's and scikit-learn's seeds (the train/test split) take 0 .. 2**32-1
 
@@ -117,6 +134,8 @@ def _check_ranges(out: Dict[str, Any]) -> None:
                           ("weight_decay", lambda v: v >= 0, ">= 0"), ("warmup_steps", lambda v: v >= 0, ">= 0")):
         if out[key] is not None and not ok(out[key]):
             raise ValueError(f"--{key.replace('_', '-')} must be {rule}, got {out[key]:g}.")
+    if out.get("precision_change_optimizer") not in ("convert", "reset"):
+        raise ValueError(f"--precision-change-optimizer must be convert or reset, got {out.get('precision_change_optimizer')!r}.")
     cpus = os.cpu_count() or 1
     if out["num_threads"] and out["num_threads"] > cpus:  # thousands of threads exhaust memory before training
         raise ValueError(f"--num-threads {out['num_threads']} is more than the {cpus} CPU(s) here: use at most {cpus}.")
@@ -179,9 +198,9 @@ def load_config_file(path: str) -> Dict[str, Any]:
     except ValueError as e:  # TOML/JSON syntax errors are ValueErrors too: name the file
         if str(e).startswith(("config file", "YAML config")):
             raise
-        raise ValueError(f"config file {path!r} could not be parsed: {e}") from e
-    except Exception as e:
-        raise ValueError(f"config file {path!r} could not be parsed: {e}") from e
+        raise ValueError(f"config file {path!r} could not be parsed: {_one_line(e)}") from e
+    except Exception as e:  # a YAML error spans several lines (a caret under the spot): one line here
+        raise ValueError(f"config file {path!r} could not be parsed: {_one_line(e)}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"config file {path!r} must hold a mapping of keys to values.")
     raw = {str(k).replace("-", "_"): v for k, v in raw.items()}
@@ -189,6 +208,10 @@ def load_config_file(path: str) -> Dict[str, Any]:
     if unknown:
         raise ValueError(f"config file {path!r} has unknown key(s): {', '.join(sorted(unknown))}.")
     return raw
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 def _toml_value(v: Any) -> str:
@@ -203,9 +226,10 @@ def _toml_value(v: Any) -> str:
 
 def write_config(config: TrainConfig, path: str, extra: Optional[Dict[str, Any]] = None) -> None:
     """Write the config as TOML (None values are omitted: TOML has no null), loadable by --config."""
-    lines = ["# ampkit train config (reload with: ampkit train --config THIS_FILE)"]
+    lines = ["# ampkit train config (continue this run: ampkit train --config THIS_FILE --resume auto; a new run with "
+             "these options: ampkit train --config THIS_FILE --out NEW_DIR)"]
     for k, v in config.to_dict().items():
-        if v is not None:
+        if v is not None and k not in ONE_RESUME:  # one resume's options are not the run's
             lines.append(f"{k} = {_toml_value(v)}")
     if extra:
         lines.append("")

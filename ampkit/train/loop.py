@@ -99,6 +99,7 @@ class TrainLoop:
         self.saved_at: Optional[tuple] = None  # the position of the last checkpoint
         # TensorDatasets are checked for NaN/inf upfront; other datasets when a step is skipped
         self.check_skipped_inputs = not isinstance(batches.train_data, TensorDataset)
+        self._t_flush, self._samples_flush = time.perf_counter(), 0  # the throughput since the last flush
 
     def run(self, logger: MetricsLogger) -> int:
         """Train until the configured epochs/max_steps (or a signal); returns the peak memory of the steps in
@@ -108,9 +109,10 @@ class TrainLoop:
         meter = memory_measure.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
         resident = memory_measure.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
         self.model.train()
+        self._t_flush, self._samples_flush = time.perf_counter(), 0
         while c.epoch < cfg.epochs:
             done = self._epoch(logger)
-            logger.flush()
+            self.flush(logger)  # a --max-steps stop inside a log window: its records, with their throughput
             if c.batch_in_epoch >= done:  # the epoch finished (--max-steps may stop inside one)
                 c.epoch += 1
                 c.batch_in_epoch = 0
@@ -132,7 +134,6 @@ class TrainLoop:
         n = len(order)
         progress = Progress(n, cfg.progress and _dist.is_main_process(), f"epoch {c.epoch + 1}/{cfg.epochs}",
                             c.batch_in_epoch)
-        t_flush, samples_flush = time.perf_counter(), 0
         window_loss = torch.zeros((), device=self.device)
         window_inputs: List[tuple] = []
         i = c.batch_in_epoch
@@ -156,7 +157,7 @@ class TrainLoop:
                         raise_named(e, label_error(e, out, y, f"training data (epoch {c.epoch + 1}, batch {i})"))
                 precision.backward(loss)
             window_loss += loss.detach()
-            samples_flush += batch_size_of(y, x)
+            self._samples_flush += batch_size_of(y, x)
             i += 1
             c.batch_in_epoch = i
             progress.advance()
@@ -181,16 +182,12 @@ class TrainLoop:
             self.optimizer.zero_grad(set_to_none=True)  # after: a skip-limit error names the bad grads
             if log_due or save_due or stop_pending:
                 # metrics reach the file before any checkpoint: a kill never loses logged steps
-                now = time.perf_counter()
-                rate = samples_flush * self.world_size / max(now - t_flush, 1e-9)
-                records = logger.flush(samples_per_s=rate)
-                self.history.extend(records)
+                records = self.flush(logger)
                 if records and log_due:
                     last = records[-1]
                     progress.show({"step": c.global_step, "loss": f"{last['loss']:.4f}",
                                    "scale": f"{last['scale']:g}", "skipped": precision.skipped_steps,
-                                   "lr": f"{last['lr']:.2e}", "samples/s": f"{rate:.0f}"})
-                t_flush, samples_flush = now, 0
+                                   "lr": f"{last['lr']:.2e}", "samples/s": f"{last['samples_per_s']:.0f}"})
             if save_due:
                 self._save()
             if self.stop.stop_now(log_due):
@@ -201,6 +198,19 @@ class TrainLoop:
                 break
         progress.close()
         return n
+
+    def flush(self, logger: MetricsLogger) -> List[Dict[str, Any]]:
+        """Write the queued step records (their skip flags resolved first), each with the throughput since the
+        previous flush (``samples_per_s``), into the run's history too; returns them. The loop calls it at log,
+        save and signal points and at an epoch's end; its owner before closing the logger on a stop."""
+        self.resolve()
+        now = time.perf_counter()
+        rate = self._samples_flush * self.world_size / max(now - self._t_flush, 1e-9)
+        records = logger.flush(samples_per_s=rate)
+        self.history.extend(records)
+        if records:
+            self._t_flush, self._samples_flush = now, 0
+        return records
 
     def _max_steps_reached(self) -> bool:
         return bool(self.config.max_steps) and self.counters.global_step >= self.config.max_steps

@@ -25,7 +25,7 @@ def require_tensorboard():
         from torch.utils.tensorboard import SummaryWriter
     except (ImportError, ModuleNotFoundError) as e:
         raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                         "(or pip install 'ampkit[tensorboard]')") from e
+                         "(or, in ampkit's checkout, pip install '.[tensorboard]')") from e
     return SummaryWriter
 
 

@@ -9,36 +9,38 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..precision import Precision
-from .config import TrainConfig, write_config
+from .config import TrainConfig, recorded_options, write_config
 from .distributed import is_main_process
 from .evaluate import classification_text
 from .metrics import MetricsLogger, mean_loss_over_ranks
 from .rundir import truncate_metrics, write_atomic
 
 __all__ = ["open_metrics", "announce", "build_summary", "report_text", "write_reports", "publish",
-           "nonfinite_report", "write_nonfinite_report"]
+           "nonfinite_report", "write_nonfinite_report", "set_aside_reports", "STALE_REPORTS"]
 
 
 def open_metrics(run_dir: Optional[str], tensorboard: bool, resumed_at: Optional[Tuple[int, int]],
-                 world_size: int) -> Tuple[MetricsLogger, Optional[List[Dict[str, Any]]]]:
+                 world_size: int, source: Optional[str] = None) -> Tuple[MetricsLogger, Optional[List[Dict[str, Any]]]]:
     """(metrics logger, records kept). metrics.jsonl (and TensorBoard) on rank 0; a resumed run's (at
     ``resumed_at``: its step and epoch) cut back to that point first, the records kept returned (the run's
-    history so far), else None. Other ranks log nothing (their train losses join rank 0's mean)."""
+    history so far), else None; a run branched from another's checkpoint starts from the records of that run
+    (``source``: its directory, read only). Other ranks log nothing (their train losses join rank 0's mean)."""
     path = os.path.join(run_dir, "metrics.jsonl") if run_dir and is_main_process() else None
     # before the logger opens the file: truncation replaces it with a new one
-    kept = truncate_metrics(path, *resumed_at) if path and resumed_at else None
+    src = os.path.join(source, "metrics.jsonl") if source and os.path.abspath(source) != os.path.abspath(run_dir) else None
+    kept = truncate_metrics(path, *resumed_at, source=src) if path and resumed_at else None
     logger = MetricsLogger(path, os.path.join(run_dir, "tensorboard") if path and tensorboard else None,
                            append=resumed_at is not None, reduce=mean_loss_over_ranks if world_size > 1 else None)
     return logger, kept
 
 
 def announce(precision: Precision, config: TrainConfig, run_dir: Optional[str], task_note: Optional[str],
-             resumed_from: Optional[str]) -> None:
-    """The start of a run: config.toml in the run directory (the precision resolved), the precision line,
-    the task note, where a resume continues from."""
+             resumed_from: Optional[str], changes: Optional[Dict[str, str]] = None) -> None:
+    """The start of a run: config.toml in the run directory (the precision resolved; ``changes``: what
+    resumes changed, as comments), the precision line, the task note, where a resume continues from."""
     if run_dir:
         write_config(recorded_config(config, precision), os.path.join(run_dir, "config.toml"),
-                     recorded_notes(config, precision))
+                     {**recorded_notes(config, precision), **(changes or {})})
     print(f"ampkit: {precision.describe()}", file=sys.stderr)
     if task_note:
         print(task_note)
@@ -52,7 +54,7 @@ def recorded_config(config: TrainConfig, precision: Precision) -> TrainConfig:
     data = config.data
     if isinstance(data, str) and ":" not in data and data.endswith(".npz") and os.path.isfile(data):
         data = os.path.abspath(data)
-    return config.updated(resume=None, retune=False, precision=precision.name, data=data)
+    return recorded_options(config).updated(resume=None, retune=False, precision=precision.name, data=data)
 
 
 def recorded_notes(config: TrainConfig, precision: Precision) -> Dict[str, str]:
@@ -169,3 +171,26 @@ def nonfinite_report(message: str, *, attempted: int, applied: int, skipped: int
         f"last checkpoint: {last_checkpoint or 'none'}",
         "continue after fixing the cause: the same command with --resume auto",
     ]) + "\n"
+
+
+#: what explains an earlier attempt's stop: stale once a resume of the run has loaded its checkpoint
+STALE_REPORTS = ("nonfinite_report.txt",)
+
+
+def set_aside_reports(run_dir: Optional[str], step: int) -> List[str]:
+    """A resume that loaded its checkpoint: an earlier attempt's reports (``STALE_REPORTS``) are renamed, kept
+    (``nonfinite_report.before-step-N.txt``, -2... when taken), so the run's directory describes the run that
+    goes on. Returns the new names."""
+    moved = []
+    for name in STALE_REPORTS if run_dir else ():
+        path = os.path.join(run_dir, name)
+        if not os.path.isfile(path):
+            continue
+        stem, ext = os.path.splitext(name)
+        new, n = f"{stem}.before-step-{step}{ext}", 1
+        while os.path.exists(os.path.join(run_dir, new)):
+            n += 1
+            new = f"{stem}.before-step-{step}-{n}{ext}"
+        os.replace(path, os.path.join(run_dir, new))
+        moved.append(new)
+    return moved

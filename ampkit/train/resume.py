@@ -22,7 +22,7 @@ from .rundir import RunDirError, checkpoint_dir
 
 __all__ = ["ResumePlan", "checkpoint_to_resume", "check_saved_options", "check_model_signature", "check_checkpoint",
            "saved_position", "finished_summary", "schedule_change", "schedule_changed", "saved_run_options",
-           "apply_given_options", "fit_to_world", "MUST_MATCH"]
+           "apply_given_options", "fit_to_world", "MUST_MATCH", "check_data", "position_text", "foreign_options", "refuse_foreign", "later_checkpoints", "refuse_rewind", "branch_dir", "run_of"]
 
 # options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
 MUST_MATCH = ("data", "batch_size", "grad_accum", "seed", "optimizer")
@@ -40,6 +40,93 @@ def checkpoint_to_resume(resume: Optional[str], out: Optional[str], strict: bool
             raise RunDirError("--resume auto needs --out DIR (the run directory to continue).")
         return None
     return ckpt.latest_checkpoint(checkpoint_dir(out))
+
+
+def later_checkpoints(resume: Optional[str], out: Optional[str]) -> list:
+    """The checkpoints of the run in ``out`` written after the one ``resume`` names (a path in ``out``'s
+    checkpoints/): what continuing from it in place would delete. Empty for ``auto`` (the latest), a
+    checkpoint of another directory, or the run's latest one."""
+    if not resume or resume == "auto" or not out:
+        return []
+    directory = checkpoint_dir(out)
+    here = os.path.abspath(os.path.dirname(os.path.abspath(resume)))
+    if here != os.path.abspath(directory):
+        return []
+    step = ckpt.step_of(resume)
+    if step is None:
+        return []
+    return [p for p in ckpt.list_checkpoints(directory) if (ckpt.step_of(p) or 0) > step]
+
+
+def refuse_rewind(resume: Optional[str], out: Optional[str]) -> None:
+    """A RunDirError when resuming ``resume`` in place would delete later checkpoints of ``out``'s run (and
+    cut its metrics back, overwrite its summary): nothing written is lost; ``--out`` branches instead."""
+    later = later_checkpoints(resume, out)
+    if later:
+        names = ", ".join(os.path.basename(p) for p in later)
+        raise RunDirError(
+            f"--resume {resume}: the run in {out!r} has later checkpoints ({names}) that continuing from it in "
+            f"place would delete (and its metrics, summary and report with them): pass --out NEW_DIR to train from "
+            f"it in a new run directory, or --resume auto to continue from the latest (nothing was changed).")
+
+
+def foreign_options(ck: Dict[str, Any], saved: Dict[str, Any], given=()) -> list:
+    """(option, the checkpoint's value, the run's) where a checkpoint's options contradict its run directory's
+    config.toml (``saved``) on what defines the run (`MUST_MATCH`, the precision mode): a checkpoint of another
+    run put there. Options the user gave (``given``) are left to the checks that name their flags."""
+    theirs = dict(ck.get("config") or {})
+    theirs["precision"] = (ck.get("precision") or {}).get("name", theirs.get("precision"))
+    out = []
+    for key in MUST_MATCH + ("precision",):  # batch_size aside: a resume on other ranks may change it
+        if key in given or key == "batch_size" or key not in theirs or key not in saved:
+            continue
+        a, b = theirs[key], saved[key]
+        if a != b and not _same_file(key, a, b):
+            out.append((key, theirs[key], saved[key]))
+    return out
+
+
+def refuse_foreign(path: str, ck: Dict[str, Any], saved: Dict[str, Any], out: str, given=()) -> None:
+    """A CheckpointError when the checkpoint at ``path`` is another run's (`foreign_options`), naming this run's
+    last good checkpoint (the latest whose options are the run's) and how to continue from it."""
+    differ = foreign_options(ck, saved, given)
+    if not differ:
+        return
+    what = ", ".join(f"{k}={a!r} where the run's config.toml has {b!r}" for k, a, b in differ)
+    good = None
+    for other in reversed(ckpt.list_checkpoints(checkpoint_dir(out))):
+        if os.path.abspath(other) == os.path.abspath(path):
+            continue
+        try:
+            if not foreign_options(sharded.read_checkpoint(other, map_location="cpu"), saved):
+                good = other
+                break
+        except Exception:  # damaged: not a good one
+            continue
+    later = later_checkpoints(good, out) if good else []
+    fix = (f"this run's last good checkpoint is {good!r}: move {', '.join(repr(p) for p in later)} out of "
+           f"{checkpoint_dir(out)!r}, then continue with --out {out} --resume auto" if good else
+           "the run has no checkpoint of its own: start it again (delete the directory or choose another --out)")
+    raise ckpt.CheckpointError(
+        f"checkpoint {path!r} is not from the run in {out!r} (it was written with {what}): {fix}; or continue "
+        f"that checkpoint's own run in a new directory with --resume {path} --out NEW_DIR.")
+
+
+def run_of(checkpoint: str) -> Optional[str]:
+    """The run directory holding ``checkpoint`` in its checkpoints/, or None."""
+    parent = os.path.dirname(os.path.abspath(os.path.normpath(checkpoint)))
+    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+
+
+def branch_dir(out: str, resume: str) -> str:
+    """Where a run branched from an earlier checkpoint of ``out`` goes: ``<out>-from-step-N`` (-2, -3... when
+    that exists)."""
+    base = f"{os.path.normpath(out)}-from-step-{ckpt.step_of(resume)}"
+    new, n = base, 1
+    while os.path.exists(new):
+        n += 1
+        new = f"{base}-{n}"
+    return new
 
 
 class ResumePlan:
@@ -112,6 +199,8 @@ def check_saved_options(cfg: TrainConfig, world_size: int, ck: Dict[str, Any], p
     saved = ck.get("config") or {}
     saved_world = int(ck.get("progress", {}).get("world_size", 1))
     for key in MUST_MATCH:
+        if key == "data" and cfg.allow_new_data:  # the data's fingerprint says what changed (check_data)
+            continue
         if key == "batch_size" and key in saved:  # the global batch must match; the world size may change
             theirs, ours = saved[key] * saved_world, cfg.batch_size * world_size
             if theirs != ours:
@@ -129,6 +218,27 @@ def check_saved_options(cfg: TrainConfig, world_size: int, ck: Dict[str, Any], p
                 f"checkpoint {path!r} was written with {key}={saved[key]!r}, this run has "
                 f"{key}={getattr(cfg, key)!r}: its saved position would not match the data. Resume "
                 f"without --{key.replace('_', '-')} (a resumed run keeps its saved options), or start a new run.")
+
+
+def check_data(ck: Dict[str, Any], now: Dict[str, Any], cfg: TrainConfig, path: str) -> Optional[str]:
+    """The checkpoint's data fingerprint against this run's (``now``, ``ampkit.data.data_fingerprint``): other
+    data is a CheckpointError naming what changed, or with ``cfg.allow_new_data`` the change in words (to
+    record); None when the data is the same or the checkpoint predates fingerprints."""
+    from ..data import fingerprint_changes
+
+    saved = ck.get("data_fingerprint")
+    if not saved:
+        return None
+    changes = fingerprint_changes(saved, now)
+    if not changes:
+        return None
+    what = "; ".join(changes)
+    if cfg.allow_new_data:
+        return what
+    raise ckpt.CheckpointError(
+        f"checkpoint {path!r} was trained on other data than this run's {cfg.data!r} ({what}): resume with the "
+        "data the run trained on, or pass --allow-new-data to continue on this data (recorded in config.toml and "
+        "metrics.jsonl).")
 
 
 def _same_file(key: str, a: Any, b: Any) -> bool:
@@ -204,13 +314,29 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
     if steps_per_epoch is not None and "lr" in saved and saved["lr"] != cfg.lr:
         cfg = cfg.updated(lr=saved["lr"])  # what config.toml then records
     scaling = {k: saved.get(k) for k in ("loss_scale", "init_scale") if saved and saved.get(k) != getattr(cfg, k)}
-    if scaling:  # the loss scaler's state (scale, static or dynamic) is the checkpoint's
-        given = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in scaling)
+    if any(getattr(cfg, k) is not None for k in scaling):  # the loss scaler's state is the checkpoint's
+        given = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in scaling if getattr(cfg, k) is not None)
         warnings.warn(f"{given} does not apply to a resumed run: the checkpoint's loss scaler (its scale, static or "
                       "dynamic) continues, and config.toml records the run's own setting; start a new run to use "
                       "another scale.", stacklevel=3)
+    if scaling:  # what config.toml then records
         cfg = cfg.updated(**scaling)
     return cfg
+
+
+def position_text(path: str, counters, cfg: TrainConfig) -> str:
+    """Where a resumed run continues, counted as the console and metrics.jsonl count: the checkpoint's name
+    counts attempted optimizer steps (skipped ones included), epochs from 1."""
+    c = counters
+    skipped = c.attempted_steps - c.global_step
+    steps = f"after step {c.attempted_steps}" + (f" ({c.global_step} applied, {skipped} skipped)" if skipped else "")
+    if c.batch_in_epoch:
+        where = f"epoch {c.epoch + 1}/{cfg.epochs} at micro-batch {c.batch_in_epoch}"
+    elif c.epoch >= cfg.epochs:
+        where = f"after epoch {c.epoch}/{cfg.epochs}"
+    else:
+        where = f"start of epoch {c.epoch + 1}/{cfg.epochs}"
+    return f"{path} ({steps}, {where})"
 
 
 def saved_position(ck: Dict[str, Any], cfg: TrainConfig, world_size: int, path: str) -> Tuple[int, int, int, int]:

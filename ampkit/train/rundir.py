@@ -196,17 +196,23 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def truncate_metrics(path: str, upto_step: int, upto_epoch: int) -> List[Dict[str, Any]]:
-    """Drop records written after the checkpoint we resume from (they will be produced again).
+def truncate_metrics(path: str, upto_step: int, upto_epoch: int, source: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Drop records written after the checkpoint we resume from (they will be produced again). ``source``:
+    another run's metrics.jsonl to read them from (a run branched from its checkpoint; that file unchanged)
+    when ``path`` does not exist yet.
 
     Returns the records kept (the run's history so far). An evaluation is logged after its epoch
     counter advanced, so one with a later epoch than the checkpoint's came after it, even at the
     same step (a checkpoint saved on an epoch's last step, before that epoch's evaluation).
     """
-    if not os.path.exists(path):
+    if source is not None and not os.path.exists(path) and os.path.isfile(source):
+        read = source
+    elif not os.path.exists(path):
         return []
+    else:
+        read = path
     keep, records = [], []
-    with open(path) as f:
+    with open(read) as f:
         for line in f:
             try:
                 r = json.loads(line)

@@ -130,13 +130,19 @@ def make_precision(precision: Any, cfg: TrainConfig, world_size: int = 1) -> Pre
             raise ValueError(f"the Precision given was set up already, without strategy={strategy!r}: pass it "
                              f"before setup, or build it with ampkit.Precision(..., strategy={strategy!r}).")
         return precision.with_options(strategy=strategy)
-    return Precision(
-        precision or cfg.precision, _dist.run_device(cfg.device), strategy=strategy,
-        loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
-        max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
-        compensation=cfg.compensation, optimizer_state=cfg.optimizer_state, channels_last=MEMORY_FORMATS[cfg.memory_format],
-        **{k: getattr(cfg, k) for k in ("fp8_filter", "fp8_gpu", "fp8_tokens") if getattr(cfg, k, None) is not None},
-    )
+    with warnings.catch_warnings(record=True) as caught:  # the mode's advice ("likely slower than fp32"...)
+        warnings.simplefilter("always")
+        built = Precision(
+            precision or cfg.precision, _dist.run_device(cfg.device), strategy=strategy,
+            loss_scale=cfg.loss_scale, init_scale=cfg.init_scale,
+            max_consecutive_skips=cfg.max_consecutive_skips, fp32_modules=cfg.fp32_modules,
+            compensation=cfg.compensation, optimizer_state=cfg.optimizer_state,
+            channels_last=MEMORY_FORMATS[cfg.memory_format],
+            **{k: getattr(cfg, k) for k in ("fp8_filter", "fp8_gpu", "fp8_tokens") if getattr(cfg, k, None) is not None},
+        )
+    for w in caught:  # ... said at the line that built the Trainer (here, Trainer.__init__, its caller)
+        warnings.warn(w.message, stacklevel=3)
+    return built
 
 
 def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: Batches, loss_fn: Callable,

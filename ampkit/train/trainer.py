@@ -27,22 +27,26 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..data import data_fingerprint
 from ..precision import NonFiniteGradientsError, Precision
 from ..utils.tree import to_device
 from . import checkpoint as ckpt
 from . import distributed as _dist
-from . import resume, setup, sharded
+from . import change, resume, setup, sharded
 from .batches import Batches, unwrap_loaders
-from .config import TrainConfig
+from .config import TrainConfig, recorded_options
 from .evaluate import default_loss, evaluate_shards
 from .loop import Counters, Outcomes, RunState, Training, TrainLoop
 from .metrics import MetricsLogger
-from .report import announce, build_summary, open_metrics, publish, write_nonfinite_report
+from .report import announce, build_summary, open_metrics, publish, set_aside_reports, write_nonfinite_report
 from .rundir import RunDir, RunDirError, checkpoint_dir
 from .setup import build_optimizer, build_scheduler
 from .signals import StopSignal, TrainingInterrupted
 
 __all__ = ["Trainer", "TrainingInterrupted", "RunDirError", "build_optimizer", "build_scheduler"]
+
+
+_DONE = {"convert": "converted", "reset": "reset"}
 
 
 def _counter(name: str) -> property:
@@ -101,6 +105,7 @@ class Trainer:
         setup.check_config(cfg, train_data)
         self.rank, self.world_size = _dist.rank_and_world()
         self._fsdp = cfg.strategy == "fsdp"
+        self._plan_resume(cfg, precision, train_data, resume_plan)  # its refusals before anything is built
         self.precision = setup.make_precision(precision, cfg, self.world_size)
         self.device = self.precision.device
         self.train_data, self.eval_data = train_data, eval_data
@@ -109,11 +114,6 @@ class Trainer:
         self.task = task or setup.infer_task(train_data)
         self.class_names = list(class_names) if class_names else None
         self.loss_fn = loss_fn or default_loss
-        # resuming: refuse options that contradict the checkpoint before the data is even tried on the
-        # model (another --data can make the model fail on it first, with a less useful message)
-        self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
-        if self._resume is not None:
-            self._resume.check_options(cfg, self.world_size)
         setup.check_model_accepts_data(model, self.batches, self.loss_fn, self.task)  # before timing or writing
         if not isinstance(precision, Precision):  # not a ready Precision: measure what it left open
             saved_mode = self._resume.saved_mode if self._resume else None
@@ -139,6 +139,29 @@ class Trainer:
         self._t_segment: Optional[float] = None
         self._fit_called = False
         self._training_started = False  # config.toml and metrics written: a failure keeps the run directory
+
+    def _plan_resume(self, cfg: TrainConfig, precision: Any, train_data: Dataset,
+                     resume_plan: Optional[resume.ResumePlan]) -> None:
+        """The resume planned and checked before the precision is built (it may measure this machine) and before
+        the data is tried on the model (another --data can make the model fail on it first, with a less useful
+        message): no rewind of a run with later checkpoints, the saved options, the data's fingerprint, a change
+        of precision (refused, or allowed and carried out at the load)."""
+        self.data_fingerprint = data_fingerprint(train_data)  # in each checkpoint: a resume on other data is noticed
+        self._data_changes: List[Dict[str, Any]] = []  # data changes accepted at resumes (allow_new_data), recorded
+        self._data_change: Optional[str] = None
+        self._precision_change: Optional[tuple] = None  # (old mode, new mode): allow_precision_change, this resume
+        self._precision_changes: List[Dict[str, Any]] = []  # changes at resumes, recorded
+        if cfg.resume:  # an earlier checkpoint of a run with later ones: continuing in place would lose them
+            resume.refuse_rewind(cfg.resume, cfg.out)
+        self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
+        if self._resume is None:
+            return
+        self._resume.check_options(cfg, self.world_size)
+        ck = self._resume.peek()
+        if ck is not None:
+            self._data_change = resume.check_data(ck, self.data_fingerprint, cfg, self._resume.path)
+            self._precision_change = change.check_precision_change(
+                ck, *change.requested(precision, cfg), cfg, self._resume.path, self._fsdp)
 
     # ------------------------------------------------------------------ run directory
     def _prepare_run(self) -> Optional[str]:
@@ -186,8 +209,11 @@ class Trainer:
             "train_time_s": self._time_before + (time.perf_counter() - self._t_segment
                                                  if self._t_segment is not None else 0.0),
             "rng": ckpt.rng_state(),
-            "config": {k: v for k, v in self.config.to_dict().items() if v is not None},
+            "config": {k: v for k, v in recorded_options(self.config).to_dict().items() if v is not None},
             "model_signature": ckpt.model_signature(self.raw_model),
+            "data_fingerprint": self.data_fingerprint,
+            "data_changes": self._data_changes,
+            "precision_changes": self._precision_changes,
         }
 
     def save_checkpoint(self) -> Optional[str]:
@@ -217,15 +243,22 @@ class Trainer:
         self._apply_checkpoint(sharded.read_checkpoint(path, map_location=self.device), path)
 
     def _apply_checkpoint(self, ck: Dict[str, Any], path: str, plan: Optional[resume.ResumePlan] = None) -> None:
-        self.config = resume.check_checkpoint(ck, path, self.config, self.world_size,
-                                              ckpt.model_signature(self.raw_model),
+        switch = self._precision_change
+        signature = ckpt.model_signature(self.raw_model)
+        theirs = ck.get("model_signature")
+        if switch and theirs and len(theirs) == len(signature):  # the dtypes change with the mode, not the tensors
+            signature = [[name, shape, t[2]] for (name, shape, _), t in zip(signature, theirs)]
+        self.config = resume.check_checkpoint(ck, path, self.config, self.world_size, signature,
                                               self.steps_per_epoch if self._own_schedule else None, plan)
         if self.device.type != "cpu":
             ck = to_device(ck, self.device)  # a plan reads on the CPU: where map_location would have put it
         built = [g["weight_decay"] for g in self.optimizer.param_groups] if self._own_optimizer else []
         try:
-            self.precision.load_state_dict(ck["precision"])
-            sharded.load_model_and_optimizer(self.raw_model, self.optimizer, ck, self._fsdp)
+            if switch:  # another mode: its weights carried over, its optimizer state converted or reset
+                change.carry_over(self.raw_model, self.optimizer, ck, self.config.precision_change_optimizer)
+            else:
+                self.precision.load_state_dict(ck["precision"])
+                sharded.load_model_and_optimizer(self.raw_model, self.optimizer, ck, self._fsdp)
             if self.scheduler is not None and ck.get("scheduler"):
                 self.scheduler.load_state_dict(ck["scheduler"])
         except ckpt.CheckpointError:  # a damaged or refused shard: said as it is
@@ -237,6 +270,14 @@ class Trainer:
         if self._own_schedule:  # --weight-decay / schedule options given on the resume: applied, as recorded
             resume.apply_given_options(self.optimizer, built, self.scheduler, resume.schedule_changed(
                 self.config, ck.get("config") or {}, self.steps_per_epoch), self.global_step, bool(ck.get("scheduler")))
+        self._data_changes = list(ck.get("data_changes") or [])
+        if self._data_change:  # accepted with allow_new_data: recorded in the checkpoints, config.toml, metrics
+            self._data_changes.append({"step": self.attempted_steps, "change": self._data_change,
+                                       "data": self.config.data})
+        self._precision_changes = list(ck.get("precision_changes") or [])
+        if switch:
+            self._precision_changes.append({"step": self.attempted_steps, "from": switch[0], "to": switch[1],
+                                            "optimizer": self.config.precision_change_optimizer})
         self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
@@ -250,8 +291,10 @@ class Trainer:
         except ckpt.CheckpointError as e:
             older = ckpt.list_checkpoints(os.path.dirname(path))[:-1] if self.config.resume == "auto" else []
             if older and e.damaged:
-                raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: continue from it "
-                                           f"with --resume {older[-1]}") from e
+                raise ckpt.CheckpointError(f"{e} An earlier checkpoint is {older[-1]!r}: move the damaged one out of "
+                                           f"{os.path.dirname(path)!r} and continue with --resume auto, or train from "
+                                           f"the earlier one in a new run directory with --resume {older[-1]} "
+                                           "--out NEW_DIR.") from e
             raise
         finally:
             plan.release()
@@ -296,13 +339,17 @@ class Trainer:
         self.batches.check_finite(self.epoch)
         if cfg.resume and self.run_dir and _dist.is_main_process():  # a checkpoint (if any) loaded: clear
             ckpt.remove_partial_writes(checkpoint_dir(self.run_dir))  # what a crash left
+            if resume_path:  # an earlier attempt's report (it diverged) no longer describes the run: kept, renamed
+                for name in set_aside_reports(self.run_dir, self.attempted_steps):
+                    print(f"ampkit: an earlier attempt's report is kept as {os.path.join(self.run_dir, name)}",
+                          file=sys.stderr)
         logger, kept = open_metrics(self.run_dir, cfg.tensorboard,
-                                    (self.attempted_steps, self.epoch) if resume_path else None, self.world_size)
+                                    (self.attempted_steps, self.epoch) if resume_path else None, self.world_size,
+                                    resume.run_of(resume_path) if resume_path else None)
         if kept is not None:
             self.history = kept
         if _dist.is_main_process():
-            announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
-                     resume_path and f"{resume_path} (epoch {self.epoch}, step {self.global_step})")
+            self._announce(logger, resume_path)
         t_start = self._t_segment = time.perf_counter()
         self._training_started = True
         loop = TrainLoop(
@@ -316,6 +363,7 @@ class Trainer:
             with self.stop.guard():
                 peak_memory_bytes = loop.run(logger)
         except NonFiniteGradientsError as e:
+            loop.flush(logger)  # the steps up to the stopping one, with their throughput
             logger.close()
             if self.run_dir and _dist.is_main_process():
                 write_nonfinite_report(self.run_dir, str(e), self.counters, self.precision.skipped_steps,
@@ -328,6 +376,23 @@ class Trainer:
         summary = self._finish(logger, train_time, peak_memory_bytes)
         logger.close()
         return summary
+
+    def _announce(self, logger: MetricsLogger, resume_path: Optional[str]) -> None:
+        """Rank 0, at the start of training: config.toml (with what resumes changed, as comments), the precision
+        line, where a resume continues from, and this resume's data or precision change in metrics.jsonl."""
+        changes = {f"data changed at step {c['step']}": f"{c['change']} (--allow-new-data; data {c['data']!r})"
+                   for c in self._data_changes}
+        changes.update({f"precision changed at step {c['step']}": f"{c['from']} -> {c['to']} (--allow-precision-"
+                        f"change; the weights carried over, the optimizer state {_DONE[c['optimizer']]})"
+                        for c in self._precision_changes})
+        announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
+                 resume_path and resume.position_text(resume_path, self.counters, self.config), changes)
+        if self._precision_change:
+            logger.event({"kind": "precision_change", "step": self.attempted_steps, "from": self._precision_change[0],
+                          "to": self._precision_change[1], "optimizer": self.config.precision_change_optimizer})
+        if self._data_change:
+            logger.event({"kind": "data_change", "step": self.attempted_steps, "change": self._data_change,
+                          "data": self.config.data, "fingerprint": self.data_fingerprint})
 
     # ------------------------------------------------------------------ evaluation and the summary
     def _evaluate(self, collect: bool) -> Dict[str, Any]:

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from ampkit.cli import main
 
@@ -69,9 +70,25 @@ def test_bad_data_files(capsys, tmp_path, monkeypatch):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     np.savez(tmp_path / "nan.npz", x=np.array([[0.0, 1.0], [np.nan, 1.0]] * 10), y=np.array([0, 1] * 10))
     for name, needle in [("noy.npz", "needs 'x' and 'y'"), ("empty.npz", "empty"),
-                         ("junk.npz", "not a readable .npz"), ("nan.npz", "NaN/inf")]:
+                         ("junk.npz", "is not an .npz archive"), ("nan.npz", "NaN/inf")]:
         code, err = _err(capsys, ["train", "--data", str(tmp_path / name)] + FAST)
         assert code == 2 and needle in err[-1], (name, err)
+
+
+def test_data_of_another_format_names_the_formats_and_the_conversion(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tab.csv").write_text("a,b,label\n1,2,0\n")
+    torch.save((torch.zeros(4, 2), torch.zeros(4).long()), tmp_path / "tab.pt")
+    (tmp_path / "garbage.npz").write_bytes(bytes(range(256)) * 12)
+    np.savez(tmp_path / "objects.npz", x=np.array([{"a": 1}], dtype=object), y=np.array([1]))
+    for name, needles in [("tab.csv", ["is not a format ampkit reads", "numpy.loadtxt('tab.csv'", "--data tab.npz"]),
+                          ("tab.pt", ["torch.load('tab.pt')", "numpy.savez('tab.npz'", "--data tab.npz"]),
+                          ("garbage.npz", ["is not an .npz archive", "numpy.savez(path, x=..., y=...)."]),
+                          ("objects.npz", ["holds Python objects", "numeric arrays"]),
+                          ("nothing", ["no such file or data set", "digits, images, sequences"])]:
+        code, err = _err(capsys, ["train", "--data", name] + FAST)
+        assert code == 2 and all(n in err[-1] for n in needles), (name, err)
+        assert "allow_pickle" not in err[-1] and err[-1].endswith("."), err[-1]  # numpy's advice, cut, is gone
 
 
 def test_npz_and_user_factories(capsys, tmp_path, monkeypatch):

@@ -69,3 +69,15 @@ def test_optimizer_state_bf16_halves_the_planned_moments(capsys):
     assert main(base + ["--optimizer-state", "bf16"]) == 0
     bf16 = json.loads(capsys.readouterr().out)["modes"][0]["breakdown"]["optimizer_state"]
     assert bf16 < 0.6 * fp32
+
+
+def test_several_modes_show_progress_and_no_training_advice(capsys, recwarn, monkeypatch):
+    from ampkit.cli import plan
+
+    monkeypatch.setattr(plan, "_show_progress", lambda: True)  # stderr a terminal
+    rc = main(["plan", "--model", "mlp", "--precision", "fp32,fp16-pure", "--memory", "1GB", "--max-batch", "64"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "ampkit plan: tracing fp32 (1/2" in err and "ampkit plan: tracing fp16-pure (2/2" in err, err
+    advice = [str(w.message) for w in recwarn if "eps" in str(w.message) or "slower" in str(w.message)]
+    assert not advice and "eps" not in err and "slower" not in err, (advice, err)

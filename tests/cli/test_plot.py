@@ -118,3 +118,25 @@ def test_a_place_it_cannot_write_is_one_line_and_exit_2(tmp_path, capsys, monkey
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "cannot write" in err and "Read-only file system" in err, err
     assert ("pass --out to a writable place" in err) != given_out
+
+
+def test_plot_replaces_its_own_file_not_anothers(tmp_path, monkeypatch, capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    train = [{"step": i, "loss": 1.0 / i, "scale": 1.0, "skipped": False} for i in range(1, 5)]
+    a, b = _run_dir(tmp_path / "a", train), _run_dir(tmp_path / "b", train)
+    assert main(["plot", a, b]) == 0
+    first = (tmp_path / "curves.png").stat().st_mtime_ns
+    assert main(["plot", a, b]) == 0  # its own curves.png: replaced
+    assert (tmp_path / "curves.png").stat().st_mtime_ns >= first
+    (tmp_path / "mine.png").write_bytes(b"\x89PNG\r\n\x1a\n a picture of the user's")
+    capsys.readouterr()
+    assert main(["plot", a, b, "--out", "mine.png"]) == 2
+    err = capsys.readouterr().err
+    assert "was not written by ampkit plot" in err and "--force" in err, err
+    assert (tmp_path / "mine.png").read_bytes().endswith(b"the user's")
+    assert main(["plot", a, b, "--out", "mine.png", "--force"]) == 0

@@ -179,7 +179,8 @@ def test_resume_in_another_precision_says_so(in_user_dir, capsys):
     r = _InProcess(["train", "--out", "prec", "--resume", "auto", "--max-steps", "2", "--precision", "bf16-master"],
                    capsys)
     line = _one_error(r)
-    assert "precision='fp32'" in line and "resume with --precision fp32" in line  # the weights are fp32 in both
+    assert "trained in precision fp32, this run asks for bf16-master" in line, line  # the weights are fp32 in both
+    assert "resume without --precision" in line and "--allow-precision-change" in line, line
     assert "different model" not in line
 
 

@@ -117,7 +117,7 @@ def test_foreign_or_other_version_checkpoint(case, edit, needle, run_copy, capsy
 
 @pytest.mark.parametrize("case,flags,needle", [
     ("other model", ["--model", "cnn"], "is from a different model (first difference: checkpoint net.0.weight"),
-    ("other precision", ["--precision", "bf16-mixed"], "trained with precision='fp32'"),
+    ("other precision", ["--precision", "bf16-mixed"], "trained in precision fp32, this run asks for bf16-mixed"),
     ("other batch size", ["--batch-size", "32"], "global batch of 64 (batch_size=64 x 1 process(es)), this run has 32"),
     ("other seed", ["--seed", "4"], "was written with seed=3, this run has seed=4"),
     ("other accumulation", ["--grad-accum", "2"], "was written with grad_accum=1"),

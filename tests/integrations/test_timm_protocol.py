@@ -90,7 +90,7 @@ def test_a_native_scaler_state_loads_and_another_mode_is_refused():
     native._lazy_init_scale_growth_tracker(torch.device("cpu"))
     scaler.load_state_dict(native.state_dict())  # a checkpoint written with timm's NativeScaler
     assert scaler.precision.loss_scale == 512.0
-    with pytest.raises(ValueError, match="trained with precision='bf16-master'"):
+    with pytest.raises(ValueError, match="saved by precision='bf16-master'"):
         scaler.load_state_dict(ampkit.Precision("bf16-master", "cpu").state_dict())
 
 

@@ -152,3 +152,20 @@ def test_bad_input_is_one_clear_error():
         p.max_batch_size(10**9, margin=1.5)
     with pytest.raises(ValueError, match="leading"):
         ampkit.plan(MLP(), torch.tensor(3.0))
+
+
+def test_max_batch_size_closes_the_bracket_in_few_traces(monkeypatch):
+    """A peak linear in the batch: two traces give the line, one checks its answer, one the batch 2% above it."""
+    import sys
+
+    module = sys.modules["ampkit.memory.plan"]
+    traced = []
+    real = module.trace_step
+    monkeypatch.setattr(module, "trace_step", lambda *a, **k: traced.append(k.get("batch_size")) or real(*a, **k))
+    model, batch = MLP(hidden=512, depth=3), _mlp_batch(4)
+    p = ampkit.plan(model, batch, precision="fp32", device="cpu")
+    del traced[:]
+    c = p.max_batch_size(p.at_rest_bytes * 3, margin=0.1)
+    searched = list(traced)
+    assert p.at(c.batch_size * 103 // 100 + 1).peak_bytes > p.at_rest_bytes * 3 * 0.9  # still the largest within 2%
+    assert 0 < c.batch_size and len(searched) <= 6, searched

@@ -122,7 +122,8 @@ def test_resume_mid_run_with_skips_equals_synchronous(tmp_path):
     full.fit()
     ckpts = sorted(glob.glob(os.path.join(tmp_path, "full", "**", "*step*4*"), recursive=True))
     assert ckpts, os.listdir(tmp_path / "full")
-    resumed = _trainer(steps, _loss(bad, start=4), tmp_path / "full", save_every=4, resume=ckpts[0], **kw)
+    # from an earlier checkpoint of a run that went on: into a run directory of its own (in place is refused)
+    resumed = _trainer(steps, _loss(bad, start=4), tmp_path / "resumed", save_every=4, resume=ckpts[0], **kw)
     got_resumed = []
     _record(resumed, got_resumed)
     resumed.fit()

@@ -144,7 +144,8 @@ def test_master_checkpoint_of_the_earlier_layout_resumes_exactly(tmp_path):
             old["optimizer"] = {**ck["optimizer"], "state": {
                 i: {**state[i], "master_weight": ck["model"][n].clone()} for i, n in enumerate(params)}}
             torch.save(old, ei.value.path)
-        resumed = Trainer(_model(seed=5), _data(), out=out, resume=ei.value.path, **kw)
+        # each from the interrupted checkpoint into a run directory of its own (the first goes on past it)
+        resumed = Trainer(_model(seed=5), _data(), out=str(tmp_path / layout), resume=ei.value.path, **kw)
         resumed.fit()
         runs.append([p.detach().clone() for p in resumed.raw_model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -87,7 +87,7 @@ def resolve_format(name: str) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _mx():
-    hint = "the MX/NVFP4 formats use torchao's mx_formats: pip install 'ampkit[fp8]' (or pip install torchao)."
+    hint = "the MX/NVFP4 formats use torchao's mx_formats: pip install torchao (or, in ampkit's checkout, pip install '.[fp8]')."
     mx = quiet_import("torchao.prototype.mx_formats.mx_tensor", hint)
     nv = quiet_import("torchao.prototype.mx_formats.nvfp4_tensor", hint)
     cfg = quiet_import("torchao.prototype.mx_formats.config", hint)

@@ -1,6 +1,6 @@
 """Current scaling (``fp8-tensorwise``, ``fp8-rowwise``) through torchao's float8 training.
 
-torchao is an optional extra (``pip install ampkit[fp8]``) imported here lazily, only when an fp8
+torchao is an optional extra (``pip install '.[fp8]'`` in the checkout) imported here lazily, only when an fp8
 mode is used. On import it logs loader messages for CUDA libraries a CPU build cannot load (and torch
 logs a pytree deprecation for one of its enums); those go to ampkit's own logger at DEBUG instead of
 the user's terminal.
@@ -71,7 +71,7 @@ def quiet_import(module: str, hint: str):
 def import_torchao_float8():
     """``torchao.float8``, with its import-time loader messages redirected to the ``ampkit.fp8`` logger (DEBUG)."""
     hint = ("fp8-tensorwise and fp8-rowwise use torchao's float8 training: "
-            "pip install 'ampkit[fp8]' (or pip install torchao), or use precision='fp8-delayed'.")
+            "pip install torchao (or, in ampkit's checkout, pip install '.[fp8]'), or use precision='fp8-delayed'.")
     quiet_import("torchao.float8.float8_linear", hint)  # Float8Linear and its matmul
     return quiet_import("torchao.float8", hint)
 

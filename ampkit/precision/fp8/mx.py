@@ -16,7 +16,7 @@ from .current import quiet_import
 
 __all__ = ["MXLinear", "has_mx_gemm", "convert_mx"]
 
-_HINT = "precision='mxfp8' uses torchao's MX training: pip install 'ampkit[fp8]' (or pip install torchao)."
+_HINT = "precision='mxfp8' uses torchao's MX training: pip install torchao (or, in ampkit's checkout, pip install '.[fp8]')."
 
 
 def has_mx_gemm(device) -> bool:

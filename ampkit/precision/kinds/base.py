@@ -504,6 +504,9 @@ class Precision:
         optimizer, gradient_state = stepped_object(optimizer), getattr(optimizer, "gradient_state", None)
         if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
             return StepResult(stepped=False)
+        if isinstance(max_norm, (int, float)) and not max_norm > 0:  # 0, a negative or NaN would clip nothing, silently
+            raise ValueError(f"Precision.step(max_norm={max_norm!r}): max_norm must be > 0, or None for no clipping; "
+                             "nothing was stepped.")
         self.check_step_optimizer(optimizer)
         if not self.has_grads(optimizer):
             raise RuntimeError(
@@ -572,20 +575,25 @@ class Precision:
         return {"name": self.name, "scaler": self.scaler.state_dict(), "optimizer_state": self.optimizer_state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s loss scale and counters; another mode or ``optimizer_state`` is a
-        ValueError naming the flag to resume with, and nothing is changed."""
+        """Restore :meth:`state_dict`'s loss scale and counters; a dict that is not one (unknown keys), another
+        mode or ``optimizer_state`` is a ValueError naming what to load it into, and nothing is changed."""
+        if not isinstance(state, dict):
+            raise ValueError(f"Precision.load_state_dict takes the dict Precision.state_dict() returned, got "
+                             f"{type(state).__name__}.")
+        unknown = sorted(set(state) - set(self.state_dict()) - {"fp8"})
+        if unknown:
+            raise ValueError(f"not a Precision state dict: unknown key(s) {', '.join(map(repr, unknown))} (it holds "
+                             f"{', '.join(map(repr, self.state_dict()))}): pass what Precision.state_dict() returned.")
         saved = state.get("name")
         if saved is not None and saved != self.name:
             raise ValueError(
-                f"Checkpoint was trained with precision={saved!r}, this run uses {self.name!r}: "
-                f"resume with --precision {saved}, or start a new run."
-            )
+                f"the state was saved by precision={saved!r}, this Precision is {self.name!r}: load it into "
+                f"Precision({saved!r}) (a mode's loss scale and counters are its own).")
         if "optimizer_state" in state and state["optimizer_state"] != self.optimizer_state:
             saved = state["optimizer_state"]
             raise ValueError(
-                f"Checkpoint kept the optimizer state in {saved or 'the mode default'}, this run in "
-                f"{self.optimizer_state or 'the mode default'}: resume with "
-                f"{'--optimizer-state ' + saved if saved else 'no --optimizer-state'}, or start a new run.")
+                f"the state was saved with optimizer_state={saved!r}, this Precision has "
+                f"optimizer_state={self.optimizer_state!r}: load it into a Precision with optimizer_state={saved!r}.")
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
