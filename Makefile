@@ -1,17 +1,20 @@
 # One entry point for setting up and running ampkit.
 #   make run    - create .venv if needed, install what the default run needs (.[data]), train it (digits CNN)
-#   make test   - create .venv if needed, install with dev deps, run the test suite
+#   make test   - create .venv if needed, install with dev deps, run the test suite (2 workers, slow tests skipped)
+#   make test-slow - the tests marked slow, alone (CI runs them once)
+#   make test-kinds - the tests marked machine_kind again with torch/oneDNN held to AVX2, then to plain AVX512
+#   make test-compat - the tests that touch torch internals under every torch of the support window
 #   make dist-run - the default training on 2 CPU processes (torchrun, gloo, DDP); NPROC=N for more
 #   make docs   - the docs/ pages and the API reference (mkdocs + mkdocstrings, the `docs` extra) into site/
 # TORCH_SPEC selects the torch build; the default is the CPU wheel that lies on this
-# machine's disk. CUDA users: make test TORCH_SPEC='torch>=2.4'
+# machine's disk. CUDA users: make test TORCH_SPEC='torch>=2.11' (the support window: docs/INSTALL.md)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ampkit-installed
 
-.PHONY: run test install bench bench-quick dist-run clean gpu-check docs docs-serve
+.PHONY: run test test-slow test-kinds test-compat install bench bench-quick dist-run clean gpu-check docs docs-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +40,44 @@ $(RUN_STAMP): $(PY) pyproject.toml
 run: $(RUN_STAMP)
 	$(VENV)/bin/ampkit train
 
+# 2 workers (pytest-xdist): the suite is CPU-bound and most tests run one thread; PYTEST_WORKERS=0 runs it in
+# one process. The tests marked slow are skipped here (make test-slow, or AMPKIT_SLOW=1 make test, runs them)
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
+
+# The tests whose expectation depends on the CPU's kernels, as the AVX2 and the plain-AVX512 kinds would run
+# them (.ci/kinds says which ISA each run really got: a setting lowers the ISA, never raises it)
+test-kinds: $(STAMP)
+	PY=$(PY) .ci/kinds
+
+# The support window (docs/INSTALL.md): the floor (2.11: torchao 0.18's kernels) and the newest torch pip gives
+# here, each in its own venv, built once and kept (.venv-torch2.11 ...; PyPI's default Linux wheels are CUDA
+# builds: torch + its nvidia-* libraries, ~3 GB and ~5 min per version on a fresh machine; they import and run
+# on a CPU-only machine). COMPAT_TORCH='2.11 2.12' picks others.
+COMPAT_TORCH ?= 2.11 2.14
+COMPAT_TESTS ?= tests/precision/test_compile_step.py tests/precision/test_compile_cudagraphs.py \
+	tests/train/test_trainer_compile.py tests/precision/test_scaler_equivalence.py \
+	tests/precision/test_scaler_torch_suite.py tests/precision/test_scaler_extras.py \
+	tests/precision/test_scaler_counters.py tests/precision/test_sync_free.py \
+	tests/precision/test_distributed_scaler.py tests/precision/test_fp8.py tests/precision/test_fp8_modes_of_use.py \
+	tests/precision/test_mxfp8.py tests/precision/test_dcp_state_dict.py tests/train/test_fsdp_modes.py \
+	tests/train/test_sharded_checkpoints.py tests/train/test_resume.py tests/faults/test_bad_checkpoints.py \
+	tests/faults/test_unsafe_checkpoint.py tests/precision/test_deprecations.py
+
+.venv-torch%/.ampkit-installed: pyproject.toml
+	test -x .venv-torch$*/bin/python || $(PYTHON) -m venv .venv-torch$*
+	.venv-torch$*/bin/python -m pip install -q "torch~=$*.0"
+	.venv-torch$*/bin/python -m pip install -q -e ".[test-compat]" "torch~=$*.0"
+	touch $@
+
+test-compat: $(foreach v,$(COMPAT_TORCH),.venv-torch$(v)/.ampkit-installed)
+	@set -e; for v in $(COMPAT_TORCH); do \
+		echo "== torch $$(.venv-torch$$v/bin/python -c 'import torch; print(torch.__version__)')"; \
+		.venv-torch$$v/bin/python -m pytest -n $(PYTEST_WORKERS) $(COMPAT_TESTS); done
 
 NPROC ?= 2
 dist-run: $(STAMP)
@@ -63,7 +102,7 @@ docs-serve: $(DOCS_STAMP)
 	$(PY) -m mkdocs serve
 
 clean:
-	rm -rf $(VENV) build site *.egg-info
+	rm -rf $(VENV) build site *.egg-info  # the .venv-torch* of make test-compat are kept (rm -rf .venv-torch*)
 
 # On a CUDA machine: install a CUDA torch first, e.g.
 #   make gpu-check TORCH_SPEC='torch --index-url https://download.pytorch.org/whl/cu126'

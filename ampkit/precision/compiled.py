@@ -10,6 +10,10 @@ decision stays on the device (fused kernels take ``found_inf``). What is left is
 * none in ``ampkit.optim``'s compensated step (bf16-pure): its stochastic rounding draws from a
   counter-based hash (``ampkit.optim.RoundingNoise``), so it compiles with ``fullgraph=True``.
 
+On torch < 2.12 Dynamo cannot set the optimizer's ``grad_scale``/``found_inf`` inside a graph: the scaler
+hands them over and steps outside it (``scaling/fused.py``), so the break the optimizer makes anyway sits
+at that call, bf16-pure's step has that one break, and ``fullgraph=True`` is refused naming the version.
+
 A Python-float learning rate is a constant in the graph: every new value an LR scheduler sets compiles
 a new graph (pytorch#130467). :func:`tensor_lr_` turns each group's lr into a 0-d tensor (torch's
 schedulers then ``fill_`` it) for the optimizers that take one: torch's Adam/AdamW (fused or
@@ -27,6 +31,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..optim import CompensatedOptimizer, MasterWeightOptimizer
+from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 
 __all__ = ["tensor_lr_", "takes_tensor_lr", "compile_step", "compile_model", "repeated_blocks"]
 
@@ -76,6 +81,10 @@ def compile_step(precision: Any, optimizer: Any = None, *, backend: Union[str, C
     compiled step; a second optimizer compiles a second graph. Results equal the eager step's
     (bitwise with ``backend="eager"``/``"aot_eager"``; inductor may fuse the clipping arithmetic and
     differ in the last bit: see docs/STEPS.md, "Compiled steps")."""
+    if fullgraph and not DYNAMO_SETS_OPTIMIZER_ATTRS and precision.scaler.is_enabled():
+        raise ValueError(f"compile_step(fullgraph=True) needs torch >= 2.12: torch {torch.__version__}'s Dynamo cannot "
+                         "hand the loss scale to the optimizer inside a graph; drop fullgraph=True (one graph break "
+                         "there) or upgrade torch.")
     if optimizer is not None and tensor_lr:
         tensor_lr_(optimizer)
 

@@ -1,9 +1,12 @@
 """Peak GEMM measurement: the size grows only while a call is cheap, so a dtype without units costs seconds."""
 import math
 
+import pytest
 import torch
 
 from ampkit.bench.peak import _size_for, measure_peaks
+
+pytestmark = pytest.mark.machine_kind  # peak GEMM throughput of this CPU's kernels
 
 
 def test_size_stops_growing_once_a_call_takes_the_probe_time():

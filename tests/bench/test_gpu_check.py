@@ -16,6 +16,7 @@ def _load():
     return mod
 
 
+@pytest.mark.slow  # every part's CPU smoke, minutes on 2 cores: CI runs it once, alone (make test-slow)
 def test_cpu_smoke_writes_its_table(tmp_path, monkeypatch):
     for var in ("GPU_CHECK_PART_BUDGET", "GPU_CHECK_PART_TIMEOUT", "GPU_CHECK_TOTAL_BUDGET"):
         monkeypatch.delenv(var, raising=False)

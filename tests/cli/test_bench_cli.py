@@ -25,6 +25,7 @@ TINY = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a bench through worker processes, minutes on 2 cores: CI runs it once, alone (make test-slow)
 def test_bench_writes_json_md_png_through_worker_processes(tmp_path):
     (tmp_path / "tinybench.py").write_text(TINY)
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -82,6 +83,7 @@ def test_bad_input_one_line_exit_2(capsys, tmp_path, monkeypatch, argv, needle):
     assert (tmp_path / "afile.txt").read_text() == "keep me" and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # a bench through worker processes, minutes on 2 cores: CI runs it once, alone (make test-slow)
 def test_paired_script_runs_every_variant(tmp_path):
     """benchmarks/paired.py (the in-process A/B behind benchmarks/README.md's overhead figures) still runs."""
     env = {**os.environ, "PYTHONPATH": ROOT, "AMPKIT_CACHE_DIR": str(tmp_path)}
@@ -94,6 +96,7 @@ def test_paired_script_runs_every_variant(tmp_path):
     assert "loop/this 1.000" in lines[2]  # the loop against itself
 
 
+@pytest.mark.slow  # a bench through worker processes, minutes on 2 cores: CI runs it once, alone (make test-slow)
 def test_paired_rows_measure_both_steps_in_one_process(tmp_path):
     """--paired: one more worker per ampkit row, running ampkit and the plain loop alternately; its ratio
     lands on the ampkit row and in its own bench.md section, and no 'paired' row is left in the results."""
@@ -131,6 +134,7 @@ TINY_CONV = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a bench through worker processes, minutes on 2 cores: CI runs it once, alone (make test-slow)
 def test_layout_is_tuned_in_its_own_process_before_the_measured_ones(tmp_path):
     """A conv model's memory format is timed once, by a 'tune' process that fills the cache, so no
     measuring worker's peak RSS holds the copies made for timing; the rows say what was chosen."""
@@ -205,6 +209,7 @@ def test_a_model_that_cannot_run_stops_before_any_worker_in_one_line(capsys, tmp
     assert code == 2 and len(err) == 1 and "on --data wide.npz cannot run a bench step" in err[0], err
 
 
+@pytest.mark.slow  # a bench through worker processes, minutes on 2 cores: CI runs it once, alone (make test-slow)
 def test_bench_takes_data_as_train_does(tmp_path):
     (tmp_path / "hfish.py").write_text(_HF_LIKE)
     env = {**os.environ, "PYTHONPATH": ROOT}

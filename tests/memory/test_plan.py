@@ -13,6 +13,8 @@ from ampkit.memory.tracker import LiveBytes
 from ampkit.models import GPT, MLP
 from ampkit.optim import state_bytes
 
+pytestmark = pytest.mark.machine_kind  # peaks measured on real tensors (kernel workspaces, the resident set)
+
 
 def _mlp_batch(n=8):
     g = torch.Generator().manual_seed(0)

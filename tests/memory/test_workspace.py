@@ -13,6 +13,8 @@ import ampkit
 from ampkit.memory.tracker import fake_mode
 from ampkit.memory.workspace import workspace_bytes
 
+pytestmark = pytest.mark.machine_kind  # the kernel torch picks for a convolution and the buffers it allocates
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Run in a child started with MALLOC_MMAP_THRESHOLD_=65536 (freed blocks go back to the OS, so the resident
@@ -59,20 +61,36 @@ print(json.dumps(rows))
 """
 
 
+IN_BYTES, OUT_BYTES = 8 * 16 * 32 * 32 * 4, 8 * 32 * 32 * 32 * 4  # the child's conv: fp32 input and output
+
+
+def _close(pred, meas):
+    return abs(pred - meas) <= max(0.15 * meas, 256 * 1024)  # 15% or 256 KiB (pages, allocator slack)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 def test_conv_workspace_matches_the_resident_memory_a_real_conv_adds():
+    """What holds on every CPU kind: the im2col path (torch's own code, no ISA-specific kernel) and oneDNN's
+    forward (the larger tensor reordered to the blocked layout) within 15%; oneDNN's backward between the one
+    reorder it cannot avoid (the larger tensor, blocked) and the planner's law (input + the larger tensor),
+    so the plan never falls short of it. Where the backward lands in that bracket depends on the kernels
+    oneDNN picks for the ISA (AVX512 Xeon: 7.91 MiB of a predicted 8.00; AVX2 EPYC: 81-92% of the law):
+    docs/MEMORY.md, "Per CPU kind"."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     assert any("Slow2d" in row["backend"] for row in rows), rows  # oneDNN off: the im2col path was exercised
+    slack = 256 * 1024
     for row in rows:
-        for phase in ("fwd", "bwd"):
-            pred, meas = row[f"pred_{phase}"], row[phase]
-            if "Slow2d" in row["backend"] or "Mkldnn" in row["backend"]:
-                assert pred > 0, row
-            # within 15% or 256 KiB (page granularity, allocator slack)
-            assert abs(pred - meas) <= max(0.15 * meas, 256 * 1024), (phase, row)
+        if "Slow2d" in row["backend"] or "Mkldnn" in row["backend"]:
+            assert row["pred_fwd"] > 0 and row["pred_bwd"] > 0, row
+        assert _close(row["pred_fwd"], row["fwd"]), ("fwd", row)
+        if "Mkldnn" in row["backend"]:
+            assert row["pred_bwd"] == IN_BYTES + max(IN_BYTES, OUT_BYTES), row  # the law, as documented
+            assert max(IN_BYTES, OUT_BYTES) - slack <= row["bwd"] <= row["pred_bwd"] + slack, ("bwd", row)
+        else:
+            assert _close(row["pred_bwd"], row["bwd"]), ("bwd", row)
 
 
 def test_im2col_columns_are_the_whole_batch_and_1x1_needs_none():

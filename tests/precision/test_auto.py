@@ -12,6 +12,8 @@ from ampkit.precision.auto import (auto_candidates, auto_mode, choose_auto, deci
                                    resumed_mode, safe_modes, why)
 from ampkit.tuning.autotune import fastest_mode
 
+pytestmark = pytest.mark.machine_kind  # auto's choice follows the measured capability
+
 
 def test_the_device_choice_is_the_first_preference(any_cpu_kind):
     order = preference_order("cpu")

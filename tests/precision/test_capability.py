@@ -9,6 +9,8 @@ import torch
 
 from ampkit.precision.device import CPU_CAPS_ENV
 
+pytestmark = pytest.mark.machine_kind  # the capability probe times this CPU's kernels
+
 cap_mod = importlib.import_module("ampkit.precision.capability")
 
 

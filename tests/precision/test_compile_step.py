@@ -11,6 +11,7 @@ only: fast, and any difference from eager is a semantic one, not rounding); one 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import re
 
@@ -23,6 +24,8 @@ from torch._dynamo.utils import counters
 import ampkit
 from ampkit.precision import compile_step, tensor_lr_
 from ampkit.precision.modes import MODES
+from ampkit.precision.scaling import loss_scaler
+from ampkit.precision.scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -33,6 +36,14 @@ ALL_MODES = list(MODES)
 # (bf16-pure) has none: its stochastic rounding draws from a counter-based hash (ampkit/optim/noise.py)
 BOUND = {"master": 1, "pure-compensated": 0}
 ALLOWED = re.compile(r"torch/optim/")
+# torch < 2.12: Dynamo cannot set attributes on an optimizer inside a graph, so the scaler hands grad_scale /
+# found_inf over and steps outside it (ampkit/precision/scaling/fused.py): the break the optimizer makes anyway
+# moves to that one call, and bf16-pure's compensated step gets it too
+OLD_DYNAMO = not DYNAMO_SETS_OPTIMIZER_ATTRS
+if OLD_DYNAMO:  # that call's line, and no other in ampkit
+    _LINES = inspect.getsource(loss_scaler).splitlines()
+    _HANDOVER = next(i for i, line in enumerate(_LINES, 1) if "step_outside_graph(optimizer, grad_scale" in line)
+    ALLOWED = re.compile(rf"torch/optim/|ampkit/precision/scaling/loss_scaler\.py:{_HANDOVER}$")
 
 
 def _bound(mode: str) -> int:
@@ -40,7 +51,7 @@ def _bound(mode: str) -> int:
     if m.master_weights:
         return BOUND["master"]
     if m.compensated:
-        return BOUND["pure-compensated"]
+        return BOUND["pure-compensated"] + OLD_DYNAMO
     return 1
 
 
@@ -228,6 +239,11 @@ def test_bf16_pure_step_traces_whole(compensation, optimizer):
     p, model, opt = _build("bf16-pure", optimizer=optimizer, compensation=compensation)
     _backward(p, model, torch.randn(4, 8))
     explained = dynamo.explain(lambda: p.step(opt, max_norm=1.0))()
+    if OLD_DYNAMO:  # the hand-over's one break; fullgraph refused in one line naming the version
+        assert explained.graph_break_count == 1, explained.break_reasons
+        with pytest.raises(ValueError, match=r"^compile_step\(fullgraph=True\) needs torch >= 2\.12: torch 2\.\d+"):
+            compile_step(p, opt, backend="eager", fullgraph=True)
+        return
     assert explained.graph_break_count == 0, explained.break_reasons
     step = compile_step(p, opt, backend="eager", fullgraph=True)
     for _ in range(2):

@@ -18,6 +18,8 @@ from ampkit.precision.capability import device_info
 from ampkit.precision.device import CPU_CAPS_ENV, CPU_KIND_SPEED, cpu_kind, machine_key
 from ampkit.tuning.autotune import auto_candidates
 
+pytestmark = pytest.mark.machine_kind  # the measured capability and the emulated-dtype notes
+
 FAST = {"amx", "avx512_bf16"}  # kinds whose bf16 matmuls measured faster than fp32
 
 

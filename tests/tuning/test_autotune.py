@@ -9,6 +9,8 @@ import ampkit
 from ampkit import Precision, Trainer
 from ampkit.tuning import autotune
 
+pytestmark = pytest.mark.machine_kind  # candidates timed on this CPU
+
 
 def _bf16_cpu(monkeypatch):
     """Run as a CPU with bf16 units (AMX) would, so the test does not depend on the machine."""

@@ -11,7 +11,8 @@ import ampkit
 from ampkit.tuning import layout
 from ampkit.precision.device import measured_on
 
-pytestmark = __import__("pytest").mark.usefixtures("one_thread")
+pytestmark = [__import__("pytest").mark.usefixtures("one_thread"),
+              __import__("pytest").mark.machine_kind]  # memory format timed on this CPU
 
 
 def _conv():

@@ -12,6 +12,8 @@ from ampkit import Precision
 from ampkit.precision import attention as speed
 from ampkit.tuning import opspeed
 
+pytestmark = pytest.mark.machine_kind  # attention kernels timed on this CPU
+
 
 def _qkv(dtype, shape=(2, 3, 32, 16)):
     g = torch.Generator().manual_seed(0)

@@ -1,11 +1,14 @@
 """Attention kernels are measured before training (``ampkit.tune``), never inside the user's forward,
 and a run's random stream does not depend on whether the verdict was cached."""
+import pytest
 import torch
 from torch import nn
 
 import ampkit
 from ampkit import Precision
 from ampkit.tuning import opspeed
+
+pytestmark = pytest.mark.machine_kind  # attention kernels timed on this CPU
 
 
 def test_the_forward_never_measures(monkeypatch):

@@ -14,6 +14,7 @@ fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host s
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -180,6 +181,7 @@ class Precision:
         self.scales_loss = self.mode.scaled
         self._setup_done = False
         self._backward_unscale = BackwardUnscale()
+        self._grad_norm: Optional[torch.Tensor] = None  # the norm step(max_norm=) clipped (last_grad_norm)
 
     def _make_scaler(self) -> LossScaler:
         """The mode's loss scaler; unscaled modes get a check-only guard (scale 1, never grows, skips
@@ -489,6 +491,15 @@ class Precision:
         self._unscale(optimizer, norm=norm)
         return norm
 
+    @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """Deprecated (removed in the release after 0.1.0): the total gradient norm the last ``step(max_norm=...)``
+        clipped (a device tensor, None when that step did not clip). Use ``norm = precision.clip_grad_norm_(optimizer,
+        max_norm)`` before ``precision.step(optimizer)``: the same norm, and the step then clips no further."""
+        warnings.warn("Precision.last_grad_norm is deprecated: use norm = precision.clip_grad_norm_(optimizer, "
+                      "max_norm) before precision.step(optimizer)", DeprecationWarning, stacklevel=2)
+        return self._grad_norm
+
     def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
              norm_type: float = 2.0) -> StepResult:
         """Unscale -> clip -> non-finite check -> step or skip -> update the scale (``torch.amp.GradScaler``'s order).
@@ -515,8 +526,9 @@ class Precision:
         if self.scales_loss:
             self._check_scaled_backward(optimizer)
         if max_norm is not None and max_norm > 0:
-            self.clip_grad_norm_(optimizer, max_norm, norm_type)
+            self._grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
         else:
+            self._grad_norm = None
             self._unscale(optimizer)
         result = self.scaler.step(optimizer)
         if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway

@@ -2,7 +2,14 @@
 torch's fused Adam/AdamW/SGD): ``LossScaler.step`` hands the scale and the found-inf flag over as the
 optimizer's ``grad_scale``/``found_inf`` attributes for one ``step()``, so the skip decision never reaches
 the host. The deprecated form (the optimizer takes the scaler as a ``grad_scaler=`` keyword) is
-recognised here by a cached signature lookup, and warned about in torch's words."""
+recognised here by a cached signature lookup, and warned about in torch's words.
+
+Under ``torch.compile`` on torch < 2.12, Dynamo wraps an optimizer without attribute-mutation tracking, so
+setting ``grad_scale`` on it inside the traced region is an internal AssertionError ("Attempted setattr on a
+user-defined object that does not have an AttributeMutation mutation_type"; fixed in torch 2.12's
+``VariableBuilder``). There :func:`step_outside_graph` hands the two tensors over and steps outside the graph:
+the one graph break sits at that call instead of inside ``Optimizer.step`` (which breaks on its own anyway),
+the scale and flag stay device tensors (no host sync)."""
 from __future__ import annotations
 
 import inspect
@@ -12,7 +19,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["takes_grad_scaler", "warn_grad_scaler_kwarg"]
+__all__ = ["DYNAMO_SETS_OPTIMIZER_ATTRS", "step_outside_graph", "takes_grad_scaler", "warn_grad_scaler_kwarg"]
+
+#: whether Dynamo can set attributes on a ``torch.optim.Optimizer`` inside a traced region (torch >= 2.12)
+DYNAMO_SETS_OPTIMIZER_ATTRS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
 
 _GRAD_SCALER_KWARG: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
@@ -42,3 +52,15 @@ def warn_grad_scaler_kwarg(stacklevel: int) -> None:
         FutureWarning,
         stacklevel=stacklevel + 1,
     )
+
+
+@torch.compiler.disable
+def step_outside_graph(optimizer, grad_scale, found_inf, args, kwargs):
+    """``optimizer.step(*args, **kwargs)`` with ``grad_scale``/``found_inf`` handed over as attributes for that
+    step, run eagerly (torch < 2.12 under ``torch.compile``: see the module docstring)."""
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf

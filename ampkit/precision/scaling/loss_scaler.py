@@ -33,7 +33,7 @@ from torch.amp.grad_scaler import OptState
 from ...optim.master import MasterWeightOptimizer
 from ..loss_scale import check_scaler_ranges, parse_loss_scale
 from .counters import SkipCounters
-from .fused import takes_grad_scaler, warn_grad_scaler_kwarg
+from .fused import DYNAMO_SETS_OPTIMIZER_ATTRS, step_outside_graph, takes_grad_scaler, warn_grad_scaler_kwarg
 from .hysteresis import Hysteresis
 from .nonfinite import all_reduce_max, distributed_active, found_inf_total
 from .step_result import StepResult
@@ -278,6 +278,28 @@ class LossScaler(TraceableGradScaler):
             retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return StepResult(found, stepped) if retval is None else retval
+
+    if not DYNAMO_SETS_OPTIMIZER_ATTRS:  # torch < 2.12 (fused.py). A step of its own: any change to the frame of
+        _step_in_graph = step               # the step above loses its setattr at the optimizer's break on 2.13
+
+        def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+            """torch's ``step``; under ``torch.compile`` a fused optimizer steps outside the graph (``fused.py``)."""
+            if not (self._enabled and "closure" not in kwargs and torch.compiler.is_compiling()
+                    and getattr(optimizer, "_step_supports_amp_scaling", False) and not takes_grad_scaler(optimizer)):
+                return self._step_in_graph(optimizer, *args, **kwargs)
+            self._check_scale_growth_tracker("step")
+            self.check_skip_limit(optimizer)
+            state = self._per_optimizer_states[id(optimizer)]
+            if state["stage"] is OptState.STEPPED:
+                raise RuntimeError("step() has already been called since the last update().")
+            self.counters.optimizers[id(optimizer)] = optimizer
+            if state["stage"] is OptState.READY:
+                self._check_inf_per_device(optimizer)
+            grad_scale = (getattr(optimizer, "grad_scale", None) if state["stage"] == OptState.UNSCALED
+                          else self._scale * getattr(optimizer, "grad_scale", 1))
+            retval = step_outside_graph(optimizer, grad_scale, self._found_inf_total(state), args, kwargs)
+            state["stage"] = OptState.STEPPED
+            return StepResult(self._found_inf_total(state)) if retval is None else retval
 
     def record_found_inf(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         """Record this iteration's non-finite flag for ``optimizer`` from a check made elsewhere (e.g.
