@@ -34,7 +34,7 @@ try:
     from fastai.optimizer import OptimWrapper
 except ImportError as e:  # pragma: no cover - exercised only without fastai
     raise ImportError("ampkit.integrations.fastai needs fastai: pip install --no-deps 'fastai>=2.8' and "
-                      "pip install 'ampkit[clients]' (its core, without torchvision).") from e
+                      "in ampkit's checkout pip install '.[clients]' (its core's dependencies, without torchvision).") from e
 
 from ..precision import Precision
 from ..precision.kinds.base import unwrapped

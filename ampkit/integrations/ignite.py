@@ -28,8 +28,8 @@ try:
     from ignite.engine import Engine
     from ignite.engine import _prepare_batch as _ignite_prepare_batch
 except ImportError as e:  # pragma: no cover - exercised only without ignite
-    raise ImportError("ampkit.integrations.ignite needs pytorch-ignite: pip install 'ampkit[clients]' "
-                      "(or pip install pytorch-ignite).") from e
+    raise ImportError("ampkit.integrations.ignite needs pytorch-ignite: pip install pytorch-ignite "
+                      "(or, in ampkit's checkout, pip install '.[clients]').") from e
 
 from ..precision import Precision
 

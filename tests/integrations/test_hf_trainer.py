@@ -174,7 +174,7 @@ def test_resume_refuses_another_modes_checkpoint(tmp_path):
     AmpkitTrainer(model=gpt2(), args=args, train_dataset=Tokens(), precision="fp16-mixed").train()
     other = AmpkitTrainer(model=gpt2(), args=targs(tmp_path, max_steps=3), train_dataset=Tokens(),
                           precision="bf16-mixed")
-    with pytest.raises(ValueError, match="trained with precision='fp16-mixed'"):
+    with pytest.raises(ValueError, match="saved by precision='fp16-mixed'"):
         other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
 

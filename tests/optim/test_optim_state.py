@@ -99,7 +99,7 @@ def test_resume_is_bit_exact_and_the_option_is_checked(mode):
             assert torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype, k
 
     other = _precision(mode)
-    with pytest.raises(ValueError, match="optimizer-state bf16"):
+    with pytest.raises(ValueError, match="saved with optimizer_state='bf16'"):
         other.load_state_dict(ckpt["prec"])
 
 

@@ -62,11 +62,13 @@ def test_only_the_hooks_a_kind_needs_change_the_model():
                                   ("bf16-master", torch.float32, torch.bfloat16),
                                   ("bf16-pure", torch.bfloat16, torch.bfloat16)):
         m = copy.deepcopy(model)
-        m, opt = Precision(name, "cpu").setup(m, torch.optim.AdamW(m.parameters()))
+        precision = Precision(name, "cpu")
+        m, opt = precision.setup(m, torch.optim.AdamW(m.parameters()))
         assert m[0].weight.dtype == dtype and m[1].weight.dtype == torch.float32
         seen = []
         m[0].register_forward_pre_hook(lambda mod, a: seen.append(mod.weight.dtype))
-        m(torch.randn(2, 4))
+        with precision.autocast():  # master modes put their compute copies on inside it only
+            m(torch.randn(2, 4))
         assert seen == [computes]  # the master mode computes with a 16-bit copy of its fp32 weight
 
 

@@ -26,7 +26,7 @@ from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
-from ..clients import (accelerate_accumulation_steps, check_second_scaler, engine_wrapper, log, mark_skipped,
+from ..clients import (accelerate_accumulation_steps, check_scaled_backward, engine_wrapper, log, mark_skipped,
                        stepped_object, unwrapped)
 from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
@@ -524,7 +524,7 @@ class Precision:
                 "Precision.step() found no gradients on the optimizer's parameters: call precision.backward(loss) "
                 "(or loss.backward()) before each step(); nothing was stepped or counted.")
         if self.scales_loss:
-            self._check_scaled_backward(optimizer)
+            check_scaled_backward(self.name, self.scaler, self._backward_unscale, optimizer)
         if max_norm is not None and max_norm > 0:
             self._grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
         else:
@@ -537,26 +537,6 @@ class Precision:
         self.scaler.update()
         mark_skipped(optimizer, result)
         return result
-
-    def _check_scaled_backward(self, optimizer) -> None:
-        """The scaled modes: refuse (one line) a step whose gradients no scaled loss made (the client's own
-        ``loss.backward()``/``accelerator.backward``: the step would divide true gradients by the loss scale, and
-        the weights move 65536x too little, silently), a second scaler on the loss (accelerate's fp16 one), and
-        gradients of parameters that no set-up model holds beside ones ``backward`` unscaled."""
-        check_second_scaler(optimizer, self.scaler)
-        if self.scaler.stage(optimizer) is not OptState.READY or not self.scaler.is_enabled():
-            return
-        if self._backward_unscale.found:
-            if not self._backward_unscale.covers(optimizer):
-                raise RuntimeError(
-                    "Precision.step(): the optimizer steps parameters of a model precision.setup() never saw, beside "
-                    "ones precision.backward() unscaled: pass every model through precision.setup(model).")
-        elif not getattr(self.scaler, "loss_scaled", True):
-            raise RuntimeError(
-                f"Precision.step() found gradients no scaled loss made: precision={self.name!r} scales the loss in "
-                "precision.backward(loss), and without it the step divides true gradients by the loss scale "
-                "(weights move 65536x too little): call precision.backward(loss) instead of loss.backward() "
-                "or accelerator.backward(loss).")
 
     # ------------------------------------------------------------------ state
     def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
