@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 from .scaling.step_result import SkipFlag, StepResult
 
 __all__ = ["engine_wrapper", "unwrapped", "accelerate_accumulation_steps", "mark_skipped", "check_second_scaler", "check_scaled_backward",
@@ -54,7 +55,15 @@ def accelerate_accumulation_steps() -> int:
 def mark_skipped(optimizer: Any, result: StepResult) -> None:
     """Tell the optimizer (and accelerate's wrapper) whether this step was skipped, lazily: ``step_was_skipped``
     on the torch optimizer, ``_is_overflow`` (what ``AcceleratedOptimizer.step_was_skipped`` returns and
-    ``AcceleratedScheduler`` reads to hold the schedule back) on accelerate's wrapper."""
+    ``AcceleratedScheduler`` reads to hold the schedule back) on accelerate's wrapper. Under ``torch.compile`` on
+    torch < 2.12 (whose Dynamo cannot set an optimizer's attributes in a graph: ``scaling/fused.py``) it runs
+    eagerly, at the graph break the optimizer's step has there anyway."""
+    if not DYNAMO_SETS_OPTIMIZER_ATTRS and torch.compiler.is_compiling():
+        return _mark_skipped_eagerly(optimizer, result)
+    _mark_skipped(optimizer, result)
+
+
+def _mark_skipped(optimizer: Any, result: StepResult) -> None:
     flag = SkipFlag(result)
     holder = optimizer
     while True:
@@ -66,6 +75,9 @@ def mark_skipped(optimizer: Any, result: StepResult) -> None:
         holder = getattr(inner, attr)
     if isinstance(holder, torch.optim.Optimizer):
         holder.step_was_skipped = flag
+
+
+_mark_skipped_eagerly = torch.compiler.disable(_mark_skipped)
 
 
 def check_second_scaler(optimizer: Any, scaler: Any) -> None:

@@ -7,23 +7,15 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit.optim import AdamW
 from ampkit.optim.base import CPU_BATCH, DEVICE_BATCH
+from op_count import OpCount
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _model(width, layers):
@@ -48,14 +40,14 @@ def _step_ops(width, layers, batch=None, compensation=None):
             loss = model(precision.convert_input(x)).float().pow(2).mean()
         precision.backward(loss)
         precision._unscale(opt)
-        with _Count() as ours:
+        with OpCount() as ours:
             precision.scaler.step(opt)
         precision.scaler.update()
         opt.zero_grad()
     ref = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     for _ in range(3):
         model(precision.convert_input(x)).float().pow(2).mean().backward()
-        with _Count() as theirs:
+        with OpCount() as theirs:
             ref.step()
         ref.zero_grad()
     params = list(model.parameters())

@@ -6,19 +6,9 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
+from op_count import OpCount
 
 
 def _ops_per_step(mode, layers, groups):
@@ -30,7 +20,7 @@ def _ops_per_step(mode, layers, groups):
     if mode is None:  # the plain loop's step
         for _ in range(3):
             model(x).pow(2).mean().backward()
-            with _Count() as c:
+            with OpCount() as c:
                 opt.step()
             opt.zero_grad()
         return c.n
@@ -42,7 +32,7 @@ def _ops_per_step(mode, layers, groups):
         with p.autocast():
             loss = model(p.convert_input(x)).float().pow(2).mean()
         p.backward(loss)
-        with _Count() as c:
+        with OpCount() as c:
             p.step(opt)
         opt.zero_grad()
     return c.n
