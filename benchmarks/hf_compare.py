@@ -88,19 +88,22 @@ def _plain(device, cast=None, autocast=False, fused=False):
     return prepare
 
 
+def _engine_step(model, opt, backward):
+    """A peer engine's training step: its own backward (accelerate's, Fabric's), then the optimizer's step."""
+    def step(batch):
+        backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def _accelerate(device):
     def prepare(model):
         from accelerate import Accelerator
 
         acc = Accelerator(mixed_precision="bf16", cpu=device.type == "cpu")
         model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-        def step(batch):
-            loss = model(**batch).loss
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return model, step
+        return model, _engine_step(model, opt, acc.backward)
     return prepare
 
 
@@ -110,13 +113,7 @@ def _fabric(device):
 
         fabric = Fabric(accelerator=device.type, devices=1, precision="bf16-mixed")
         model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-        def step(batch):
-            loss = model(**batch).loss
-            fabric.backward(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return model, step
+        return model, _engine_step(model, opt, fabric.backward)
     return prepare
 
 
