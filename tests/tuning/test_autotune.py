@@ -219,3 +219,12 @@ def test_retune_is_a_flag_that_is_not_recorded(tmp_path):
     cfg = _config_from_args(p.parse_args(["--retune", "--out", str(tmp_path / "r")]))[0]
     assert cfg.retune is True
     assert recorded_config(cfg, ampkit.Precision("fp32", "cpu")).retune is False
+
+
+def test_timing_says_nothing_about_its_own_optimizer(caplog):
+    """The timing pass builds its own AdamW: setup's "switched your AdamW to the fused kernel" is about the
+    user's optimizer and must not be said for it."""
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    with caplog.at_level("WARNING", logger="ampkit"):
+        autotune.time_modes(_model(), x, y, nn.functional.cross_entropy, ["fp32"], rounds=2, warmup=1)
+    assert not [r for r in caplog.records if "switched your" in r.getMessage()]
