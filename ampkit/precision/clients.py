@@ -68,12 +68,14 @@ def _skip_flag_holders(optimizer: Any) -> list:
     return holders
 
 
-def install_skip_flags(optimizer: Any) -> None:
+def install_skip_flags(optimizer: Any) -> Any:
     """Give ``optimizer`` (and accelerate's wrapper) the :class:`SkipFlag` objects :func:`mark_skipped` updates in
-    place, reading "not skipped" until a step ran (``Precision.wrap_optimizer``, ``compile_step``; eager)."""
+    place, reading "not skipped" until a step ran (``Precision.wrap_optimizer``, ``compile_step``; eager); returns
+    ``optimizer``."""
     for holder, attr in _skip_flag_holders(optimizer):
         if type(getattr(holder, attr, None)) is not SkipFlag:
             setattr(holder, attr, SkipFlag(StepResult()))
+    return optimizer
 
 
 def mark_skipped(optimizer: Any, result: StepResult) -> None:

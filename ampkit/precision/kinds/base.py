@@ -283,8 +283,7 @@ class Precision:
         holder, attr = engine_wrapper(optimizer)
         if holder is not None:
             setattr(holder, attr, self.wrap_optimizer(getattr(holder, attr)))
-            install_skip_flags(holder)
-            return holder
+            return install_skip_flags(holder)
         checks.check_torch_optimizer(optimizer, self.name)
         given = optimizer
         optimizer = self._convert_optimizer(self._with_state(optimizer))
@@ -294,8 +293,7 @@ class Precision:
             optimizer = self._adopt(given, optimizer)
         self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._name_optimizer(optimizer)
-        install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: clients.py)
-        return optimizer
+        return install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: clients.py)
 
     def uses_channels_last(self, model: nn.Module) -> bool:
         """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
