@@ -13,8 +13,8 @@ from torch.amp.grad_scaler import OptState
 from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 from .scaling.step_result import SkipFlag, StepResult
 
-__all__ = ["engine_wrapper", "unwrapped", "accelerate_accumulation_steps", "mark_skipped", "check_second_scaler", "check_scaled_backward",
-           "stepped_object", "log"]
+__all__ = ["engine_wrapper", "unwrapped", "accelerate_accumulation_steps", "install_skip_flags", "mark_skipped",
+           "check_second_scaler", "check_scaled_backward", "stepped_object", "log"]
 
 log = logging.getLogger("ampkit.precision")
 
@@ -52,32 +52,56 @@ def accelerate_accumulation_steps() -> int:
     return int((shared.get("plugin_kwargs") or {}).get("num_steps", 1) or 1)
 
 
-def mark_skipped(optimizer: Any, result: StepResult) -> None:
-    """Tell the optimizer (and accelerate's wrapper) whether this step was skipped, lazily: ``step_was_skipped``
-    on the torch optimizer, ``_is_overflow`` (what ``AcceleratedOptimizer.step_was_skipped`` returns and
-    ``AcceleratedScheduler`` reads to hold the schedule back) on accelerate's wrapper. Under ``torch.compile`` on
-    torch < 2.12 (whose Dynamo cannot set an optimizer's attributes in a graph: ``scaling/fused.py``) it runs
-    eagerly, at the graph break the optimizer's step has there anyway."""
-    if not DYNAMO_SETS_OPTIMIZER_ATTRS and torch.compiler.is_compiling():
-        return _mark_skipped_eagerly(optimizer, result)
-    _mark_skipped(optimizer, result)
-
-
-def _mark_skipped(optimizer: Any, result: StepResult) -> None:
-    flag = SkipFlag(result)
-    holder = optimizer
+def _skip_flag_holders(optimizer: Any) -> list:
+    """(object, attribute) for every place a step's skip flag goes: ``_is_overflow`` on each accelerate wrapper in
+    the chain, ``step_was_skipped`` on the torch optimizer inside."""
+    holders, holder = [], optimizer
     while True:
         if type(holder).__module__.split(".")[0] == "accelerate" and hasattr(holder, "_is_overflow"):
-            holder._is_overflow = flag
+            holders.append((holder, "_is_overflow"))
         inner, attr = engine_wrapper(holder)
         if inner is None:
             break
         holder = getattr(inner, attr)
     if isinstance(holder, torch.optim.Optimizer):
-        holder.step_was_skipped = flag
+        holders.append((holder, "step_was_skipped"))
+    return holders
 
 
-_mark_skipped_eagerly = torch.compiler.disable(_mark_skipped)
+def install_skip_flags(optimizer: Any) -> Any:
+    """Give ``optimizer`` (and accelerate's wrapper) the :class:`SkipFlag` objects :func:`mark_skipped` updates in
+    place, reading "not skipped" until a step ran (``Precision.wrap_optimizer``, ``compile_step``; eager); returns
+    ``optimizer``."""
+    for holder, attr in _skip_flag_holders(optimizer):
+        if type(getattr(holder, attr, None)) is not SkipFlag:
+            setattr(holder, attr, SkipFlag(StepResult()))
+    return optimizer
+
+
+def mark_skipped(optimizer: Any, result: StepResult) -> None:
+    """Tell the optimizer (and accelerate's wrapper) whether this step was skipped, lazily: ``step_was_skipped``
+    on the torch optimizer, ``_is_overflow`` (what ``AcceleratedOptimizer.step_was_skipped`` returns and
+    ``AcceleratedScheduler`` reads to hold the schedule back) on accelerate's wrapper. Each holds one
+    :class:`SkipFlag` whose result is replaced every step (no attribute of the optimizer is set: Dynamo < 2.12
+    cannot set one in a graph, ``scaling/fused.py``); where a flag is missing (an optimizer ``setup`` never saw) it
+    is set, eagerly under ``torch.compile`` on torch < 2.12 (a graph break, on that optimizer's first step)."""
+    holders = _skip_flag_holders(optimizer)
+    flags = [getattr(holder, attr, None) for holder, attr in holders]
+    if all(type(flag) is SkipFlag for flag in flags):
+        for flag in flags:
+            flag.result = result
+        return
+    if not DYNAMO_SETS_OPTIMIZER_ATTRS and torch.compiler.is_compiling():
+        return _set_skip_flags_eagerly(holders, result)
+    _set_skip_flags(holders, result)
+
+
+def _set_skip_flags(holders: list, result: StepResult) -> None:
+    for holder, attr in holders:
+        setattr(holder, attr, SkipFlag(result))
+
+
+_set_skip_flags_eagerly = torch.compiler.disable(_set_skip_flags)
 
 
 def check_second_scaler(optimizer: Any, scaler: Any) -> None:

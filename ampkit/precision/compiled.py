@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..optim import CompensatedOptimizer, MasterWeightOptimizer
+from .clients import install_skip_flags
 from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 
 __all__ = ["tensor_lr_", "takes_tensor_lr", "compile_step", "compile_model", "repeated_blocks"]
@@ -85,8 +86,10 @@ def compile_step(precision: Any, optimizer: Any = None, *, backend: Union[str, C
         raise ValueError(f"compile_step(fullgraph=True) needs torch >= 2.12: torch {torch.__version__}'s Dynamo cannot "
                          "hand the loss scale to the optimizer inside a graph; drop fullgraph=True (one graph break "
                          "there) or upgrade torch.")
-    if optimizer is not None and tensor_lr:
-        tensor_lr_(optimizer)
+    if optimizer is not None:
+        install_skip_flags(optimizer)  # the step updates them in place (clients.py): no setattr in the graph
+        if tensor_lr:
+            tensor_lr_(optimizer)
 
     def _step(opt, max_norm: Optional[float] = None, norm_type: float = 2.0):
         return precision.step(opt, max_norm=max_norm, norm_type=norm_type)

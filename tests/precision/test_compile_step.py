@@ -262,3 +262,24 @@ def test_bf16_pure_stochastic_compiled_equals_eager(compensation, optimizer):
         assert torch.equal(a, b), f"differs by {(a.float() - b.float()).abs().max()}"
     assert pc.skipped_steps == pe.skipped_steps == 1
     assert end == warm
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_compiled_step_tells_the_optimizer_whether_it_skipped(installed):
+    """``step_was_skipped`` (what schedulers read) follows the compiled steps: setup put a flag on the optimizer
+    that each step updates in place (no setattr on the optimizer in the graph: Dynamo < 2.12 cannot); an optimizer
+    without one (``installed=False``) gets it set, eagerly on torch < 2.12."""
+    dynamo.reset()
+    p, model, opt = _build("fp16-mixed")
+    if not installed:
+        del opt.step_was_skipped
+    step = compile_step(p, opt, backend="eager") if installed else torch.compile(p.step, backend="eager")
+    seen = []
+    for poison in (False, True, False):
+        _backward(p, model, torch.randn(4, 8), poison=poison)
+        step(opt, max_norm=1.0)
+        seen.append((bool(opt.step_was_skipped), opt.step_was_skipped))
+        opt.zero_grad(set_to_none=True)
+    assert [skipped for skipped, _ in seen] == [False, True, False]
+    if installed:  # one flag object, its result replaced each step
+        assert seen[0][1] is seen[1][1] is seen[2][1]

@@ -280,6 +280,12 @@ def test_loss_scaling_on_sharded_gradients_agrees_across_ranks(sharded):
 
 
 # ---------------------------------------------------------------------- fp8-tensorwise: the all-gather in fp8
+# the collectives FSDP2 calls, by torch.distributed's names: *_single where torch has them (2.13, 2.14), the
+# *_into_tensor / *_tensor ones before (2.11)
+AG, RS = (("all_gather_single", "reduce_scatter_single") if hasattr(torch.distributed, "all_gather_single")
+          else ("all_gather_into_tensor", "reduce_scatter_tensor"))
+
+
 def _gather_ranks(rank, tmp):
     """fp8-tensorwise sharded per block, trained with its Linear weights gathered in fp8 (torchao's fp8
     all-gather, the default under FSDP) and in bf16 (the switch off): each all-gather and reduce-scatter's
@@ -300,7 +306,7 @@ def _gather_ranks(rank, tmp):
             prec.fp8.fsdp_all_gather = False
         model = shard_fsdp(prec.setup(_Net())[0], prec)
         opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        log, real_ag, real_rs = [], dist.all_gather_single, dist.reduce_scatter_single
+        log, real_ag, real_rs = [], getattr(dist, AG), getattr(dist, RS)
 
         def all_gather(output, inp, *a, **k):  # each rank's input: its shard, as sent
             log.append(("all_gather", inp.dtype, inp.numel() * inp.element_size()))
@@ -311,11 +317,13 @@ def _gather_ranks(rank, tmp):
             log.append(("reduce_scatter", inp.dtype, inp.numel() * inp.element_size()))
             return real_rs(*a, **k)
 
-        dist.all_gather_single, dist.reduce_scatter_single = all_gather, reduce_scatter
+        setattr(dist, AG, all_gather)
+        setattr(dist, RS, reduce_scatter)
         try:
             _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
         finally:
-            dist.all_gather_single, dist.reduce_scatter_single = real_ag, real_rs
+            setattr(dist, AG, real_ag)
+            setattr(dist, RS, real_rs)
         with CommDebugMode() as comm:
             prec.fp8.precompute_scales()
         out[gather] = {"params": _full(model), "log": log, "precompute_collectives": comm.get_total_counts(),

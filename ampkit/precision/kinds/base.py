@@ -26,8 +26,8 @@ from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
-from ..clients import (accelerate_accumulation_steps, check_scaled_backward, engine_wrapper, log, mark_skipped,
-                       stepped_object, unwrapped)
+from ..clients import (accelerate_accumulation_steps, check_scaled_backward, engine_wrapper, install_skip_flags, log,
+                       mark_skipped, stepped_object, unwrapped)
 from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
@@ -283,7 +283,7 @@ class Precision:
         holder, attr = engine_wrapper(optimizer)
         if holder is not None:
             setattr(holder, attr, self.wrap_optimizer(getattr(holder, attr)))
-            return holder
+            return install_skip_flags(holder)
         checks.check_torch_optimizer(optimizer, self.name)
         given = optimizer
         optimizer = self._convert_optimizer(self._with_state(optimizer))
@@ -293,7 +293,7 @@ class Precision:
             optimizer = self._adopt(given, optimizer)
         self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._name_optimizer(optimizer)
-        return optimizer
+        return install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: clients.py)
 
     def uses_channels_last(self, model: nn.Module) -> bool:
         """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule

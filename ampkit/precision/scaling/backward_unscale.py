@@ -83,5 +83,5 @@ class BackwardUnscale:
     def take(self) -> Dict[torch.device, torch.Tensor]:
         """This step's flags (the gradients are unscaled; {}: no backward unscaled them); the next backward starts
         a new step (another optimizer stepped from the same backward takes the same flags)."""
-        self.stepped = bool(self.found)
+        self.stepped = len(self.found) > 0  # not bool(dict): Dynamo < 2.12 cannot trace that
         return self.found
