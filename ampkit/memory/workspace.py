@@ -96,7 +96,6 @@ def _conv(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, transpose
     return 0
 
 
-
 def _gemm_accumulator(a: torch.Tensor, b: torch.Tensor) -> int:
     """The fp32 copy of the output torch's own 16-bit GEMM accumulates ``a @ b`` in, when oneDNN does not
     take the product on this CPU and ``a`` is a transposed view (column-major) and ``b`` row-major."""
