@@ -4,6 +4,7 @@
 #   make test-slow - the tests marked slow, alone (CI runs them once)
 #   make test-kinds - the tests marked machine_kind again with torch/oneDNN held to AVX2, then to plain AVX512
 #   make test-compat - the tests that touch torch internals under every torch of the support window
+#   make test-ray - Ray Train's TorchTrainer test: installs the `ray` extra into the venv (once), then runs it
 #   make dist-run - the default training on 2 CPU processes (torchrun, gloo, DDP); NPROC=N for more
 #   make docs   - the docs/ pages and the API reference (mkdocs + mkdocstrings, the `docs` extra) into site/
 # TORCH_SPEC selects the torch build; the default is the CPU wheel that lies on this
@@ -14,7 +15,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ampkit-installed
 
-.PHONY: run test test-slow test-kinds test-compat install bench bench-quick dist-run clean gpu-check docs docs-serve
+.PHONY: run test test-slow test-kinds test-compat test-ray install bench bench-quick dist-run clean gpu-check docs docs-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,18 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# Ray Train (tests/integrations/test_ray_train.py: TorchTrainer, 2 CPU workers, a tiny model): the `ray` extra is
+# not in dev (ray[train] with pyarrow), so this target installs it into the venv once (its own stamp) and runs
+# the test alone; where ray is not installed that test skips, naming this target
+RAY_STAMP := $(VENV)/.ampkit-ray-installed
+
+$(RAY_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[ray]"
+	touch $(RAY_STAMP)
+
+test-ray: $(RAY_STAMP)
+	$(PY) -m pytest --slow tests/integrations/test_ray_train.py
 
 # The tests whose expectation depends on the CPU's kernels, as the AVX2 and the plain-AVX512 kinds would run
 # them (.ci/kinds says which ISA each run really got: a setting lowers the ISA, never raises it)

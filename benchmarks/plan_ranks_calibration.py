@@ -2,6 +2,7 @@
 
     python benchmarks/plan_ranks_calibration.py                          # 2 and 4 gloo processes, CPU
     python benchmarks/plan_ranks_calibration.py --worlds 2 --strategies fsdp --modes fp32,bf16-mixed
+    python benchmarks/plan_ranks_calibration.py --strategies fsdp --models gpt --per-rank 4 --modes bf16-master
     python benchmarks/plan_ranks_calibration.py --llama8b                # the 7-8B plan over 8 and 64 ranks
 
 Each (world size, strategy, model, mode) starts ``world`` fresh gloo processes that run the very steps
@@ -64,7 +65,8 @@ def llama8b_config():
                          rope_theta=500000.0, tie_word_embeddings=False)
 
 
-def _rank(rank: int, world: int, store: str, name: str, mode: str, strategy: str, device: str, out: str) -> None:
+def _rank(rank: int, world: int, store: str, name: str, mode: str, strategy: str, device: str, out: str,
+          per_rank: int = 8) -> None:
     import torch
     import torch.distributed as dist
 
@@ -78,26 +80,27 @@ def _rank(rank: int, world: int, store: str, name: str, mode: str, strategy: str
                             timeout=datetime.timedelta(seconds=300))
     try:
         dev = f"cuda:{rank}" if device == "cuda" else "cpu"
-        peak = measure_rank(lambda: build(name), mode, strategy, device=dev)
+        peak = measure_rank(lambda: build(name, per_rank), mode, strategy, device=dev)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "measured": peak}, f)
     finally:
         dist.destroy_process_group()
 
 
-def measured(world: int, name: str, mode: str, strategy: str, device: str) -> int:
+def measured(world: int, name: str, mode: str, strategy: str, device: str, per_rank: int = 8) -> int:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), name, mode, strategy, device, tmp),
+        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), name, mode, strategy, device, tmp,
+                                        per_rank),
                            nprocs=world, start_method="spawn", join=True)
         return max(json.load(open(os.path.join(tmp, f"rank{r}.json")))["measured"] for r in range(world))
 
 
-def planned(world: int, name: str, mode: str, strategy: str, device: str) -> int:
+def planned(world: int, name: str, mode: str, strategy: str, device: str, per_rank: int = 8) -> int:
     import ampkit
 
-    model, batch = build(name)
+    model, batch = build(name, per_rank)
     return ampkit.plan(model, batch, precision=mode, device=device, world_size=world, strategy=strategy).peak_bytes
 
 
@@ -148,6 +151,7 @@ def main() -> None:
     ap.add_argument("--models", default="gpt,llama")
     ap.add_argument("--modes", default="fp32,bf16-mixed")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--per-rank", type=int, default=8, help="samples of 64 tokens per rank")
     ap.add_argument("--llama8b", action="store_true", help="plan the 7-8B Llama-shaped model instead")
     args = ap.parse_args()
     os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -164,11 +168,11 @@ def main() -> None:
             for name in args.models.split(","):
                 for mode in args.modes.split(","):
                     try:
-                        plan_b = planned(world, name, mode, strategy, args.device)
+                        plan_b = planned(world, name, mode, strategy, args.device, args.per_rank)
                     except (ValueError, RuntimeError) as e:
                         print(f"| {world} | {strategy} | {name} | {mode} | not planned: {str(e).splitlines()[0][:90]} |")
                         continue
-                    meas = measured(world, name, mode, strategy, args.device)
+                    meas = measured(world, name, mode, strategy, args.device, args.per_rank)
                     print(f"| {world} | {strategy} | {name} | {mode} | {plan_b / 2**20:.1f} | {meas / 2**20:.1f} | "
                           f"{(plan_b - meas) / meas:+.1%} |", flush=True)
 

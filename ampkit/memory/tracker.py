@@ -7,8 +7,9 @@ uncounted by a weakref finalizer when the storage dies, so the running total fol
 and its maximum is the peak. Each storage keeps a record (bytes, dtype, the phase that created it, a
 category set later by the tracer: weights, grads, optimizer state...); the records live at the peak are
 kept, so the peak can be broken down once the step is over. Buffers a kernel allocates inside itself
-(CPU convolutions' im2col columns and oneDNN reorders: ``workspace.py``) are added to the running total
-for the op that holds them.
+(CPU convolutions' im2col columns and oneDNN reorders, the fp32 accumulator of torch's own 16-bit GEMM,
+gloo's copies in its reduce-scatter and all-gather: ``workspace.py``) are added to the running total for
+the op that holds them.
 """
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ class LiveBytes(TorchDispatchMode):
         if extra and self.current + extra > self.peak:  # the kernel's own buffers, live while it ran
             self.peak, self.peak_phase = self.current + extra, self.phase
             ws = Record(None, extra, args[0].dtype, self.phase)
-            ws.category = "workspace"
+            ws.category = "comm_buffers" if getattr(func, "namespace", "") in _COLLECTIVES else "workspace"
             self.at_peak = [*((r, r.nbytes) for r in self.live.values()), (ws, extra)]
         return out
 

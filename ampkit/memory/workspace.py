@@ -1,5 +1,6 @@
-"""Bytes a CPU convolution kernel allocates inside itself: buffers that never reach the dispatcher as
-op outputs, so a trace of live storages cannot see them, yet they are resident while the op runs.
+"""Bytes a CPU kernel allocates inside itself: buffers that never reach the dispatcher as op outputs, so a
+trace of live storages cannot see them, yet they are resident while the op runs. Three kinds are modelled:
+the convolutions' buffers, the fp32 accumulator of torch's own 16-bit GEMM, and gloo's collective copies.
 
 Which kernel runs is torch's own choice, read from fake tensors with ``torch._C._select_conv_backend``
 (the function ``aten::_convolution`` calls), so the model follows the machine: on a CPU without bf16
@@ -16,6 +17,20 @@ units a bf16 convolution takes the im2col path, on one with them oneDNN's. Measu
 * every other case: 0. Not measured, so not modelled: 3-D, dilated and transposed convolutions (their
   slow paths build columns one sample at a time), depthwise kernels, and CUDA (cuDNN's workspace comes
   from the caching allocator; with no GPU lent it was never calibrated).
+
+16-bit matrix products on a CPU where oneDNN does not take them (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
+/ ``_fp16_`` false: AVX2-only x86 for bf16, and every x86 without AVX512-FP16/AMX-FP16 for fp16) run torch's
+own GEMM (``cpublas``), which accumulates a transposed-first product (``a.t() @ b``: every weight gradient of
+a linear layer, ``grad_out.t() @ input``) in an fp32 copy of the whole output: ``4 * out.numel()`` bytes more
+while ``aten.mm``/``addmm`` runs (measured on an AVX2 EPYC, torch 2.13: 15.9 MiB for a 16384 x 256 bf16
+weight gradient, 16.0 predicted; the other three transposition patterns add nothing there). Where oneDNN
+takes the product (AVX512 with bf16 emulation, AVX512-BF16, AMX) nothing is added.
+
+Collectives on a CPU process group run on gloo (``ampkit train``'s CPU backend), which emulates two of the
+ops FSDP2 issues (torch's ProcessGroupGloo): ``_reduce_scatter_base_`` clones its whole input and
+all-reduces the clone (the input's bytes more until the wait copies this rank's chunk out);
+``_allgather_base_`` gathers into a flat tensor of the output's size and copies it into the output (the
+output's bytes more). NCCL does both in place: nothing on CUDA.
 """
 from __future__ import annotations
 
@@ -27,14 +42,23 @@ import torch
 __all__ = ["workspace_bytes"]
 
 _aten = torch.ops.aten
+_GEMMS = (_aten.mm.default, _aten.addmm.default)
+_GLOO_COPY_OF_ARG = {"c10d::_reduce_scatter_base_": 1, "c10d::_allgather_base_": 0}  # which tensor gloo copies
 
 
 def workspace_bytes(func, args: Sequence[Any], device: torch.device) -> int:
     """Transient bytes ``func`` holds while it runs on ``args`` beyond its inputs and outputs (0 when
-    unknown): the convolution kernels' buffers on CPU."""
+    unknown), on CPU: the convolution kernels' buffers, the 16-bit GEMM's fp32 accumulator, gloo's copies."""
     if device.type != "cpu":
         return 0
     try:
+        name = getattr(func, "name", lambda: "")()
+        if name in _GLOO_COPY_OF_ARG:
+            t = args[_GLOO_COPY_OF_ARG[name]]
+            return t.numel() * t.element_size()
+        if func in _GEMMS:
+            a, b = args[-2:]
+            return _gemm_accumulator(a, b)
         if func is _aten.convolution.default:
             x, w, bias, stride, padding, dilation, transposed, out_pad, groups = args[:9]
             return _conv(x, w, stride, padding, dilation, transposed, out_pad, groups, backward=False, grad_input=False)
@@ -71,3 +95,29 @@ def _conv(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, transpose
         return max(in_bytes, out_bytes) + (in_bytes if backward and grad_input else 0)
     return 0
 
+
+def _gemm_accumulator(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The fp32 copy of the output torch's own 16-bit GEMM accumulates ``a @ b`` in, when oneDNN does not
+    take the product on this CPU and ``a`` is a transposed view (column-major) and ``b`` row-major."""
+    if a.dim() != 2 or b.dim() != 2 or a.device.type != "cpu" or a.dtype != b.dtype:
+        return 0
+    if a.dtype not in (torch.bfloat16, torch.float16) or _onednn_takes(a.dtype):
+        return 0
+    transposed_a = a.stride(0) == 1 and a.stride(1) >= max(1, a.shape[0]) and a.shape[1] > 1
+    row_major_b = b.stride(1) == 1 and b.stride(0) >= max(1, b.shape[1])
+    if not (transposed_a and row_major_b):
+        return 0
+    return 4 * a.shape[0] * b.shape[1]
+
+
+def _onednn_takes(dtype: torch.dtype) -> bool:
+    """torch's own check (``mkldnn_bf16_device_check`` / ``_fp16_``): does oneDNN run this dtype's matmuls
+    on this CPU? (Off too where oneDNN is disabled or not built.)"""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    probe = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else \
+        torch.ops.mkldnn._is_mkldnn_fp16_supported
+    try:
+        return bool(probe())
+    except (AttributeError, RuntimeError):
+        return False

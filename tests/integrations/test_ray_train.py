@@ -1,8 +1,8 @@
 """Ray Train's ``TorchTrainer`` with 2 CPU workers (gloo) running ampkit's five lines: ``precision.setup`` then
 ``ray.train.torch.prepare_model`` (DDP), in a master mode and bf16-pure; the workers end equal to each other and to
 the same global batch in one process within the mode's noise. Skipped where ``ray[train]`` is not installed: it is the
-``ray`` extra (``pip install -e '.[ray]'``), left out of ``dev`` for the suite's time (its install ~100 s, its local
-cluster ~25 s)."""
+``ray`` extra (``make test-ray`` installs it into the venv and runs this file), left out of ``dev`` for the suite's
+time (its install ~100 s on a fresh machine, its local cluster ~25 s)."""
 import os
 import sys
 import warnings
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]' runs this test")
+ray = pytest.importorskip("ray", reason="ray is not installed: make test-ray (or pip install -e '.[ray]') runs this test")
 try:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer

@@ -141,3 +141,71 @@ def test_workspace_is_not_counted_off_cpu():
     assert workspace_bytes(torch.ops.aten.convolution.default, args, torch.device("cpu")) > 0
     # CUDA's workspaces (cuDNN) come from the caching allocator and were never calibrated: not modelled
     assert workspace_bytes(torch.ops.aten.convolution.default, args, torch.device("cuda")) == 0
+
+
+# ---------------------------------------------------------------------- 16-bit GEMM accumulator, gloo's copies
+_GEMM_CHILD = r"""
+import gc, json, sys, torch
+from ampkit.memory.measure import rss_bytes, peak_rss_bytes, reset_peak_rss
+from ampkit.memory.tracker import fake_mode
+from ampkit.memory.workspace import workspace_bytes
+torch.set_num_threads(1)
+dtype = getattr(torch, sys.argv[1])
+g, x = torch.randn(128, 1024).to(dtype), torch.randn(128, 512).to(dtype)  # a weight gradient: g.t() @ x
+for _ in range(2):
+    g.t() @ x
+gc.collect(); base = rss_bytes(); reset_peak_rss()
+out = g.t() @ x
+added = peak_rss_bytes() - base - out.untyped_storage().nbytes()
+with fake_mode():
+    fg, fx = torch.empty(128, 1024, dtype=dtype), torch.empty(128, 512, dtype=dtype)
+    pred = workspace_bytes(torch.ops.aten.mm.default, (fg.t(), fx), torch.device("cpu"))
+print(json.dumps({"dtype": str(dtype), "added": added, "pred": pred}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
+def test_16bit_gemm_accumulator_matches_the_resident_memory_a_weight_gradient_adds():
+    """``g.t() @ x`` in bf16 and fp16 (a fresh process each): torch's own GEMM (where oneDNN does not take the dtype
+    on this CPU) holds an fp32 copy of the whole 1024 x 512 output (2 MiB); oneDNN's path holds none. Predicted
+    from torch's own check, so it holds on every CPU kind: 0 where oneDNN runs the product, the copy where not."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for dtype in ("bfloat16", "float16"):
+        r = subprocess.run([sys.executable, "-c", _GEMM_CHILD, dtype], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        assert row["pred"] in (0, 4 * 1024 * 512), row
+        assert abs(row["pred"] - row["added"]) <= max(0.15 * row["pred"], 256 * 1024), row
+
+
+def test_16bit_gemm_accumulator_law(monkeypatch):
+    """Only a transposed-first 16-bit product (a weight gradient) on torch's own GEMM holds the fp32 output copy;
+    the forward (``x @ w.t()``), the input gradient (``g @ w``), fp32, and oneDNN's path hold none."""
+    from ampkit.memory import workspace
+
+    mm, cpu = torch.ops.aten.mm.default, torch.device("cpu")
+    with fake_mode():
+        g, x, w = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(64, 16, dtype=torch.bfloat16), \
+            torch.empty(32, 16, dtype=torch.bfloat16)
+        bias = torch.empty(32, dtype=torch.bfloat16)
+        g32, x32 = g.float(), x.float()
+    monkeypatch.setattr(workspace, "_onednn_takes", lambda dtype: False)
+    assert workspace_bytes(mm, (g.t(), x), cpu) == 4 * 32 * 16
+    assert workspace_bytes(torch.ops.aten.addmm.default, (bias, x.t().t(), w.t()), cpu) == 0  # the forward
+    assert workspace_bytes(mm, (g, w), cpu) == 0
+    assert workspace_bytes(mm, (g32.t(), x32), cpu) == 0
+    assert workspace_bytes(mm, (g.t(), x), torch.device("cuda")) == 0
+    monkeypatch.setattr(workspace, "_onednn_takes", lambda dtype: True)
+    assert workspace_bytes(mm, (g.t(), x), cpu) == 0
+
+
+def test_gloo_copies_in_reduce_scatter_and_all_gather_on_cpu_only():
+    """gloo clones a reduce-scatter's whole input (then all-reduces the clone) and gathers an all-gather into a
+    flat tensor of the output's size; NCCL does both in place."""
+    with fake_mode():
+        out, inp = torch.empty(1000), torch.empty(4000)
+    rs, ag = torch.ops.c10d._reduce_scatter_base_.default, torch.ops.c10d._allgather_base_.default
+    assert workspace_bytes(rs, (out, inp, None, None, False, -1), torch.device("cpu")) == 4000 * 4
+    assert workspace_bytes(ag, (inp, out, None, False, -1), torch.device("cpu")) == 4000 * 4
+    assert workspace_bytes(rs, (out, inp, None, None, False, -1), torch.device("cuda")) == 0

@@ -57,8 +57,9 @@ def _worker(rank, tmp):
 
     out = {"full": _quiet(FSDP + ["--max-steps", "6", "--out", f"{tmp}/full"]),
            "part": _quiet(FSDP + ["--max-steps", "3", "--out", f"{tmp}/part"])}
-    if rank == 0:  # the 3-step run as it stands, for a resume in one plain process
+    if rank == 0:  # the 3-step run as it stands, for a resume in one plain process and one on 4 ranks
         shutil.copytree(f"{tmp}/part", f"{tmp}/part-for-one")
+        shutil.copytree(f"{tmp}/part", f"{tmp}/part-for-four")
     dist.barrier()
     read, real = [], FileSystemReader.read_data
 
@@ -671,3 +672,49 @@ def test_a_four_rank_run_continues_on_two_ranks(runs, four_more):
     assert got["progress"]["global_step"] == 6
     for k, v in ref["model"].items():
         torch.testing.assert_close(got["model"][k], v, rtol=1e-4, atol=1e-5)
+
+
+def _four_from_two(rank, tmp):
+    init_rank(rank, f"{tmp}/four-from-two", world=4)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    read, real = [], FileSystemReader.read_data
+
+    def counting(self, plan, planner):  # tensor elements this rank reads from the shards
+        read.append(sum(math.prod(r.lengths) for r in plan.items if r.type == LoadItemType.TENSOR))
+        return real(self, plan, planner)
+
+    FileSystemReader.read_data = counting
+    out = _quiet(["train", "--out", f"{tmp}/part-for-four", "--resume", "auto", "--max-steps", "6"])
+    FileSystemReader.read_data = real
+    torch.save({"result": out, "read": sum(read)}, os.path.join(tmp, f"four-from-two{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_continues_on_four_ranks_by_resume_auto_alone(runs):
+    """2 ranks x 32 for 3 steps, then ``--resume auto`` on 4 ranks with no other flag (the counterpart of the 4 -> 2
+    resume above): the batch per rank follows (16: the global batch of 64 kept, said on stderr), each rank
+    reads about a quarter of the 2 shards, the checkpoint it writes has 4, and the run ends where the
+    uninterrupted 2-rank run ends (the gradients of the same samples summed in another order)."""
+    tmp = runs["tmp"]
+    os.makedirs(f"{tmp}/four-from-two")
+    run_ranks(_four_from_two, tmp, timeout=300.0, nprocs=4)
+    ranks = [torch.load(os.path.join(tmp, f"four-from-two{r}.pt")) for r in range(4)]
+    assert all(r["result"][0] == 0 for r in ranks), ranks[0]["result"][1]
+    err = ranks[0]["result"][1]
+    assert "--batch-size 32 -> 16 per process" in err and "step-00000003" in err, err
+    ck = _ck(tmp, "part-for-four", 6)
+    assert json.load(open(os.path.join(ck, "manifest.json")))["world_size"] == 4
+    assert sorted(f for f in os.listdir(ck) if f.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    ref = sharded.consolidate(_ck(tmp, "full", 6))
+    total = sum(t.numel() for t in ref["model"].values()) + sum(
+        t.numel() for s in ref["optimizer"]["state"].values() for t in s.values() if isinstance(t, torch.Tensor))
+    reads = [r["read"] for r in ranks]
+    assert sum(reads) >= total and max(reads) < 0.4 * total, (reads, total)  # each rank about a quarter
+    got = sharded.consolidate(ck)
+    assert got["config"]["batch_size"] == 16 and got["progress"]["world_size"] == 4
+    _continued_like_the_full_run(tmp, got)
