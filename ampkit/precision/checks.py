@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..utils.warn import user_stacklevel
 from .capability import FAST, SLOW, DeviceInfo, capability
 from .modes import Mode
 
@@ -46,7 +47,7 @@ def check_hardware(mode: Mode, device: torch.device, info: DeviceInfo) -> None:
     warnings.warn(
         f"precision={mode.name!r} on {where}: {name} matmuls/convs run {ratio:.2f}x fp32's speed on this machine "
         f"({info.speed_source}), so this mode is likely slower than fp32; faster here: {faster}.",
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -79,7 +80,7 @@ def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:
         f"precision={name!r} keeps the optimizer state in fp16, where eps={small:g} turns a gradient "
         f"whose square underflows into a huge step (inf weights): eps raised to {low:g}. Build the optimizer "
         f"with eps={low:g} to silence this, or use 'fp16-master' (fp32 master weights and state).",
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 
