@@ -127,3 +127,29 @@ def fused_sgd_on_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+
+
+#: kinds whose setup changes the model itself (16-bit params, compute copies, input casts, fp8 layers)
+_CHANGES_MODEL = ("pure", "master", "fp8")
+
+
+def check_set_up_before(model: nn.Module, name: str) -> None:
+    """Refuse, in one line naming the fix, a model that an earlier ``setup`` changed in another mode
+    (bf16-pure's bf16 params, a master mode's compute copies, fp8 layers): set up again, it would train what
+    the earlier mode left (bf16 weights in fp32 or bf16-mixed, ignoring the Kahan buffers)."""
+    earlier = getattr(model, "_ampkit_set_up_in", None)
+    if earlier is None or earlier == name:
+        return
+    fix = ("load earlier.fp32_state_dict(model) into the model built afresh in fp32" if earlier.startswith(("fp8", "mx"))
+           else "model = earlier.export(model) (an fp32 copy: weights in fp32, Kahan compensation folded in, no "
+                "ampkit hooks)")
+    raise ValueError(f"precision={name!r}: this model was set up in {earlier!r}, which changed it; to continue in "
+                     f"{name!r}, {fix} with earlier the {earlier!r} Precision, then build the optimizer over it and "
+                     "set that up.")
+
+
+def mark_set_up(model: nn.Module, name: str, kind: str) -> None:
+    """Remember on the model the mode whose setup changed it (a string: ``torch.save(model)`` keeps working;
+    ``export`` drops it)."""
+    if kind in _CHANGES_MODEL:
+        model._ampkit_set_up_in = name
