@@ -175,7 +175,9 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
     lines = ["# ampkit bench", "", f"- device: {_device_line(device)}",
              f"- {settings.get('steps')} timed steps after {settings.get('warmup')} warm-up, "
              f"{settings.get('repeats')} interleaved repeats, each in its own process; medians of all timed steps",
-             f"- command: `{settings.get('command', '')}`", "",
+             f"- command: `{settings.get('command', '')}`",
+             *([f"- left out: {', '.join(settings['left_out'])} (the notes say why)"] if settings.get("left_out") else []),
+             "",
              "| model | precision | runner | ms/step | IQR | speedup vs fp32 | vs torch-loop | samples/s | peak MB "
              "| planned MB | state B/param | final loss | loss Δ vs fp32 | TFLOP/s | util |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
