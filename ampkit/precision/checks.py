@@ -140,7 +140,8 @@ def check_set_up_before(model: nn.Module, name: str) -> None:
     earlier = getattr(model, "_ampkit_set_up_in", None)
     if earlier is None or earlier == name:
         return
-    fix = ("load earlier.fp32_state_dict(model) into the model built afresh in fp32" if earlier.startswith(("fp8", "mx"))
+    fp8 = earlier.startswith(("fp8", "mx"))
+    fix = ("load earlier.fp32_state_dict(model) into the model built afresh in fp32" if fp8
            else "model = earlier.export(model) (an fp32 copy: weights in fp32, Kahan compensation folded in, no "
                 "ampkit hooks)")
     raise ValueError(f"precision={name!r}: this model was set up in {earlier!r}, which changed it; to continue in "

@@ -94,7 +94,7 @@ def test_every_mode_traces_once_per_layout_not_four_times_per_mode(capsys, monke
     for name in counts:
         real = getattr(trace.StepTracer, f"_{name}")
         monkeypatch.setattr(trace.StepTracer, f"_{name}",
-                            lambda self, size, _real=real, _n=name: counts[_n].append((self, size)) or _real(self, size))
+                            lambda self, size, _r=real, _n=name: counts[_n].append((self, size)) or _r(self, size))
     rc = main(["plan", "--model", "mlp", "--precision", "all", "--memory", "16GB", "--json"])
     out = json.loads(capsys.readouterr().out)
     from ampkit.precision import MODES
