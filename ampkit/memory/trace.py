@@ -11,7 +11,6 @@ creates its state in the first, so the second is the steady state every later st
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -23,6 +22,7 @@ from ..optim.master import MasterWeightOptimizer
 from ..precision import Precision
 from ..precision.convert import ComputeCopies
 from ..utils.batch import batch_size_of, batch_target, call_model
+from ..utils.copying import copy_model
 from ..utils.tree import iter_tensors, map_tensors
 from .ranks import check_strategy, ddp_bucket_bytes, fake_group, fsdp_storage_counted, shard_fake
 from .tracker import LiveBytes, fake_mode
@@ -83,7 +83,7 @@ def fake_model(model: nn.Module, mode, device: torch.device) -> nn.Module:
             continue
         fake = _fake_like(mode, t, device)
         memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    return copy.deepcopy(model, memo)
+    return copy_model(model, memo)
 
 
 def fake_batch(batch: Any, mode, device: torch.device, size: Optional[int] = None) -> Any:
