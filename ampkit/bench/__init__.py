@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from .._optional import MissingDependency
+from ..precision.modes import resolve
 from .configs import DEFAULTS, QUICK, RUNNERS, Settings, plan
 
 __all__ = ["Settings", "DEFAULTS", "QUICK", "RUNNERS", "plan", "run_bench", "device_section", "check_out_dir"]
@@ -87,7 +88,7 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
         notes = list(notes) + ["interrupted (Ctrl-C): only the runs done before it are in these results."]
         results = attach_paired(e.partial)
         finalize(results, device)
-        e.paths = _write(out, device, results, settings, notes, log)
+        e.paths = _write(out, device, results, settings, notes, log, configs)
         raise
     if measure_peak:  # again at the end: the better of the two, in case other jobs slowed the first
         from ..precision.device import resolve_device
@@ -99,17 +100,21 @@ def run_bench(settings: Settings, out: str, log: Optional[Callable[[str], None]]
         device["peak_flops"] = {k: max(start[k], end[k]) for k in start}
     results = attach_paired(results)
     finalize(results, device)
-    paths = _write(out, device, results, settings, notes, log)
+    paths = _write(out, device, results, settings, notes, log, configs)
     return {"device": device, "results": results, "notes": notes, "paths": paths}
 
 
 def _write(out: str, device: Dict, results: List[Dict], settings: Settings, notes: List[str],
-           log: Optional[Callable[[str], None]]) -> List[str]:
-    """bench.json, bench.md and (with matplotlib) bench.png into ``out``; their paths."""
+           log: Optional[Callable[[str], None]], configs: List[Dict]) -> List[str]:
+    """bench.json, bench.md and (with matplotlib) bench.png into ``out``; their paths. The command recorded lists
+    the precisions that ran (``configs``); those asked for and left out (``--quick`` on a CPU with emulated bf16)
+    are named beside it, the notes saying why."""
     from .report import write_json, write_markdown, write_png
 
     sdict = settings.as_dict()
-    sdict["command"] = settings_command(settings)
+    ran = {c["precision"] for c in configs}
+    sdict["left_out"] = [p for p in (settings.precisions or []) if resolve(p) not in ran]
+    sdict["command"] = settings_command(settings, ran)
     os.makedirs(out, exist_ok=True)  # only now: a bench stopped before its first result leaves no directory
     paths = [write_json(os.path.join(out, "bench.json"), device, results, sdict, notes),
              write_markdown(os.path.join(out, "bench.md"), device, results, sdict, notes)]
@@ -121,11 +126,12 @@ def _write(out: str, device: Dict, results: List[Dict], settings: Settings, note
     return paths
 
 
-def settings_command(s: Settings) -> str:
-    """The `ampkit bench` command line that reproduces these settings exactly."""
+def settings_command(s: Settings, ran: Optional[Set[str]] = None) -> str:
+    """The `ampkit bench` command line that reproduces these settings exactly; given the canonical names of the
+    precisions that ran (``ran``), it lists only those."""
     parts = ["ampkit bench", "--models", ",".join(s.models)]
     if s.precisions is not None:
-        parts += ["--precisions", ",".join(s.precisions)]
+        parts += ["--precisions", ",".join(p for p in s.precisions if ran is None or resolve(p) in ran)]
     parts += ["--runners", ",".join(s.runners), "--steps", str(s.steps), "--warmup", str(s.warmup),
               "--repeats", str(s.repeats), "--device", s.device]
     if s.quick:

@@ -171,11 +171,18 @@ def _device_line(device: Dict) -> str:
             f"{device.get('threads')} threads, torch {device.get('torch')}; measured peak GEMM TFLOP/s: {peaks}")
 
 
+def _head(device: Dict, settings: Dict) -> List[str]:
+    """bench.md's first lines: the device, the timing, the command that ran and what it left out."""
+    left = settings.get("left_out")
+    return ["# ampkit bench", "", f"- device: {_device_line(device)}",
+            f"- {settings.get('steps')} timed steps after {settings.get('warmup')} warm-up, "
+            f"{settings.get('repeats')} interleaved repeats, each in its own process; medians of all timed steps",
+            f"- command: `{settings.get('command', '')}`",
+            *([f"- left out: {', '.join(left)} (the notes say why)"] if left else []), ""]
+
+
 def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]) -> str:
-    lines = ["# ampkit bench", "", f"- device: {_device_line(device)}",
-             f"- {settings.get('steps')} timed steps after {settings.get('warmup')} warm-up, "
-             f"{settings.get('repeats')} interleaved repeats, each in its own process; medians of all timed steps",
-             f"- command: `{settings.get('command', '')}`", "",
+    lines = [*_head(device, settings),
              "| model | precision | runner | ms/step | IQR | speedup vs fp32 | vs torch-loop | samples/s | peak MB "
              "| planned MB | state B/param | final loss | loss Δ vs fp32 | TFLOP/s | util |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

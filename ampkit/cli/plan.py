@@ -162,6 +162,7 @@ def _plan_modes(args, modes, model, batch, budget, device, remote, strategy):
     from ..precision import Precision
 
     rows, failed = [], {}
+    shared: dict = {}  # modes whose set-up step has the same layout share their traces (ampkit.plan's shared)
     t0 = time.perf_counter()
     for i, mode in enumerate(modes):
         if len(modes) > 1 and _show_progress():  # a plan of every mode traces each several times
@@ -172,7 +173,7 @@ def _plan_modes(args, modes, model, batch, budget, device, remote, strategy):
                 prec = (Precision(mode, "cpu" if remote else device, optimizer_state=args.optimizer_state)
                         if args.optimizer_state else mode)
                 p = plan(model, batch, precision=prec, optimizer=args.optimizer, device=device,
-                         batch_size=args.batch_size, world_size=args.world_size, strategy=strategy)
+                         batch_size=args.batch_size, world_size=args.world_size, strategy=strategy, shared=shared)
                 choice = p.max_batch_size(budget, margin=args.margin, cap=args.max_batch)
         except (ValueError, RuntimeError, TypeError, ImportError) as e:  # a mode this device or install cannot run
             failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__

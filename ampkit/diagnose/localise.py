@@ -22,7 +22,6 @@ Trainer use::
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -30,6 +29,7 @@ from torch import nn
 
 from ..precision import MODES, Precision
 from ..precision.auto import canonical
+from ..utils.copying import copy_model
 from .hooks import FP16_MAX, HookSet, display_name, iter_tensors, state_snapshot, tensor_range
 from .runner import to_device
 
@@ -62,7 +62,7 @@ def _resolve_precision(precision, model: nn.Module, loss_scale: Optional[float])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             prec = Precision(name, device, channels_last=False, op_policy=False)
-        model, _ = prec.setup(copy.deepcopy(model), None)
+        model, _ = prec.setup(copy_model(model), None)
         return model, prec.autocast, scale, name
     if mode.autocast_dtype is None:
         return model, contextlib.nullcontext, scale, name

@@ -20,6 +20,7 @@ from torch import nn
 from ..precision import MODES, Precision
 from .hooks import iter_tensors, rng_devices
 from ..utils.batch import call_model, output_logits, own_loss
+from ..utils.copying import copy_model
 from ..utils.loss import default_loss
 from ..utils.tree import to_device
 
@@ -95,7 +96,7 @@ def prepare(model: nn.Module, name: str, device: torch.device, fp32_modules: Seq
     """A deep copy of ``model`` set up for precision ``name`` (train mode, dropout off); ``options``: more
     ``Precision`` keywords."""
     try:
-        clone = copy.deepcopy(model)
+        clone = copy_model(model)
     except Exception as e:  # a model holding un-copyable state (open files, locks, ...)
         raise ValueError(f"check needs to deep-copy the model to compare precisions, which failed "
                          f"({type(e).__name__}: {e}); make the model copyable with copy.deepcopy.") from e

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..utils.batch import batch_size_of
 from .ranks import check_strategy
-from .trace import trace_step
+from .trace import StepTracer
 
 __all__ = ["MemoryPlan", "BatchChoice", "plan", "auto_batch_size", "ORDER"]
 
@@ -186,7 +186,7 @@ def _gib(n: float) -> str:
 def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precision: Any = "auto",
          optimizer: Union[str, Callable] = "adamw", loss_fn: Optional[Callable] = None,
          device: Any = None, batch_size: Optional[int] = None, world_size: int = 1,
-         strategy: Optional[str] = None) -> MemoryPlan:
+         strategy: Optional[str] = None, shared: Optional[dict] = None) -> MemoryPlan:
     """Plan the memory of one training step of ``model`` on ``batch`` without running it.
 
     Args:
@@ -207,6 +207,11 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
         world_size, strategy: plan one rank of ``world_size`` under ``fsdp`` (FSDP2: ``fully_shard`` per
             block and the root, traced under a fake process group) or ``ddp`` (the default when
             ``world_size > 1``); the batch is then per rank. A 7-8B model over 64 ranks plans here.
+        shared: a dict kept across the plans of several modes of the same model and batch (``ampkit plan
+            --precision all``): modes whose set-up step has the same layout (shapes, element sizes, module and
+            optimizer classes: ``trace.layout_of``) and the same first trace share their traces at other
+            batch sizes (``max_batch_size`` traces once for them all). ``shared["tracers"]`` lists the
+            tracers made; each one's ``traced`` counts the traces it ran.
 
     Returns a :class:`MemoryPlan`.
     """
@@ -222,14 +227,23 @@ def plan(model: Union[nn.Module, Callable[[], nn.Module]], batch: Any, *, precis
                          "or a dict of tensors.")
 
     strategy = check_strategy(world_size, strategy)
-
-    def retrace(size: Optional[int] = None) -> Dict[str, Any]:
-        return trace_step(model, batch, precision=precision, optimizer=optimizer, loss_fn=loss_fn,
-                          device=device, batch_size=size, world_size=world_size, strategy=strategy)
-
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-    return MemoryPlan.from_trace(retrace(batch_size), retrace)
+    tracer = StepTracer(model, batch, precision=precision, optimizer=optimizer, loss_fn=loss_fn, device=device,
+                        world_size=world_size, strategy=strategy)
+    first = tracer.at(batch_size)
+    if shared is not None:
+        shared.setdefault("tracers", []).append(tracer)
+    if shared is not None and tracer.layout is not None:
+        # the same layout and the same first trace: the same bytes at every batch size (trace.layout_of)
+        same = sorted((k, repr(v)) for k, v in first.items() if k != "mode")
+        key = (id(model), id(batch), repr(optimizer), id(loss_fn), str(device), tracer.layout, tuple(same))
+        tracer = shared.setdefault(key, tracer)
+
+    def retrace(size: Optional[int] = None) -> Dict[str, Any]:
+        return {**tracer.at(size), "mode": first["mode"]}
+
+    return MemoryPlan.from_trace(first, retrace)
 
 
 def auto_batch_size(model: nn.Module, batch: Any, *, precision: Any = "auto", optimizer: Any = "adamw",

@@ -11,7 +11,6 @@ creates its state in the first, so the second is the steady state every later st
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -23,11 +22,13 @@ from ..optim.master import MasterWeightOptimizer
 from ..precision import Precision
 from ..precision.convert import ComputeCopies
 from ..utils.batch import batch_size_of, batch_target, call_model
+from ..utils.copying import copy_model
 from ..utils.tree import iter_tensors, map_tensors
 from .ranks import check_strategy, ddp_bucket_bytes, fake_group, fsdp_storage_counted, shard_fake
 from .tracker import LiveBytes, fake_mode
 
-__all__ = ["trace_step", "run_steps", "split_batch", "make_precision", "build_optimizer"]
+__all__ = ["trace_step", "StepTracer", "layout_of", "run_steps", "start_steps", "one_step", "split_batch",
+           "make_precision", "build_optimizer"]
 
 STEPS = 2
 
@@ -82,7 +83,7 @@ def fake_model(model: nn.Module, mode, device: torch.device) -> nn.Module:
             continue
         fake = _fake_like(mode, t, device)
         memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    return copy.deepcopy(model, memo)
+    return copy_model(model, memo)
 
 
 def fake_batch(batch: Any, mode, device: torch.device, size: Optional[int] = None) -> Any:
@@ -106,53 +107,149 @@ def trace_step(model: nn.Module, batch: Any, *, precision: Union[str, Precision]
     """Trace ``STEPS`` training steps on fake tensors; returns the peak, its breakdown and more.
 
     With ``strategy`` (``ddp`` | ``fsdp``) the step is one rank's of ``world_size`` (``ranks.py``);
-    ``batch_size`` is then the batch per rank."""
-    strategy = check_strategy(world_size, strategy)
-    target = torch.device(device) if device is not None else None
-    remote = target is not None and target.type == "cuda" and not torch.cuda.is_available()
-    if remote:  # a CUDA target planned from a machine without one
-        prec = remote_cuda_precision(precision, strategy)
-    else:
-        prec = make_precision(precision, device, strategy)
-    dev = prec.device
-    mode = fake_mode()
-    live = LiveBytes(torch.device("cuda", target.index or 0) if remote else dev)  # CUDA's 512-byte blocks
-    fmodel = fake_model(model, mode, dev)
-    fbatch = fake_batch(batch, mode, dev, batch_size)
-    extra: Dict[str, int] = {}
-    if strategy == "fsdp":
-        prec.fsdp_policy()  # the kind refuses what FSDP cannot shard (built with strategy="fsdp": contiguous)
-        with fake_group(world_size) as group:
-            from torch.distributed.device_mesh import DeviceMesh
+    ``batch_size`` is then the batch per rank. A :class:`StepTracer` keeps the set-up step for more
+    batch sizes (what ``ampkit.plan`` does); this traces once, from the start."""
+    return StepTracer(model, batch, precision=precision, optimizer=optimizer, loss_fn=loss_fn, device=device,
+                      world_size=world_size, strategy=strategy).at(batch_size)
 
-            # a name of its own: DTensor caches its plans per mesh, and an unnamed mesh of the same ranks
-            # would equal the run's own (a cached plan would then name the fake group, gone by then)
-            mesh = DeviceMesh.from_group(group, dev.type, mesh_dim_names=("ampkit_plan",))
-            with mode:  # set up and sharded before the count: the rank's step, not the model's loading
-                fmodel = shard_fake(prec.setup(fmodel, None)[0], prec, mesh)
-            with mode, live, fsdp_storage_counted(live):
+
+class StepTracer:
+    """One mode's training step traced on fake tensors, kept for more batch sizes.
+
+    The first :meth:`at` traces from the start: the model copied with fake parameters, the optimizer built,
+    ``Precision.setup``, ``STEPS`` steps. The second step is the steady state (the optimizer's state exists,
+    every later step repeats it), so :meth:`at` another batch size runs one more step on the same set-up
+    model and optimizer, counted from the bytes live between steps (the setup's own peak, its batch
+    resized, is kept when it is the higher): the same peak, breakdown and bytes at rest as a trace from the
+    start, for a step's cost instead of setup and two steps. Under FSDP (a fake process group per trace)
+    every batch size traces from the start. ``traced`` counts the traces run; answers are cached per size.
+    """
+
+    def __init__(self, model: nn.Module, batch: Any, *, precision: Union[str, Precision] = "auto",
+                 optimizer: Union[str, Callable] = "adamw", loss_fn: Optional[Callable] = None,
+                 device: Any = None, world_size: int = 1, strategy: Optional[str] = None) -> None:
+        self.model, self.batch, self.precision, self.optimizer = model, batch, precision, optimizer
+        self.loss_fn, self.world_size = loss_fn or default_loss, world_size
+        self.strategy = check_strategy(world_size, strategy)
+        target = torch.device(device) if device is not None else None
+        self.remote = target is not None and target.type == "cuda" and not torch.cuda.is_available()
+        self.target = target
+        self.traced = 0
+        self.layout: Optional[tuple] = None  # what decides the bytes of the steps, once traced (see layout_of)
+        self._answers: Dict[Optional[int], Dict[str, Any]] = {}
+        self._kept: Optional[Dict[str, Any]] = None
+
+    def at(self, batch_size: Optional[int] = None) -> Dict[str, Any]:
+        """The trace at ``batch_size`` samples (None: the batch's own size), as :func:`trace_step` returns it."""
+        if batch_size not in self._answers:
+            again = self._kept is not None and self.strategy != "fsdp"
+            self._answers[batch_size] = self._again(batch_size) if again else self._first(batch_size)
+            self.traced += 1
+        return self._answers[batch_size]
+
+    def _precision(self) -> Precision:
+        if self.remote:  # a CUDA target planned from a machine without one
+            return remote_cuda_precision(self.precision, self.strategy)
+        return make_precision(self.precision, self.target, self.strategy)
+
+    def _first(self, batch_size: Optional[int]) -> Dict[str, Any]:
+        prec = self._precision()
+        dev = prec.device
+        mode = fake_mode()
+        live = LiveBytes(torch.device("cuda", self.target.index or 0) if self.remote else dev)  # CUDA's blocks
+        fmodel = fake_model(self.model, mode, dev)
+        fbatch = fake_batch(self.batch, mode, dev, batch_size)
+        extra: Dict[str, int] = {}
+        if self.strategy == "fsdp":
+            at_rest = _trace_fsdp(fmodel, fbatch, prec, self, live, mode)
+        else:
+            with mode, live:
                 live.track_all(fmodel.parameters(), "weights")
                 live.track_all(fmodel.buffers(), "weights")
                 live.track_all(iter_tensors(fbatch), "inputs")
-                run_steps(fmodel, fbatch, prec, optimizer, loss_fn, live, sharded=True)
+                inputs, targets = split_batch(fbatch)
+                stepped, opt, runner = start_steps(fmodel, prec, self.optimizer, live)
+                setup = {"peak": live.peak, "phase": live.peak_phase, "breakdown": live.breakdown(),
+                         "inputs": _nbytes(live, fbatch)}
+                for _ in range(STEPS):
+                    one_step(stepped, runner, opt, inputs, targets, prec, self.loss_fn, live)
                 at_rest = live.current
-    else:
+            if self.strategy == "ddp":  # held from the wrap on: on top of every moment of the step
+                extra["ddp_buckets"] = ddp_bucket_bytes(stepped, live.device)
+            self._kept = {"mode": mode, "live": live, "model": stepped, "opt": opt, "runner": runner,
+                          "prec": prec, "extra": extra, "setup": setup}
+            self.layout = layout_of(stepped, opt, prec)
+        return self._answer(live.peak, live.peak_phase, live.breakdown(), at_rest, extra, prec, live.device,
+                            batch_size)
+
+    def _again(self, batch_size: Optional[int]) -> Dict[str, Any]:
+        k = self._kept
+        mode, live, prec, setup = k["mode"], k["live"], k["prec"], k["setup"]
+        fbatch = fake_batch(self.batch, mode, prec.device, batch_size)
         with mode, live:
+            live.track_all(iter_tensors(fbatch), "inputs")
+            live.restart_peak("forward")  # the bytes live between steps, this batch's inputs among them
+            inputs, targets = split_batch(fbatch)
+            one_step(k["model"], k["runner"], k["opt"], inputs, targets, prec, self.loss_fn, live)
+            at_rest = live.current
+        peak, phase, breakdown = live.peak, live.peak_phase, live.breakdown()
+        grown = _nbytes(live, fbatch) - setup["inputs"]
+        if setup["peak"] + grown >= peak:  # setup's own peak (with this batch's inputs) stays the higher
+            peak, phase = setup["peak"] + grown, setup["phase"]
+            breakdown = {**setup["breakdown"], "inputs": setup["breakdown"].get("inputs", 0) + grown}
+        return self._answer(peak, phase, breakdown, at_rest, k["extra"], prec, live.device, batch_size)
+
+    def _answer(self, peak, phase, breakdown, at_rest, extra, prec, device, batch_size) -> Dict[str, Any]:
+        breakdown = {**breakdown, **extra}
+        n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+        return {"peak_bytes": int(peak) + sum(extra.values()), "peak_phase": phase,
+                "breakdown": breakdown, "at_rest_bytes": int(at_rest) + sum(extra.values()),
+                "num_params": int(n_params), "mode": prec.name, "device": str(device),
+                "batch_size": batch_size if batch_size is not None else batch_size_of(self.batch),
+                "world_size": self.world_size, "strategy": self.strategy,
+                "unseen": REMOTE_CUDA_UNSEEN if self.remote else None}
+
+
+def _trace_fsdp(fmodel, fbatch, prec: Precision, tracer: StepTracer, live: LiveBytes, mode) -> int:
+    """The FSDP rank's steps under a fake process group; the bytes at rest after them."""
+    prec.fsdp_policy()  # the kind refuses what FSDP cannot shard (built with strategy="fsdp": contiguous)
+    with fake_group(tracer.world_size) as group:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        # a name of its own: DTensor caches its plans per mesh, and an unnamed mesh of the same ranks
+        # would equal the run's own (a cached plan would then name the fake group, gone by then)
+        mesh = DeviceMesh.from_group(group, prec.device.type, mesh_dim_names=("ampkit_plan",))
+        with mode:  # set up and sharded before the count: the rank's step, not the model's loading
+            fmodel = shard_fake(prec.setup(fmodel, None)[0], prec, mesh)
+        with mode, live, fsdp_storage_counted(live):
             live.track_all(fmodel.parameters(), "weights")
             live.track_all(fmodel.buffers(), "weights")
             live.track_all(iter_tensors(fbatch), "inputs")
-            stepped, _ = run_steps(fmodel, fbatch, prec, optimizer, loss_fn, live)
-            at_rest = live.current
-        if strategy == "ddp":  # held from the wrap on: on top of every moment of the step
-            extra["ddp_buckets"] = ddp_bucket_bytes(stepped, live.device)
-    breakdown = live.breakdown()
-    breakdown.update(extra)
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return {"peak_bytes": int(live.peak) + sum(extra.values()), "peak_phase": live.peak_phase,
-            "breakdown": breakdown, "at_rest_bytes": int(at_rest) + sum(extra.values()),
-            "num_params": int(n_params), "mode": prec.name, "device": str(live.device),
-            "batch_size": batch_size if batch_size is not None else batch_size_of(batch),
-            "world_size": world_size, "strategy": strategy, "unseen": REMOTE_CUDA_UNSEEN if remote else None}
+            run_steps(fmodel, fbatch, prec, tracer.optimizer, tracer.loss_fn, live, sharded=True)
+            return live.current
+
+
+def _nbytes(live: LiveBytes, batch: Any) -> int:
+    """Bytes of the batch's storages, as the counter counts them (each once)."""
+    seen = {id(t.untyped_storage()): live._bytes(t.untyped_storage()) for t in iter_tensors(batch)}
+    return sum(seen.values())
+
+
+def layout_of(model: nn.Module, opt, prec: Precision) -> tuple:
+    """What decides the bytes of a set-up step besides the model's code and the batch: each parameter's and
+    buffer's shape, element size and gradient flag, the modules' and hooks' classes (fp8 swaps, compute
+    copies), the optimizer's class and settings, autocast's element size and the loss scaler. Two modes
+    with the same layout and the same first trace trace the same at every batch size (``ampkit.plan``'s
+    ``shared``)."""
+    def tensors(named):
+        return tuple((n, tuple(t.shape), t.element_size(), t.requires_grad) for n, t in named)
+
+    modules = tuple((n, type(m).__name__, tuple(type(h).__name__ for h in m._forward_pre_hooks.values()),
+                     tuple(type(h).__name__ for h in m._forward_hooks.values())) for n, m in model.named_modules())
+    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")) for g in opt.param_groups)
+    fast = prec.mode.autocast_dtype
+    return (tensors(model.named_parameters()), tensors(model.named_buffers()), modules, type(opt).__name__, groups,
+            None if fast is None else torch.empty((), dtype=fast).element_size(), bool(prec.scales_loss))
 
 
 REMOTE_CUDA_UNSEEN = ("planned without a GPU (CPU fake tensors, CUDA's 512-byte blocks, CPU autocast's op lists): "
@@ -188,8 +285,18 @@ def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[st
     set up (DDP, as ``ampkit train`` wraps it), for the measured calibration on real process groups.
     The same code runs on fake tensors (traced) and on real ones (``benchmarks/plan_calibration.py``)."""
     live = live if live is not None else _NoTracker()
-    loss_fn = loss_fn or default_loss
     inputs, targets = split_batch(batch)
+    model, opt, runner = start_steps(model, prec, optimizer, live, sharded, wrap)
+    for _ in range(steps):
+        one_step(model, runner, opt, inputs, targets, prec, loss_fn or default_loss, live)
+    return model, opt
+
+
+def start_steps(model: nn.Module, prec: Precision, optimizer: Union[str, Callable] = "adamw", live=None,
+                sharded: bool = False, wrap: Optional[Callable[[nn.Module], nn.Module]] = None):
+    """The optimizer built and the model and optimizer set up (``run_steps``' start): ``(model, opt, runner)``,
+    ``runner`` the model as the steps call it (wrapped by ``wrap``)."""
+    live = live if live is not None else _NoTracker()
     opt = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], prec.device, sharded)
     if sharded:  # as the Trainer under --strategy fsdp: the kind's optimizer over the shards
         opt = prec.wrap_optimizer(opt)
@@ -199,22 +306,25 @@ def run_steps(model: nn.Module, batch: Any, prec: Precision, optimizer: Union[st
     model.train()
     _tag_state(live, model, opt)
     _tag_compute_copies(live, model)
-    runner = wrap(model) if wrap is not None else model
-    for _ in range(steps):
-        live.phase = "forward"
-        with prec.autocast():
-            out = call_model(runner, inputs)
-            loss = loss_fn(out, targets)
-        del out
-        live.phase = "backward"
-        prec.backward(loss)
-        del loss
-        live.track_all((p.grad for p in model.parameters() if p.grad is not None), "grads")
-        live.phase = "step"
-        prec.step(opt)
-        _tag_state(live, model, opt)
-        opt.zero_grad(set_to_none=True)
-    return model, opt
+    return model, opt, (wrap(model) if wrap is not None else model)
+
+
+def one_step(model: nn.Module, runner: nn.Module, opt, inputs: Any, targets: Any, prec: Precision,
+             loss_fn: Callable, live) -> None:
+    """One training step: forward under autocast, loss, backward, step, ``zero_grad(set_to_none=True)``."""
+    live.phase = "forward"
+    with prec.autocast():
+        out = call_model(runner, inputs)
+        loss = loss_fn(out, targets)
+    del out
+    live.phase = "backward"
+    prec.backward(loss)
+    del loss
+    live.track_all((p.grad for p in model.parameters() if p.grad is not None), "grads")
+    live.phase = "step"
+    prec.step(opt)
+    _tag_state(live, model, opt)
+    opt.zero_grad(set_to_none=True)
 
 
 class _TagCopies:

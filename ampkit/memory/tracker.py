@@ -135,6 +135,11 @@ class LiveBytes(TorchDispatchMode):
         if rec is not None and category is not None and rec.category is None:
             rec.category = category
 
+    def restart_peak(self, phase: str) -> None:
+        """Count the peak again from the bytes live now (a kept step run at another batch size)."""
+        self.peak, self.peak_phase, self._raised = self.current, phase, False
+        self.at_peak = [(r, r.nbytes) for r in self.live.values()]
+
     def _snapshot_if_raised(self) -> None:
         if self._raised:  # one copy per op that raised the peak, not per storage
             self.at_peak = [(r, r.nbytes) for r in self.live.values()]

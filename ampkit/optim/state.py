@@ -18,10 +18,12 @@ the optimizer the mode's update runs (torch's over fp32 params, the inner one ov
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
 
+from ..utils.quiet import quiet_import
 from .base import CompensatedOptimizer
 from .convert import _CONVERSIONS, _UNSET, compensated_from
 
@@ -66,11 +68,9 @@ def _lowbit(optimizer: torch.optim.Optimizer, bf16_stochastic_round: bool) -> to
     if name is None:
         raise TypeError(f"optimizer_state='8bit' is torchao's AdamW8bit/Adam8bit: build torch.optim.AdamW or Adam "
                         f"(got {type(optimizer).__name__}), or use optimizer_state='bf16'.")
-    try:
-        import torchao.optim as lowbit
-    except ImportError:
-        raise ImportError("optimizer_state='8bit' needs torchao's low-bit optimizers, which are not installed: "
-                          "pip install torchao (in ampkit's checkout: pip install '.[fp8]'), or use optimizer_state='bf16'.") from None
+    lowbit = quiet_import("torchao.optim", "optimizer_state='8bit' needs torchao's low-bit optimizers, which are not "
+                          "installed: pip install torchao (in ampkit's checkout: pip install '.[fp8]'), or use "
+                          "optimizer_state='bf16'.")
     if optimizer.state:
         raise ValueError("optimizer_state='8bit' replaces the optimizer: pass one that has not stepped yet.")
     d = optimizer.defaults
@@ -87,7 +87,21 @@ def _lowbit(optimizer: torch.optim.Optimizer, bf16_stochastic_round: bool) -> to
                                                                  "differentiable", "compensation")}, **keep})
     new = cls(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
               bf16_stochastic_round=bf16_stochastic_round)
+    _quiet_torchao()
     return new
+
+
+#: what torch says while it compiles torchao's 8-bit step (at its first calls, and again at each recompile): advice
+#: to torchao's authors about AOT autograd's cache (their ``OptimState8bit`` has no ``_stable_hash_for_caching``);
+#: nothing a user can act on, and it reads as ampkit's own warning in ``ampkit train``
+_TORCHAO_NOISE = r"\w+ does not implement _stable_hash_for_caching"
+
+
+def _quiet_torchao() -> None:
+    """Filter :data:`_TORCHAO_NOISE` out, once, where ampkit builds torchao's optimizer (a filter around each step
+    would reset every ``once`` warning of the process at every step)."""
+    if not any(f[1] is not None and f[1].pattern == _TORCHAO_NOISE for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=_TORCHAO_NOISE, category=UserWarning)
 
 
 def with_state_precision(optimizer: torch.optim.Optimizer, state: Optional[str], *,

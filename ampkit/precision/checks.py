@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..utils.warn import user_stacklevel
 from .capability import FAST, SLOW, DeviceInfo, capability
 from .modes import Mode
 
@@ -46,7 +47,7 @@ def check_hardware(mode: Mode, device: torch.device, info: DeviceInfo) -> None:
     warnings.warn(
         f"precision={mode.name!r} on {where}: {name} matmuls/convs run {ratio:.2f}x fp32's speed on this machine "
         f"({info.speed_source}), so this mode is likely slower than fp32; faster here: {faster}.",
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -79,7 +80,7 @@ def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:
         f"precision={name!r} keeps the optimizer state in fp16, where eps={small:g} turns a gradient "
         f"whose square underflows into a huge step (inf weights): eps raised to {low:g}. Build the optimizer "
         f"with eps={low:g} to silence this, or use 'fp16-master' (fp32 master weights and state).",
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -126,3 +127,30 @@ def fused_sgd_on_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+
+
+#: kinds whose setup changes the model itself (16-bit params, compute copies, input casts, fp8 layers)
+_CHANGES_MODEL = ("pure", "master", "fp8")
+
+
+def check_set_up_before(model: nn.Module, name: str) -> None:
+    """Refuse, in one line naming the fix, a model that an earlier ``setup`` changed in another mode
+    (bf16-pure's bf16 params, a master mode's compute copies, fp8 layers): set up again, it would train what
+    the earlier mode left (bf16 weights in fp32 or bf16-mixed, ignoring the Kahan buffers)."""
+    earlier = getattr(model, "_ampkit_set_up_in", None)
+    if earlier is None or earlier == name:
+        return
+    fp8 = earlier.startswith(("fp8", "mx"))
+    fix = ("load earlier.fp32_state_dict(model) into the model built afresh in fp32" if fp8
+           else "model = earlier.export(model) (an fp32 copy: weights in fp32, Kahan compensation folded in, no "
+                "ampkit hooks)")
+    raise ValueError(f"precision={name!r}: this model was set up in {earlier!r}, which changed it; to continue in "
+                     f"{name!r}, {fix} with earlier the {earlier!r} Precision, then build the optimizer over it and "
+                     "set that up.")
+
+
+def mark_set_up(model: nn.Module, name: str, kind: str) -> None:
+    """Remember on the model the mode whose setup changed it (a string: ``torch.save(model)`` keeps working;
+    ``export`` drops it)."""
+    if kind in _CHANGES_MODEL:
+        model._ampkit_set_up_in = name

@@ -21,6 +21,7 @@ from ..precision.modes import AUTO, MODES
 from ..tuning import needs_tuning, tune
 from ..utils.batch import batch_target, call_model
 from ..utils.tree import to_device
+from ..utils.warn import user_stacklevel
 from . import distributed as _dist
 from .batches import Batches
 from .config import TrainConfig
@@ -140,8 +141,8 @@ def make_precision(precision: Any, cfg: TrainConfig, world_size: int = 1) -> Pre
             channels_last=MEMORY_FORMATS[cfg.memory_format],
             **{k: getattr(cfg, k) for k in ("fp8_filter", "fp8_gpu", "fp8_tokens") if getattr(cfg, k, None) is not None},
         )
-    for w in caught:  # ... said at the line that built the Trainer (here, Trainer.__init__, its caller)
-        warnings.warn(w.message, stacklevel=3)
+    for w in caught:  # ... said at the user's line that built the Trainer (the first frame outside ampkit)
+        warnings.warn(w.message, stacklevel=user_stacklevel())
     return built
 
 

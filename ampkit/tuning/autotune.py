@@ -20,7 +20,6 @@ micro-batches (the 16-bit model grads would accumulate in bf16).
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import time
 import warnings
@@ -35,6 +34,7 @@ from ..precision import Precision
 from ..precision.auto import auto_candidates, auto_mode, pick, probe, safe_modes, why
 from ..precision.device import machine_key, resolve_device
 from ..utils.batch import call_model
+from ..utils.copying import copy_model
 from ..utils.tree import iter_tensors, to_device
 from ..utils.cache import cache_file, load_entries, store_entry
 
@@ -109,7 +109,7 @@ def _time_rounds(model, args, target, loss_fn, candidates, dev, steps, warmup, r
     runs = {}
     for label, kwargs in candidates.items():
         try:
-            clone = copy.deepcopy(model)
+            clone = copy_model(model)
         except Exception as e:  # a lock, a file handle, a non-leaf tensor attribute...
             raise CannotTime(f"the model cannot be deep-copied for timing ({type(e).__name__}: {e})") from e
         clone = clone.to(dev).train()

@@ -13,7 +13,6 @@ random numbers, and a run's random stream must not depend on whether a verdict w
 """
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from typing import Any, Dict, List, Optional
@@ -25,6 +24,7 @@ from ..precision import Precision
 from ..precision.attention import AttentionPolicy, SdpaCall, bucket, math_fits, sdpa_math, sdpa_split_backward
 from ..precision.device import machine_key
 from ..utils.batch import call_model
+from ..utils.copying import copy_model
 from ..utils.tree import to_device
 from ..utils.cache import cache_file, load_entries, store_entry
 
@@ -41,7 +41,7 @@ def attention_calls(precision: Precision, model: torch.nn.Module, inputs: Any) -
     """The attention calls of one training forward of ``model`` in ``precision`` that the policy could
     reroute (run on a deep copy; the model, its buffers and the random streams are left untouched)."""
     try:
-        clone = copy.deepcopy(model)
+        clone = copy_model(model)
     except Exception:  # a model that cannot be copied: nothing surveyed, torch's kernels stay
         return []
     dev = precision.device

@@ -110,3 +110,20 @@ def test_compile_adds_one_compiled_vs_eager_pair_per_ampkit_row():
     assert {(c["model"], c["precision"]) for c in pairs} == {(c["model"], c["precision"]) for c in ampkit_rows}
     plain, _ = plan(Settings(models=["cnn"], precisions=["fp32"], device="cpu"))
     assert not [c for c in plain if c["runner"] == "paired-compile"]
+
+
+@pytest.mark.cpu_caps("avx2")  # --quick leaves the emulated bf16 rows out
+def test_the_recorded_command_lists_what_ran_and_names_what_was_left_out(tmp_path):
+    import json
+
+    from ampkit.bench import _write
+
+    settings = dataclasses.replace(QUICK, device="cpu")
+    cfgs, notes = plan(settings)
+    _write(str(tmp_path), {"type": "cpu"}, [], settings, notes, None, cfgs)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    command = data["settings"]["command"]
+    assert "--precisions fp32 " in command and "bf16" not in command, command
+    assert data["settings"]["left_out"] == ["bf16-mixed"]
+    md = (tmp_path / "bench.md").read_text()
+    assert "- left out: bf16-mixed (the notes say why)" in md and "--quick left out bf16-mixed" in md

@@ -81,3 +81,31 @@ def test_several_modes_show_progress_and_no_training_advice(capsys, recwarn, mon
     assert "ampkit plan: tracing fp32 (1/2" in err and "ampkit plan: tracing fp16-pure (2/2" in err, err
     advice = [str(w.message) for w in recwarn if "eps" in str(w.message) or "slower" in str(w.message)]
     assert not advice and "eps" not in err and "slower" not in err, (advice, err)
+
+
+def test_every_mode_traces_once_per_layout_not_four_times_per_mode(capsys, monkeypatch):
+    """`--precision all`: each mode traced once from the start (its own column); the batch search (the line, its
+    answer, the batch 2% above) once per distinct layout, on the kept set-up step; the fp8 modes, which convert no
+    layer of this small model, share bf16-mixed's: 11 traces from the start and 3 x 7 steps, not 4 x 11 traces."""
+    pytest.importorskip("torchao")
+    from ampkit.memory import trace
+
+    counts = {"first": [], "again": []}
+    for name in counts:
+        real = getattr(trace.StepTracer, f"_{name}")
+        monkeypatch.setattr(trace.StepTracer, f"_{name}",
+                            lambda self, size, _r=real, _n=name: counts[_n].append((self, size)) or _r(self, size))
+    rc = main(["plan", "--model", "mlp", "--precision", "all", "--memory", "16GB", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    from ampkit.precision import MODES
+
+    assert rc == 0 and [m["mode"] for m in out["modes"]] == list(MODES)
+    assert [size for _, size in counts["first"]] == [32] * len(MODES)
+    searched = {}
+    for tracer, size in counts["again"]:
+        searched.setdefault(tracer.at(32)["mode"], []).append(size)
+    assert sorted(searched) == ["bf16-master", "bf16-mixed", "bf16-pure", "fp16-master", "fp16-mixed", "fp16-pure",
+                                "fp32"], searched  # 7 layouts; the fp8 modes searched with bf16-mixed's
+    assert all(len(sizes) <= 3 for sizes in searched.values()), searched
+    batch = {m["mode"]: m["max_batch_size"] for m in out["modes"]}
+    assert {batch[m] for m in ("fp8-tensorwise", "fp8-rowwise", "fp8-delayed", "mxfp8")} == {batch["bf16-mixed"]}

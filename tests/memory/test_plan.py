@@ -156,18 +156,53 @@ def test_bad_input_is_one_clear_error():
         ampkit.plan(MLP(), torch.tensor(3.0))
 
 
-def test_max_batch_size_closes_the_bracket_in_few_traces(monkeypatch):
+def test_max_batch_size_closes_the_bracket_in_few_traces():
     """A peak linear in the batch: two traces give the line, one checks its answer, one the batch 2% above it."""
-    import sys
-
-    module = sys.modules["ampkit.memory.plan"]
-    traced = []
-    real = module.trace_step
-    monkeypatch.setattr(module, "trace_step", lambda *a, **k: traced.append(k.get("batch_size")) or real(*a, **k))
+    shared = {}
     model, batch = MLP(hidden=512, depth=3), _mlp_batch(4)
-    p = ampkit.plan(model, batch, precision="fp32", device="cpu")
-    del traced[:]
+    p = ampkit.plan(model, batch, precision="fp32", device="cpu", shared=shared)
+    (tracer,) = shared["tracers"]
+    assert tracer.traced == 1
     c = p.max_batch_size(p.at_rest_bytes * 3, margin=0.1)
-    searched = list(traced)
+    searched = tracer.traced - 1
     assert p.at(c.batch_size * 103 // 100 + 1).peak_bytes > p.at_rest_bytes * 3 * 0.9  # still the largest within 2%
-    assert 0 < c.batch_size and len(searched) <= 6, searched
+    assert 0 < c.batch_size and searched <= 6, searched
+
+
+@pytest.mark.parametrize("mode,optimizer", [("fp32", "adamw"), ("bf16-mixed", "adamw"), ("bf16-master", "sgd"),
+                                            ("bf16-pure", "adamw"), ("fp16-pure", "stateless"), ("fp8", "adamw")])
+def test_a_kept_step_at_another_batch_traces_what_a_trace_from_the_start_does(mode, optimizer):
+    """StepTracer runs one more steady step on the set-up model for another batch size: the same peak, phase,
+    breakdown and bytes at rest as setup and two steps traced from the start (fp16-pure with a stateless SGD:
+    setup's own peak is the higher, its batch resized)."""
+    from ampkit.memory.trace import StepTracer, trace_step
+
+    opt = (lambda ps: torch.optim.SGD(ps, lr=0.1)) if optimizer == "stateless" else optimizer
+    if mode == "fp8":
+        pytest.importorskip("torchao")
+        mode = ampkit.Precision("fp8-tensorwise", "cpu", fp8_filter="all")  # every Linear swapped
+    model, batch = MLP(hidden=256, depth=3), _mlp_batch(4)
+    tracer = StepTracer(model, batch, precision=mode, optimizer=opt, device="cpu")
+    for size in (4, 1, 3, 40):
+        assert tracer.at(size) == trace_step(model, batch, precision=mode, optimizer=opt, device="cpu", batch_size=size)
+    assert tracer.traced == 4
+    if optimizer == "stateless" and mode == "fp16-pure":
+        assert tracer.at(1)["peak_phase"] == "setup"
+
+
+def test_modes_of_the_same_layout_share_their_traces():
+    """fp16-mixed and bf16-mixed differ by the loss scale (4 bytes): each its own; an fp8 mode that converts no
+    layer (the default filter on a small model) traces as bf16-mixed: its batch search costs no trace."""
+    pytest.importorskip("torchao")
+    shared = {}
+    model, batch = MLP(hidden=256, depth=3), _mlp_batch(4)
+    plans = {m: ampkit.plan(model, batch, precision=m, device="cpu", shared=shared)
+             for m in ("bf16-mixed", "fp16-mixed", "fp8-tensorwise", "fp8-rowwise")}
+    budget = plans["bf16-mixed"].at_rest_bytes * 3
+    choices = {m: p.max_batch_size(budget) for m, p in plans.items()}
+    traced = {t.at(None)["mode"]: t.traced for t in shared["tracers"]}
+    assert traced["fp8-tensorwise"] == traced["fp8-rowwise"] == 1  # their own first trace, nothing more
+    assert traced["bf16-mixed"] > 1 and traced["fp16-mixed"] > 1
+    assert choices["fp8-tensorwise"] == choices["bf16-mixed"]
+    assert plans["fp8-tensorwise"].mode == "fp8-tensorwise"
+    assert choices["fp16-mixed"].batch_size == choices["bf16-mixed"].batch_size  # (4 bytes apart)

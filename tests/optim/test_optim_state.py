@@ -161,3 +161,41 @@ def test_init_state_makes_the_first_steps_state_and_changes_no_step(cls, kw):
             assert made == {k: v.dtype for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
         runs.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+_BUILD_8BIT = ("import torch; from ampkit.optim.state import with_state_precision; "
+               "with_state_precision(torch.optim.AdamW(torch.nn.Linear(64, 64).parameters()), '8bit')")
+
+
+def test_8bit_state_says_nothing_of_torchaos_internals():
+    """torchao's import-time loader messages (CUDA libraries a CPU build cannot load, torch's pytree note on its
+    enums) and torch's AOT-cache advice about torchao's OptimState8bit are not the user's to read: built from
+    a fresh interpreter, nothing on stderr; the cache advice filtered once, other warnings untouched."""
+    pytest.importorskip("torchao.optim")
+    import subprocess
+    import sys
+    import warnings
+
+    r = subprocess.run([sys.executable, "-W", "always", "-c", _BUILD_8BIT], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with_state_precision(torch.optim.AdamW(nn.Linear(64, 64).parameters()), "8bit")
+        warnings.warn("OptimState8bit does not implement _stable_hash_for_caching. For PT2-compatible tensor "
+                      "subclasses, it is recommended to implement it.", UserWarning)
+        warnings.warn("a warning of the user's own", UserWarning)
+    assert [str(w.message) for w in caught] == ["a warning of the user's own"]
+
+
+@pytest.mark.slow  # torchao compiles its step per parameter shape
+def test_ampkit_train_with_8bit_state_relays_no_torchao_warning(tmp_path):
+    pytest.importorskip("torchao.optim")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ampkit", "train", "--optimizer-state", "8bit", "--max-steps", "2",
+                        "--epochs", "1", "--precision", "fp32", "--no-autotune", "--no-progress",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "warning" not in r.stderr and "torchao" not in r.stderr.replace("(torchao)", ""), r.stderr[-2000:]

@@ -154,14 +154,15 @@ def test_timing_failure_falls_back_to_the_rule(monkeypatch, tmp_path):
 
 
 class _Uncopyable(nn.Module):
-    """A conv model holding a lock: copy.deepcopy refuses it (TypeError), so nothing can be timed."""
+    """A conv model that refuses copy.deepcopy itself (TypeError), so nothing can be timed. (A model that merely
+    holds a lock is copied with the lock shared: tests/utils/test_copying.py.)"""
 
     def __init__(self):
         super().__init__()
-        import threading
-
         self.body = _conv()
-        self.lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        raise TypeError("this model cannot be copied")
 
     def forward(self, x):
         return self.body(x)

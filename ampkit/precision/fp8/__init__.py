@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from ...utils.warn import user_stacklevel
 from .delayed import DelayedScalingConv1D, DelayedScalingLinear, has_fp8_gemm, reduce_histories, watch_histories
 from .detect import gemm_kind, is_conv1d
 from .quant import amax, fake_quantise, quantise, saturates, scale_from_amax
@@ -63,7 +64,7 @@ class _EagerFp8Note:
         self.said = True
         if any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()):
             return  # compiled by region (``block.compile()``: ampkit train --compile), the fp8 Linears inside
-        warnings.warn(EAGER_NOTE.format(mode=self.mode), stacklevel=2)
+        warnings.warn(EAGER_NOTE.format(mode=self.mode), stacklevel=user_stacklevel())
 
 
 def note_eager(model: nn.Module, mode: str) -> None:
@@ -102,7 +103,7 @@ class Fp8Plan:
         self.emulated = not has_gemm(device, self.recipe)
         if self.emulated and torch.device(device).type == "cuda":
             warnings.warn(emulated_warning(self.mode, self.recipe, torch.cuda.get_device_capability(device)),
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())
         if self.coverage is None:  # setup twice (resume, tune) warns once and swaps once
             self._device_type = torch.device(device).type
             if self.filter.gpu is None:  # judged for this GPU's class; on a CPU (or an unknown GPU) for DEFAULT_GPU
@@ -112,7 +113,7 @@ class Fp8Plan:
             self.coverage = coverage(model, self.filter)
             note = coverage_warning(self.coverage, self.mode)
             if note:
-                warnings.warn(note, stacklevel=3)
+                warnings.warn(note, stacklevel=user_stacklevel())
         if not fp8_layers(model):
             model = convert_to_fp8(model, self.recipe, self.filter, device, fsdp_all_gather=self.fsdp_all_gather)
         self.layers = fp8_layers(model)

@@ -17,55 +17,18 @@ optimizer holds is the one computed with). Both run torchao's GEMM unchanged, an
 """
 from __future__ import annotations
 
-import logging
 import warnings
 
 import torch
 
+from ...utils.quiet import quiet_import
+
 __all__ = ["quiet_import", "import_torchao_float8", "FUNC_TRANSFORM_HINT"]
 
-log = logging.getLogger("ampkit.fp8")
-_NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
 
 FUNC_TRANSFORM_HINT = ("torchao's fp8 GEMM (fp8-tensorwise/fp8-rowwise) cannot run under torch.func transforms "
                        "(grad, vmap, jacrev): use precision='fp8-delayed' (its fp8 Linear supports torch.func.grad), "
                        "or loss.backward() instead of torch.func.")
-
-
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
-def quiet_import(module: str, hint: str):
-    """``importlib.import_module(module)`` (a torchao module), its import-time loader messages redirected to the
-    ``ampkit.fp8`` logger (DEBUG); an ImportError says ``hint``."""
-    import importlib
-
-    collect = _Collect()
-    saved = []
-    for name in _NOISY_LOGGERS:
-        lg = logging.getLogger(name)
-        saved.append((lg, lg.handlers[:], lg.propagate))
-        lg.handlers[:] = [collect]
-        lg.propagate = False
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mod = importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(hint) from e
-    finally:
-        for lg, handlers, propagate in saved:
-            lg.handlers[:] = handlers
-            lg.propagate = propagate
-    for r in collect.records:
-        log.debug("torchao import (%s): %s", r.name, r.getMessage())
-    return mod
 
 
 def import_torchao_float8():

@@ -226,9 +226,7 @@ class Precision:
 
     is_setup = property(lambda self: self._setup_done, doc="True once ``setup`` ran (mode and layout fixed).")
 
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.mode.param_dtype
+    param_dtype = property(lambda self: self.mode.param_dtype, doc="The parameters' dtype once set up.")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -261,9 +259,11 @@ class Precision:
     def convert_module(self, model: nn.Module) -> nn.Module:
         """The model as this kind runs it: device, the kind's cast (:meth:`_convert_model`), ``fp32_modules``
         islands, memory format; the scaler learns the parameter names (its errors name tensors by them)."""
+        checks.check_set_up_before(model, self.name)  # an earlier setup in another mode changed it: refused
         if self.fp32_modules:  # a wrong name fails before the model is changed
             resolve_module_names(model, self.fp32_modules)
         model = self._convert_model(model.to(self.device))
+        checks.mark_set_up(model, self.name, self.kind)
         if self.fp32_modules:
             apply_fp32_islands(model, self.fp32_modules)
         if self.uses_channels_last(model):
