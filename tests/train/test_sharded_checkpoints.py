@@ -168,25 +168,34 @@ def _full_states(model, opt):
     return full
 
 
+@contextlib.contextmanager
+def _counting_reads():
+    """Yields a list that receives the tensor elements this rank reads from the shards (DCP's reader patched)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    read, real = [], FileSystemReader.read_data
+
+    def counting(self, plan, planner):
+        read.append(sum(math.prod(r.lengths) for r in plan.items if r.type == LoadItemType.TENSOR))
+        return real(self, plan, planner)
+
+    FileSystemReader.read_data = counting
+    try:
+        yield read
+    finally:
+        FileSystemReader.read_data = real
+
+
 def _four(rank, tmp):
     """4 ranks, one process group: a 2-rank run continued on 4 through the CLI, the 2-rank block checkpoints
     loaded on 4, a damaged shard, and two modes trained on 4 ranks against one process."""
     import torch.distributed as dist
 
     init_rank(rank, f"{tmp}/four", world=4)
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.planner import LoadItemType
-
-    read, real = [], FileSystemReader.read_data
-
-    def counting(self, plan, planner):  # tensor elements this rank reads from the shards
-        read.append(sum(math.prod(r.lengths) for r in plan.items if r.type == LoadItemType.TENSOR))
-        return real(self, plan, planner)
-
-    FileSystemReader.read_data = counting
-    out = {"resume": _quiet(["train", "--out", f"{tmp}/four-resume", "--resume", _ck(tmp, "part", 3), "--strategy",
-                             "fsdp", "--batch-size", "16", "--max-steps", "6"])}
-    FileSystemReader.read_data = real
+    with _counting_reads() as read:
+        out = {"resume": _quiet(["train", "--out", f"{tmp}/four-resume", "--resume", _ck(tmp, "part", 3),
+                                 "--strategy", "fsdp", "--batch-size", "16", "--max-steps", "6"])}
     out["read"] = sum(read)
     for mode in RESHARD_MODES:
         model, opt, _ = _block_run(mode, rank, 4, steps=0)
@@ -676,18 +685,8 @@ def test_a_four_rank_run_continues_on_two_ranks(runs, four_more):
 
 def _four_from_two(rank, tmp):
     init_rank(rank, f"{tmp}/four-from-two", world=4)
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.planner import LoadItemType
-
-    read, real = [], FileSystemReader.read_data
-
-    def counting(self, plan, planner):  # tensor elements this rank reads from the shards
-        read.append(sum(math.prod(r.lengths) for r in plan.items if r.type == LoadItemType.TENSOR))
-        return real(self, plan, planner)
-
-    FileSystemReader.read_data = counting
-    out = _quiet(["train", "--out", f"{tmp}/part-for-four", "--resume", "auto", "--max-steps", "6"])
-    FileSystemReader.read_data = real
+    with _counting_reads() as read:
+        out = _quiet(["train", "--out", f"{tmp}/part-for-four", "--resume", "auto", "--max-steps", "6"])
     torch.save({"result": out, "read": sum(read)}, os.path.join(tmp, f"four-from-two{rank}.pt"))
     import torch.distributed as dist
 
