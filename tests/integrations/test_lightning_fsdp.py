@@ -19,11 +19,14 @@ from train.test_fsdp_modes import STEPS, _Net, _data, _full, _max_diff, _one_pro
 
 TRAINER_MODES = ("bf16-master", "bf16-pure", "fp16-pure")
 FABRIC_MODES = ("bf16-master", "bf16-pure")
+# the rest of what FSDP2 takes, both engines (slow: tests/train/test_fsdp_modes.py covers them without Lightning)
+MORE_MODES = ("fp32", "bf16-mixed", "fp16-mixed", "fp16-master", "fp8-tensorwise", "fp8-rowwise", "fp8-delayed")
 _one = functools.lru_cache(maxsize=None)(_one_process)  # each mode's one-process run once per module
 
 
-def _plugin(cls, mode):
-    return cls(mode, "cpu", **({"init_scale": 1024.0} if "fp16" in mode else {}))
+def _plugin(cls, mode):  # as tests/train/test_fsdp_modes.py's _precision: its one-process runs are the reference
+    return cls(mode, "cpu", **({"init_scale": 1024.0} if "fp16" in mode else {}),
+               **({"fp8_filter": "ends"} if mode.startswith("fp8") else {}))
 
 
 class _Module(L.LightningModule):
@@ -86,7 +89,8 @@ def _fabric(mode, rank, steps=STEPS, save=None, resume=None, seed=0):
         fabric.load(resume, state)
     x, y = _data()
     for _ in range(state["step"], steps):
-        loss = nn.functional.cross_entropy(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4])
+        # the loss in fp32, as the one-process reference computes it (an fp16 model's logits: fp16 otherwise)
+        loss = nn.functional.cross_entropy(model(x[rank * 4:(rank + 1) * 4]).float(), y[rank * 4:(rank + 1) * 4])
         fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
@@ -219,3 +223,45 @@ def test_shard_refuses_weights_fabric_put_in_channels_last():
     assert not all(p.is_contiguous() for p in model.parameters())
     with pytest.raises(ValueError, match="channels_last=False"):
         plugin.shard(model)
+
+
+def _more_ranks(rank, tmp):
+    init_rank(rank, tmp)
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mode in MORE_MODES:
+            out[("trainer", mode)] = _trainer(mode)
+            out[("fabric", mode)] = _fabric(mode, rank)
+    torch.save(out, f"{tmp}/out{rank}.pt")
+    leave_rank()
+
+
+@pytest.fixture(scope="module")
+def more_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lightning_fsdp_more")
+    run_ranks(_more_ranks, str(tmp), timeout=600)
+    return [torch.load(f"{tmp}/out{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+_FP16_MIXED_FSDP2 = pytest.mark.xfail(strict=True, reason=(
+    "fp16-mixed under FSDP2 through ampkit's own backward (Fabric's route; the plain FSDP2 run of "
+    "tests/train/test_fsdp_modes.py gives the same 5.4e-5) ends 2.07x the one-process noise from one process, "
+    "over the 2x bound; the Trainer's route is within it. Not resolved (docs/DISTRIBUTED.md, Lightning)"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine, mode", [
+    pytest.param(e, m, marks=_FP16_MIXED_FSDP2) if (e, m) == ("fabric", "fp16-mixed") else (e, m)
+    for m in MORE_MODES for e in ("trainer", "fabric")])
+def test_every_other_fsdp2_mode_through_lightning_matches_one_process(more_ranks, engine, mode):
+    """The modes the fast tests above leave out (fp32, the autocast modes with and without a loss scale,
+    fp16-master, the three fp8 recipes), through the Trainer's and Fabric's ModelParallelStrategy with ampkit's
+    plugins: the same global batch as one process within the mode's noise, both ranks one model."""
+    one, ref = _one(mode), _one("fp32")
+    noise = _max_diff(one, ref)
+    r0, r1 = more_ranks[0][(engine, mode)], more_ranks[1][(engine, mode)]
+    assert r0["skipped"] == 0 and r0["steps"] == STEPS
+    assert _max_diff(r0["params"], one) <= 2 * noise + 1e-6
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in one)
