@@ -1,5 +1,6 @@
 """How a precision shards a model under FSDP2: ``fully_shard`` per block and the root with the kind's
-MixedPrecisionPolicy, the modules the kind keeps fp32 sharded first as fp32 groups of their own. One function
+MixedPrecisionPolicy, the modules the kind keeps fp32 (and, in the autocast modes, the norms autocast runs in
+fp32) sharded first as fp32 groups of their own. One function
 for the run (``ampkit.train``, real process group) and the planner (``ampkit.memory``, a fake one)."""
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Dict, List
 
 from torch import nn
 
-__all__ = ["fsdp_units", "shard_units"]
+__all__ = ["fsdp_kept_fp32", "fsdp_units", "shard_units"]
 
 
 def fsdp_units(model: nn.Module) -> List[nn.Module]:
@@ -20,10 +21,22 @@ def fsdp_units(model: nn.Module) -> List[nn.Module]:
     return units
 
 
+def fsdp_kept_fp32(model: nn.Module, precision) -> Dict[str, str]:
+    """What FSDP gathers and computes in fp32 beside the 16-bit policy: what the mode keeps fp32 and, in the
+    autocast modes (whose parameters all stay fp32), the norms: autocast runs them in fp32 with fp32 weights,
+    which a 16-bit ``param_dtype`` would hand them rounded."""
+    kept = precision.kept_fp32
+    if getattr(precision, "kind", None) == "autocast" and precision.mode.autocast_dtype is not None:
+        from .keep_fp32 import fp32_plan
+
+        kept = {**fp32_plan(model, precision.mode.autocast_dtype, True, precision.fp32_modules).kept(), **kept}
+    return kept
+
+
 def _kept_groups(model: nn.Module, precision, units: List[nn.Module]) -> List[List[nn.Module]]:
     """The modules ``precision`` keeps fp32 (norms, ``fp32_modules``: ``kept_fp32``), grouped by the unit
     (block, else the root) that holds them: each group is sharded on its own with the fp32 policy."""
-    names = [n for n in precision.kept_fp32 if n]
+    names = [n for n in fsdp_kept_fp32(model, precision) if n]
     if not names:
         return []
     modules = dict(model.named_modules())

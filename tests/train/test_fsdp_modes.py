@@ -11,7 +11,8 @@ from tests.distributed_helpers import init_rank, leave_rank, run_ranks
 
 pytest.importorskip("torch.distributed.fsdp")
 
-MODES = ("bf16-master", "fp16-master", "bf16-pure", "fp16-pure", "fp8-tensorwise", "fp8-rowwise", "fp8-delayed")
+MODES = ("bf16-master", "fp16-master", "bf16-pure", "fp16-pure", "fp8-tensorwise", "fp8-rowwise", "fp8-delayed",
+         "fp16-mixed", "bf16-mixed")
 STEPS = 4
 
 
