@@ -100,9 +100,13 @@ def _fabric(mode, rank, steps=STEPS, save=None, resume=None, seed=0):
     return {"params": _full(model.module), "skipped": plugin.skipped_steps, "steps": plugin.optimizer_steps}
 
 
-def _ranks(rank, tmp):
+def _join(rank, tmp):
     init_rank(rank, tmp)  # Lightning finds the group initialised and joins it
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+
+def _ranks(rank, tmp):
+    _join(rank, tmp)
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -151,14 +155,20 @@ def ranks(tmp_path_factory):
     return [torch.load(f"{tmp}/out{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("engine, mode", [("trainer", m) for m in TRAINER_MODES] + [("fabric", m) for m in FABRIC_MODES])
-def test_lightning_model_parallel_matches_one_process_within_the_modes_noise(ranks, engine, mode):
-    one, ref = _one(mode), _one("fp32")
-    noise = _max_diff(one, ref)
-    r0, r1 = ranks[0][(engine, mode)], ranks[1][(engine, mode)]
+def _matches_one_process(r0, r1, mode):
+    """Rank 0's run within twice the mode's noise (its one-process distance from fp32) of one process, every
+    step taken, both ranks one model; returns the one-process weights and the noise."""
+    one = _one(mode)
+    noise = _max_diff(one, _one("fp32"))
     assert r0["skipped"] == 0 and r0["steps"] == STEPS
     assert _max_diff(r0["params"], one) <= 2 * noise + 1e-6
     assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in one)  # ranks hold one model
+    return one, noise
+
+
+@pytest.mark.parametrize("engine, mode", [("trainer", m) for m in TRAINER_MODES] + [("fabric", m) for m in FABRIC_MODES])
+def test_lightning_model_parallel_matches_one_process_within_the_modes_noise(ranks, engine, mode):
+    one, noise = _matches_one_process(ranks[0][(engine, mode)], ranks[1][(engine, mode)], mode)
     untrained = _full(_Net()) if torch.manual_seed(0) is not None else None
     assert _max_diff(one, untrained) > 3 * noise  # the bound is below what the updates moved
 
@@ -226,8 +236,7 @@ def test_shard_refuses_weights_fabric_put_in_channels_last():
 
 
 def _more_ranks(rank, tmp):
-    init_rank(rank, tmp)
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    _join(rank, tmp)
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -252,9 +261,4 @@ def test_every_other_fsdp2_mode_through_lightning_matches_one_process(more_ranks
     """The modes the fast tests above leave out (fp32, the autocast modes with and without a loss scale,
     fp16-master, the three fp8 recipes), through the Trainer's and Fabric's ModelParallelStrategy with ampkit's
     plugins: the same global batch as one process within the mode's noise, both ranks one model."""
-    one, ref = _one(mode), _one("fp32")
-    noise = _max_diff(one, ref)
-    r0, r1 = more_ranks[0][(engine, mode)], more_ranks[1][(engine, mode)]
-    assert r0["skipped"] == 0 and r0["steps"] == STEPS
-    assert _max_diff(r0["params"], one) <= 2 * noise + 1e-6
-    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in one)
+    _matches_one_process(more_ranks[0][(engine, mode)], more_ranks[1][(engine, mode)], mode)
