@@ -47,7 +47,9 @@ def test_bench_writes_json_md_png_through_worker_processes(tmp_path):
         assert x["planned_peak_bytes"] > 0 and "weights" in x["planned_breakdown_mb"]  # ampkit.plan, once per row
     fp32 = results[0]
     assert fp32["speedup_vs_fp32"] == 1.0 and fp32["loss_delta_vs_fp32"] == 0.0
-    assert results[1]["vs_torch_loop"] == pytest.approx(results[3]["ms_per_step"] / results[1]["ms_per_step"], rel=1e-3)
+    # the report rounds ratios to 4 decimals: 5e-5 absolute (a small ratio on a loaded machine is below 0.05)
+    assert results[1]["vs_torch_loop"] == pytest.approx(results[3]["ms_per_step"] / results[1]["ms_per_step"],
+                                                        rel=1e-3, abs=5e-5)
     # same model, data and seed in both runners: the fp32 losses agree
     assert fp32["final_loss"] == pytest.approx(results[2]["final_loss"], rel=1e-5)
     md = (tmp_path / "out" / "bench.md").read_text()
