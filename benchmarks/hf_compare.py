@@ -77,15 +77,20 @@ def _plain(device, cast=None, autocast=False, fused=False):
             model = model.to(cast)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
         ctx = (lambda: torch.autocast(device.type, torch.bfloat16)) if autocast else contextlib.nullcontext
-
-        def step(batch):
-            with ctx():
-                loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return model, step
+        return model, _loop_step(model, opt, ctx)
     return prepare
+
+
+def _loop_step(forward, opt, ctx):
+    """The hand-written loop's step: ``forward`` (the model, or its compiled callable) inside ``ctx()``, the
+    loss's backward, the optimizer's step."""
+    def step(batch):
+        with ctx():
+            loss = forward(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
 def _engine_step(model, opt, backward):
@@ -148,14 +153,7 @@ def _compiled_plain(device, backend, torchao_fp8=False):
             convert_to_float8_training(model, config=Float8LinearConfig(emulate=emulate))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         fwd = torch.compile(model, backend=backend)
-
-        def step(batch):
-            with torch.autocast(device.type, torch.bfloat16):
-                loss = fwd(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return model, step
+        return model, _loop_step(fwd, opt, lambda: torch.autocast(device.type, torch.bfloat16))
     return prepare
 
 
