@@ -262,20 +262,22 @@ def runs(tmp_path_factory):
     return {"tmp": tmp, "ranks": [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]}
 
 
+def _on_four_ranks(runs, name, fn, timeout):
+    """``fn`` on 4 ranks in ``runs``' folder (its group's store in ``name/``); each rank's ``name{rank}.pt``."""
+    tmp = runs["tmp"]
+    os.makedirs(f"{tmp}/{name}")
+    run_ranks(fn, tmp, timeout=timeout, nprocs=4)
+    return [torch.load(os.path.join(tmp, f"{name}{r}.pt"), weights_only=False) for r in range(4)]
+
+
 @pytest.fixture(scope="module")
 def four_more(runs):
-    tmp = runs["tmp"]
-    os.makedirs(f"{tmp}/four-more")
-    run_ranks(_four_more, tmp, timeout=400.0, nprocs=4)
-    return [torch.load(os.path.join(tmp, f"four-more{r}.pt"), weights_only=False) for r in range(4)]
+    return _on_four_ranks(runs, "four-more", _four_more, 400.0)
 
 
 @pytest.fixture(scope="module")
 def four(runs):
-    tmp = runs["tmp"]
-    os.makedirs(f"{tmp}/four")
-    run_ranks(_four, tmp, timeout=300.0, nprocs=4)
-    return [torch.load(os.path.join(tmp, f"four{r}.pt"), weights_only=False) for r in range(4)]
+    return _on_four_ranks(runs, "four", _four, 300.0)
 
 
 def _ck(tmp, run, step):
