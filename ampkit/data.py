@@ -312,13 +312,16 @@ def _npz_error(spec: str, e: Exception) -> str:
 
 
 _HASHED = 64  # evenly spaced samples hashed into a data fingerprint
+_WHOLE_BYTES = 64 << 20  # a TensorDataset of at most this many bytes is hashed whole (SHA-256: ~0.1 s)
 
 
 def data_fingerprint(dataset: Dataset) -> dict:
     """What identifies a training set cheaply: its ``size``, a SHA-256 of ``_HASHED`` evenly spaced samples
-    (``sample_hash``; None where a sample holds something else than tensors, arrays, numbers or strings) and
-    its number of distinct integer labels (``classes``; None where the labels are not exposed or not
-    integers). A checkpoint records it, so a resume on another file is noticed (``fingerprint_changes``)."""
+    (``sample_hash``; None where a sample holds something else than tensors, arrays, numbers or strings), a
+    SHA-256 of every sample (``data_hash``) where the set is a TensorDataset (a .npz, arrays) of at most
+    ``_WHOLE_BYTES`` (else None: the evenly spaced samples speak for it), and its number of distinct integer
+    labels (``classes``; None where the labels are not exposed or not integers). A checkpoint records it, so a
+    resume on another file, or on one edited in a single row, is noticed (``fingerprint_changes``)."""
     import hashlib
 
     from torch.utils._pytree import tree_leaves
@@ -327,7 +330,7 @@ def data_fingerprint(dataset: Dataset) -> dict:
     picks = sorted({round(i * (n - 1) / max(1, _HASHED - 1)) for i in range(min(n, _HASHED))})
     h = hashlib.sha256()
 
-    def add(leaf) -> bool:
+    def add(h, leaf) -> bool:
         if isinstance(leaf, np.ndarray):
             leaf = torch.from_numpy(np.ascontiguousarray(leaf))
         if isinstance(leaf, torch.Tensor):
@@ -340,13 +343,16 @@ def data_fingerprint(dataset: Dataset) -> dict:
             return True
         return False
 
-    hashed = True
+    hashed, whole = True, None
     if isinstance(dataset, TensorDataset):
         index = torch.as_tensor(picks, dtype=torch.long)
-        hashed = all(add(t[index]) for t in dataset.tensors)
+        hashed = all(add(h, t[index]) for t in dataset.tensors)
+        if sum(t.numel() * t.element_size() for t in dataset.tensors) <= _WHOLE_BYTES:
+            every = hashlib.sha256()
+            whole = every.hexdigest()[:16] if all(add(every, t) for t in dataset.tensors) else None
     else:
         try:
-            hashed = all(add(leaf) for i in picks for leaf in tree_leaves(dataset[i]))
+            hashed = all(add(h, leaf) for i in picks for leaf in tree_leaves(dataset[i]))
         except Exception:  # a dataset that cannot be indexed so: its size and labels still identify it
             hashed = False
     labels = _all_labels(dataset)
@@ -354,11 +360,12 @@ def data_fingerprint(dataset: Dataset) -> dict:
     if labels is not None and not labels.is_floating_point() and labels.dtype != torch.bool and labels.numel():
         flat = labels.reshape(-1)
         classes = int(torch.unique(flat[flat >= 0]).numel())
-    return {"size": n, "sample_hash": h.hexdigest()[:16] if hashed else None, "classes": classes}
+    return {"size": n, "sample_hash": h.hexdigest()[:16] if hashed else None, "data_hash": whole, "classes": classes}
 
 
 def fingerprint_changes(saved: dict, now: dict) -> list:
-    """What differs between two :func:`data_fingerprint`s, as phrases (empty: the same data, as far as seen)."""
+    """What differs between two :func:`data_fingerprint`s, as phrases (empty: the same data, as far as seen;
+    a fingerprint without ``data_hash``, from before it or of a large set, is compared by its samples)."""
     out = []
     if saved.get("size") != now.get("size"):
         out.append(f"{saved.get('size')} training samples -> {now.get('size')}")
@@ -368,6 +375,8 @@ def fingerprint_changes(saved: dict, now: dict) -> list:
             and not out):
         out.append(f"the same size, other samples (hash of {_HASHED} evenly spaced samples {saved['sample_hash']} "
                    f"-> {now['sample_hash']})")
+    elif saved.get("data_hash") and now.get("data_hash") and saved["data_hash"] != now["data_hash"] and not out:
+        out.append(f"the same size, other contents (hash of every sample {saved['data_hash']} -> {now['data_hash']})")
     return out
 
 

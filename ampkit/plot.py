@@ -69,6 +69,28 @@ def _loss_axis(ax, values: List[float]) -> str:
     return ""
 
 
+def _broken_at_gaps(steps: List[int], values: List[float]):
+    """(steps, values) with a NaN where steps are missing between two records: no line drawn across a gap."""
+    xs, ys = [], []
+    for i, (st, v) in enumerate(zip(steps, values)):
+        if i and st > steps[i - 1] + 1:
+            xs.append(float("nan"))
+            ys.append(float("nan"))
+        xs.append(st)
+        ys.append(v)
+    return xs, ys
+
+
+def _mark_gaps(ax, gaps: List[dict], label: str, color) -> None:
+    """Shade the steps whose records a run lost (its ``gap`` records: metrics.jsonl cut short before a
+    resume), labelled once with the steps."""
+    spans = [(a, b) for g in gaps for a, b in g.get("missing_steps") or []]
+    for i, (a, b) in enumerate(spans):
+        text = ", ".join(f"{x}-{y}" if y > x else str(x) for x, y in spans)
+        ax.axvspan(a - 0.5, b + 0.5, color=color, alpha=0.12,
+                   label=f"{label}: records of steps {text} missing" if i == 0 else None)
+
+
 #: the PNG's Software field: a file that holds it was written by ``ampkit plot`` and may be replaced by it
 WRITER = "ampkit plot"
 
@@ -89,7 +111,9 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
     Skipped steps are marked (red x) on the loss panel's floor, whatever their loss; a loss scale of 0
     (which a log axis cannot show) is marked on the scale panel's floor. The evaluation panel shows
     accuracy when every plotted run has it, else eval loss for all, and is labelled by what it shows.
-    A run without a single metrics record is a ValueError naming it."""
+    Steps whose records a run lost (a ``gap`` record: metrics.jsonl cut short before a resume) are shaded
+    and named in the legend, the loss line broken there. A run without a single metrics record is a
+    ValueError naming it."""
     matplotlib = require("matplotlib", "ampkit plot")
 
     matplotlib.use("Agg")
@@ -112,7 +136,8 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
         losses = [r["loss"] if _finite(r.get("loss")) and not r.get("skipped") else float("nan") for r in m["train"]]
         curve = _moving_mean(losses, smooth) if smooth > 1 else losses
         plotted += [v for v in curve if _finite(v)]
-        line, = axes[0].plot(steps, curve, label=label)
+        line, = axes[0].plot(*_broken_at_gaps(steps, curve), label=label)
+        _mark_gaps(axes[0], m.get("gap", []), label, line.get_color())
         skipped = [r["step"] for r in m["train"] if r.get("skipped")]
         if skipped:
             axes[0].plot(skipped, [0.02] * len(skipped), "x", color="red", ms=4, transform=floor[0],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import warnings
 from typing import List, Optional
@@ -71,6 +72,29 @@ def one_line_warnings(verb: str):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:  # the process's own command line (not a caller's list): it ends right after this
+            _late_interrupts_exit()
+
+
+def _late_interrupts_exit() -> None:
+    """A Ctrl-C once the verb is done (while Python shuts down: torch's and other libraries' exit handlers) ends
+    the process at once with exit 130 and one line, not a traceback from inside an exit handler and exit 0.
+    What the verb wrote is complete by then (a run's files and lock: its `finally` blocks ran)."""
+
+    def handler(signum, frame) -> None:
+        try:
+            sys.stdout.flush()
+            print("ampkit: interrupted after it finished (what it wrote is complete)", file=sys.stderr, flush=True)
+        finally:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, handler)
+
+
+def _main(argv: Optional[List[str]]) -> int:
     try:  # Ctrl-C while torch and the verbs import: one line, not a traceback
         parser = _build_parser()
     except KeyboardInterrupt:

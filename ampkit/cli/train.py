@@ -236,8 +236,11 @@ def _resume_in_place(values: dict, saved: dict, given: set, given_out, plan, not
 
 def run(args) -> int:
     """Under torchrun: set up the process group from its environment first, destroy it at exit. (Warnings
-    are one line each, once: `ampkit.cli.one_line_warnings`.)"""
-    return _run_with_group(args)
+    are one line each, once: `ampkit.cli.one_line_warnings`.) Messages name options as this command's flags."""
+    from ..train.wording import cli_wording
+
+    with cli_wording():
+        return _run_with_group(args)
 
 
 def _run_with_group(args) -> int:
@@ -267,7 +270,7 @@ def _run(env, cfg, plan, auto_batch: bool) -> int:
     from ..data import load_data
     from ..models import build_model
     from ..precision import NonFiniteGradientsError
-    from ..train import CheckpointError, RunDirError, Trainer, TrainingInterrupted
+    from ..train import CheckpointError, RunDirError, RunDivergedError, Trainer, TrainingInterrupted
     from ..train.rundir import default_run_dir
 
     try:
@@ -299,9 +302,13 @@ def _run(env, cfg, plan, auto_batch: bool) -> int:
         if not env_is_secondary():
             print(f"ampkit train: {e}", file=sys.stderr)
         return 128 + int(e.signum)
+    except RunDivergedError as e:  # trained to its end, written as it is (summary.json says "diverged")
+        if not env_is_secondary():
+            print(f"ampkit train: error: {e} (run directory {cfg.out})", file=sys.stderr)
+        return 3
     except NonFiniteGradientsError as e:
         if not env_is_secondary():
-            print(f"ampkit train: error: training stopped: {e}", file=sys.stderr)
+            print(f"ampkit train: error: training stopped: {e} {LOWER_LR}", file=sys.stderr)
         return 3
     except (ValueError, CheckpointError, RunDirError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
@@ -312,6 +319,11 @@ def _run(env, cfg, plan, auto_batch: bool) -> int:
     if not env_is_secondary():
         print(f"ampkit train: run directory {trainer.run_dir}", file=sys.stderr)
     return 0
+
+
+#: after a divergence stop: how to continue with a lower learning rate (``--lr`` applies on that resume)
+LOWER_LR = ("To continue with a lower learning rate: the same command with --resume auto --lr LOWER (it applies "
+            "from the last checkpoint on, recorded in config.toml and metrics.jsonl).")
 
 
 def _auto_batch(cfg, model, data):

@@ -29,9 +29,11 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from .wording import continue_hint
+
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-    "latest_checkpoint", "step_of", "prune_checkpoints", "remove_partial_writes", "sharded_path", "fsync_dir", "rng_state", "set_rng_state",
+    "write_failed", "latest_checkpoint", "step_of", "prune_checkpoints", "remove_partial_writes", "sharded_path", "fsync_dir", "rng_state", "set_rng_state",
     "model_signature",
 ]
 
@@ -115,10 +117,7 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> str:
                 pass
         cause = _os_error(e)
         if cause is not None:
-            raise CheckpointError(
-                f"could not write checkpoint {path!r}: {cause.strerror or cause}; earlier checkpoints are intact "
-                "(free disk space or fix permissions, then resume with --resume auto)."
-            ) from e
+            raise write_failed(path, str(cause.strerror or cause)) from e
         raise
     fsync_dir(directory)
     return path
@@ -208,6 +207,19 @@ def _crc_mismatch(path: str) -> Optional[str]:
             return z.testzip()
     except Exception:  # a damaged directory: torch.load gives the clearer error
         return None
+
+
+def write_failed(path: str, reason: str) -> CheckpointError:
+    """The error of a checkpoint that could not be written (``reason``: the OS's words): what is intact and how
+    to go on, which differs when no checkpoint of the run was written before this one."""
+    others = [p for p in list_checkpoints(os.path.dirname(os.path.abspath(path)))
+              if os.path.abspath(p) != os.path.abspath(path)]
+    if others:
+        return CheckpointError(f"could not write checkpoint {path!r}: {reason}; earlier checkpoints are intact (free "
+                               f"disk space or fix permissions, then resume with {continue_hint()}).")
+    return CheckpointError(f"could not write checkpoint {path!r}: {reason}; it was the run's first, so there is no "
+                           f"checkpoint to continue from (free disk space or fix permissions, then start the run again: "
+                           f"{continue_hint()} starts it over in its directory).")
 
 
 def list_checkpoints(directory: str) -> List[str]:

@@ -100,12 +100,14 @@ class TrainLoop:
         # TensorDatasets are checked for NaN/inf upfront; other datasets when a step is skipped
         self.check_skipped_inputs = not isinstance(batches.train_data, TensorDataset)
         self._t_flush, self._samples_flush = time.perf_counter(), 0  # the throughput since the last flush
+        self._logger: Optional[MetricsLogger] = None  # the run's, while `run` runs (fsynced before each save)
 
     def run(self, logger: MetricsLogger) -> int:
         """Train until the configured epochs/max_steps (or a signal); returns the peak memory of the steps in
         bytes: what they added on the device (off CUDA plus the model's and optimizer's tensors, resident
         before the meter started)."""
         cfg, c = self.config, self.counters
+        self._logger = logger
         meter = memory_measure.PeakMeter(self.device).start()  # peak memory of the training steps, beside the plan's
         resident = memory_measure.resident_bytes(self.raw_model, self.optimizer) if self.device.type != "cuda" else 0
         self.model.train()
@@ -220,6 +222,8 @@ class TrainLoop:
         self.resolve()
         if self.checkpoints:  # every rank: all must agree on whether the final save is due
             self.saved_at = self.counters.position()
+            if self._logger is not None:  # the records up to here (flushed at every save point) durable first
+                self._logger.sync()
         return self.save()
 
     def _log_step(self, logger: MetricsLogger, window_loss: torch.Tensor) -> Dict[str, Any]:

@@ -84,6 +84,13 @@ class MetricsLogger:
         if self._file:
             self._file.flush()
 
+    def sync(self) -> None:
+        """Make what was written durable (``fsync``): called before each checkpoint, so a power loss or a
+        crashed machine never leaves a checkpoint covering steps whose records are not on disk."""
+        if self._file:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def _write(self, r: Dict[str, Any]) -> None:
         if self._file:
             self._file.write(json.dumps(r) + "\n")
@@ -96,8 +103,7 @@ class MetricsLogger:
     def close(self) -> None:
         self.flush()
         if self._file:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            self.sync()
             self._file.close()
             self._file = None
         if self._tb is not None:

@@ -4,44 +4,104 @@ the precision line), its end (summary.json, report.txt and the printed report), 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..precision import Precision
+from ..precision import NonFiniteGradientsError, Precision
+from ..precision.auto import RESUMED
 from .config import TrainConfig, recorded_options, write_config
 from .distributed import is_main_process
 from .evaluate import classification_text
 from .metrics import MetricsLogger, mean_loss_over_ranks
-from .rundir import truncate_metrics, write_atomic
+from .rundir import gap_text, missing_records, truncate_metrics, write_atomic
 
-__all__ = ["open_metrics", "announce", "build_summary", "report_text", "write_reports", "publish",
+__all__ = ["RunDivergedError", "divergence", "open_metrics", "announce", "build_summary", "report_text", "write_reports", "publish",
            "nonfinite_report", "write_nonfinite_report", "set_aside_reports", "STALE_REPORTS"]
 
 
+class RunDivergedError(NonFiniteGradientsError):
+    """A run that trained to its end diverged (a non-finite final eval loss, or most of its steps skipped): its
+    summary.json and report.txt are written and say so (``summary["diverged"]``), then this is raised (``ampkit
+    train`` exits 3). ``summary``: the run's summary."""
+
+    def __init__(self, message: str, summary: Dict[str, Any]) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+#: skipped steps beyond the loss scale's own search (65536 halved to 1 takes 16 skips) that, when they are also
+#: most of a run's steps, say it diverged
+SKIPS_OF_A_SEARCH = 16
+
+
+def divergence(summary: Dict[str, Any], attempted: int) -> Optional[str]:
+    """Why a run that reached its end is no success (one sentence), or None: its final eval loss is not finite,
+    or most of its ``attempted`` steps were skipped (more than half, and more than the loss scale's search
+    takes: `SKIPS_OF_A_SEARCH`)."""
+    why = []
+    loss = summary.get("eval_loss")
+    if loss is not None and not math.isfinite(loss):
+        why.append(f"its final eval loss is {loss}")
+    skipped = summary.get("skipped_steps") or 0
+    if skipped * 2 > attempted and skipped > SKIPS_OF_A_SEARCH:
+        why.append(f"{skipped} of its {attempted} optimizer steps were skipped (non-finite gradients)")
+    if not why:
+        return None
+    return ("the run diverged: " + " and ".join(why) + ": its weights are not a trained model. Lower the learning "
+            "rate (or keep the overflowing layers in fp32; `ampkit check` finds them) and train again.")
+
+
 def open_metrics(run_dir: Optional[str], tensorboard: bool, resumed_at: Optional[Tuple[int, int]],
-                 world_size: int, source: Optional[str] = None) -> Tuple[MetricsLogger, Optional[List[Dict[str, Any]]]]:
+                 world_size: int, source: Optional[str] = None,
+                 evaluates: bool = False) -> Tuple[MetricsLogger, Optional[List[Dict[str, Any]]]]:
     """(metrics logger, records kept). metrics.jsonl (and TensorBoard) on rank 0; a resumed run's (at
     ``resumed_at``: its step and epoch) cut back to that point first, the records kept returned (the run's
     history so far), else None; a run branched from another's checkpoint starts from the records of that run
-    (``source``: its directory, read only). Other ranks log nothing (their train losses join rank 0's mean)."""
+    (``source``: its directory, read only). Other ranks log nothing (their train losses join rank 0's mean).
+
+    Records the checkpoint covers but the file lacks (it was cut short or lost: `missing_records`; the run
+    ``evaluates`` each epoch, or not) are said once on stderr and written as a ``gap`` record, which
+    summary.json and ``ampkit plot`` read."""
     path = os.path.join(run_dir, "metrics.jsonl") if run_dir and is_main_process() else None
     # before the logger opens the file: truncation replaces it with a new one
     src = os.path.join(source, "metrics.jsonl") if source and os.path.abspath(source) != os.path.abspath(run_dir) else None
     kept = truncate_metrics(path, *resumed_at, source=src) if path and resumed_at else None
     logger = MetricsLogger(path, os.path.join(run_dir, "tensorboard") if path and tensorboard else None,
                            append=resumed_at is not None, reduce=mean_loss_over_ranks if world_size > 1 else None)
+    if kept is not None and source:  # the run's own record (a checkpoint from outside a run has none to check)
+        gap = missing_records(kept, *resumed_at, evaluates)
+        if gap["train_steps"] or gap["eval_epochs"]:
+            print(f"ampkit: warning: metrics.jsonl lacks the records of {gap_text(gap)} (the file was cut short or "
+                  f"lost before they reached the disk); the run continues from its checkpoint at step "
+                  f"{resumed_at[0]}, and the gap is recorded (metrics.jsonl, summary.json's missing_records).",
+                  file=sys.stderr)
+            record = {"kind": "gap", "step": resumed_at[0], "missing_steps": gap["train_steps"],
+                      "missing_eval_epochs": gap["eval_epochs"]}
+            logger.event(record)
+            kept.append(record)
     return logger, kept
 
 
+def missing_summary(history: List[Dict[str, Any]]) -> Optional[Dict[str, list]]:
+    """The records a run's metrics.jsonl lacks (its ``gap`` records merged), or None when it has them all."""
+    gaps = [r for r in history if r.get("kind") == "gap"]
+    if not gaps:
+        return None
+    return {"train_steps": sorted(s for r in gaps for s in r.get("missing_steps") or []),
+            "eval_epochs": sorted(e for r in gaps for e in r.get("missing_eval_epochs") or [])}
+
+
 def announce(precision: Precision, config: TrainConfig, run_dir: Optional[str], task_note: Optional[str],
-             resumed_from: Optional[str], changes: Optional[Dict[str, str]] = None) -> None:
+             resumed_from: Optional[str], changes: Optional[Dict[str, str]] = None, kept: bool = False) -> None:
     """The start of a run: config.toml in the run directory (the precision resolved; ``changes``: what
-    resumes changed, as comments), the precision line, the task note, where a resume continues from."""
+    resumes changed, as comments), the precision line, the task note, where a resume continues from.
+    ``kept``: a resumed ``auto`` run, which keeps the mode chosen when it started (`described`)."""
     if run_dir:
         write_config(recorded_config(config, precision), os.path.join(run_dir, "config.toml"),
-                     {**recorded_notes(config, precision), **(changes or {})})
-    print(f"ampkit: {precision.describe()}", file=sys.stderr)
+                     {**recorded_notes(config, precision, kept), **(changes or {})})
+    print(f"ampkit: {described(precision, kept)}", file=sys.stderr)
     if task_note:
         print(task_note)
     if resumed_from:
@@ -57,9 +117,20 @@ def recorded_config(config: TrainConfig, precision: Precision) -> TrainConfig:
     return recorded_options(config).updated(resume=None, retune=False, precision=precision.name, data=data)
 
 
-def recorded_notes(config: TrainConfig, precision: Precision) -> Dict[str, str]:
+def described(precision: Precision, kept: bool = False) -> str:
+    """The precision line: ``precision.describe()``, where a resumed ``auto`` run (``kept``) says it kept the mode
+    chosen when the run started, with that reason, instead of "auto -> mode" as if it chose again."""
+    text = precision.describe()
+    chosen = f"auto -> {precision.name} ({precision.reason})"
+    if not kept or not text.startswith(chosen):
+        return text
+    why = "" if precision.reason == RESUMED else f": {precision.reason}"
+    return f"{precision.name} (kept on resume: auto's choice when the run started{why}){text[len(chosen):]}"
+
+
+def recorded_notes(config: TrainConfig, precision: Precision, kept: bool = False) -> Dict[str, str]:
     """config.toml's comments: the mode as described and, for auto, what was asked and how to choose again."""
-    notes = {"precision (resolved)": precision.describe()}
+    notes = {"precision (resolved)": described(precision, kept)}
     if precision.requested == "auto" and config.precision != precision.name:
         from ..tuning.autotune import autotune_cache_path
 
@@ -95,6 +166,8 @@ def build_summary(precision: Precision, history: List[Dict[str, Any]], final: Op
         "world_size": world_size,
         "strategy": strategy,
         "fp32_modules": _kept_summary(precision.kept_fp32),
+        # records metrics.jsonl lost (cut short or deleted before a resume): {"train_steps": [[a, b]], "eval_epochs"}
+        "missing_records": missing_summary(history),
     }
     if precision.fp8 is not None:  # layers converted to fp8, and why the others stayed bf16
         summary["fp8"] = precision.fp8.summary()
@@ -124,6 +197,10 @@ def report_text(precision: Precision, summary: Dict[str, Any], report: Optional[
         acc = f", accuracy {summary['accuracy']:.4f}" if summary["accuracy"] is not None else ""
         ppl = f", perplexity {summary['perplexity']:.3f}" if "perplexity" in summary else ""
         lines.append(f"eval loss {summary['eval_loss']:.4f}{acc}{ppl}")
+    if summary.get("diverged"):
+        lines.append(summary["diverged"])
+    if summary.get("missing_records"):
+        lines.append(f"metrics.jsonl lacks the records of {gap_text(summary['missing_records'])} (lost before a resume)")
     if report:
         lines += ["", "classification report (scikit-learn)", report["text"], report["confusion_text"]]
     return "\n".join(lines)
@@ -169,7 +246,8 @@ def nonfinite_report(message: str, *, attempted: int, applied: int, skipped: int
         f"stopped at: step {attempted} ({applied} applied, {skipped} skipped in all), epoch {epoch + 1}, "
         f"micro-batches {first}-{last} of that epoch",
         f"last checkpoint: {last_checkpoint or 'none'}",
-        "continue after fixing the cause: the same command with --resume auto",
+        "continue after fixing the cause: the same command with --resume auto; to lower the learning rate, add "
+        "--lr LOWER to it (applied from the last checkpoint on, recorded in config.toml and metrics.jsonl)",
     ]) + "\n"
 
 

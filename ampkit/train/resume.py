@@ -19,9 +19,11 @@ from . import sharded
 from .config import TrainConfig, load_config_file
 from .distributed import rescale_position
 from .rundir import RunDirError, checkpoint_dir
+from .wording import continue_hint, opt
 
 __all__ = ["ResumePlan", "checkpoint_to_resume", "check_saved_options", "check_model_signature", "check_checkpoint",
-           "saved_position", "finished_summary", "schedule_change", "schedule_changed", "saved_run_options",
+           "saved_position", "finished_summary", "reached_end",
+           "after_divergence", "scale_lr", "NONFINITE_REPORT", "schedule_change", "schedule_changed", "saved_run_options",
            "apply_given_options", "fit_to_world", "MUST_MATCH", "check_data", "position_text", "foreign_options", "refuse_foreign", "later_checkpoints", "refuse_rewind", "branch_dir", "run_of"]
 
 # options that define what the saved progress (epoch, micro-batch, optimizer state) refers to
@@ -37,7 +39,7 @@ def checkpoint_to_resume(resume: Optional[str], out: Optional[str], strict: bool
         return resume
     if not out:
         if strict:
-            raise RunDirError("--resume auto needs --out DIR (the run directory to continue).")
+            raise RunDirError(f"{continue_hint()} needs {opt('out', 'DIR')} (the run directory to continue).")
         return None
     return ckpt.latest_checkpoint(checkpoint_dir(out))
 
@@ -65,9 +67,10 @@ def refuse_rewind(resume: Optional[str], out: Optional[str]) -> None:
     if later:
         names = ", ".join(os.path.basename(p) for p in later)
         raise RunDirError(
-            f"--resume {resume}: the run in {out!r} has later checkpoints ({names}) that continuing from it in "
-            f"place would delete (and its metrics, summary and report with them): pass --out NEW_DIR to train from "
-            f"it in a new run directory, or --resume auto to continue from the latest (nothing was changed).")
+            f"{opt('resume', repr(resume), cli=resume)}: the run in {out!r} has later checkpoints ({names}) that "
+            f"continuing from it in place would delete (and its metrics, summary and report with them): pass "
+            f"{opt('out', 'NEW_DIR')} to train from it in a new run directory, or {continue_hint()} to continue from "
+            "the latest (nothing was changed).")
 
 
 def foreign_options(ck: Dict[str, Any], saved: Dict[str, Any], given=()) -> list:
@@ -189,6 +192,11 @@ class ResumePlan:
         """The precision mode the checkpoint was trained in (what a resumed ``auto`` keeps), or None."""
         return ((self.peek() or {}).get("precision") or {}).get("name")
 
+    @property
+    def saved_reason(self) -> Optional[str]:
+        """Why ``auto`` chose the checkpoint's mode when the run started (what a resumed ``auto`` keeps), or None."""
+        return (self.peek() or {}).get("precision_reason")
+
     def release(self) -> None:
         """Forget the checkpoint once applied (its tensors need not outlive the load)."""
         self._read = None
@@ -295,10 +303,13 @@ def _master_layout_of_before(ck: Dict[str, Any], theirs: list, mine: list) -> bo
 
 
 def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size: int, signature: list,
-                     steps_per_epoch: Optional[int], plan: Optional[ResumePlan] = None) -> TrainConfig:
+                     steps_per_epoch: Optional[int], plan: Optional[ResumePlan] = None,
+                     lr_applies: bool = False) -> TrainConfig:
     """Refuse a checkpoint that cannot continue this run (incomplete, other options or model); say what
-    other schedule options change (``steps_per_epoch`` None: the schedule is the user's own). Returns
-    ``cfg`` with the checkpoint's lr, which continues in its optimizer and scheduler state."""
+    other schedule options change (``steps_per_epoch`` None: the schedule is the user's own; nothing said when
+    the checkpoint already reached this run's end: nothing will train). Returns ``cfg`` with the checkpoint's
+    lr, which continues in its optimizer and scheduler state, unless ``lr_applies`` (a resume after a
+    divergence: `after_divergence`), where this run's lr is kept, to be applied (`scale_lr`)."""
     needed = ("precision", "progress", "rng") + (() if "sharded" in ck else ("model", "optimizer"))
     missing = [k for k in needed if k not in ck]
     if missing:
@@ -308,10 +319,12 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
     if plan is None or not plan.checked(path):  # a plan's check_options already refused what it would
         check_saved_options(cfg, world_size, ck, path)
     check_model_signature(ck, signature, path)
-    note = schedule_change(cfg, saved, steps_per_epoch) if steps_per_epoch is not None and saved else None
+    finished = reached_end(ck, cfg)
+    note = (schedule_change(cfg, saved, steps_per_epoch, lr_applies)
+            if steps_per_epoch is not None and saved and not finished else None)
     if note:
         warnings.warn(note, stacklevel=3)
-    if steps_per_epoch is not None and "lr" in saved and saved["lr"] != cfg.lr:
+    if steps_per_epoch is not None and "lr" in saved and saved["lr"] != cfg.lr and not lr_applies:
         cfg = cfg.updated(lr=saved["lr"])  # what config.toml then records
     scaling = {k: saved.get(k) for k in ("loss_scale", "init_scale") if saved and saved.get(k) != getattr(cfg, k)}
     if any(getattr(cfg, k) is not None for k in scaling):  # the loss scaler's state is the checkpoint's
@@ -322,6 +335,34 @@ def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size
     if scaling:  # what config.toml then records
         cfg = cfg.updated(**scaling)
     return cfg
+
+
+def reached_end(ck: Dict[str, Any], cfg: TrainConfig) -> bool:
+    """Whether the checkpoint's position is already at this run's end (its epochs or max steps)."""
+    p = ck.get("progress") or {}
+    return int(p.get("epoch", 0)) >= cfg.epochs or bool(cfg.max_steps and int(p.get("global_step", 0)) >= cfg.max_steps)
+
+
+#: what an attempt that stopped on non-finite gradients leaves in its run directory (`report.STALE_REPORTS`)
+NONFINITE_REPORT = "nonfinite_report.txt"
+
+
+def after_divergence(path: str, out: Optional[str]) -> bool:
+    """Whether the run of the checkpoint at ``path`` (or the run directory ``out``) last stopped on non-finite
+    gradients (its nonfinite_report.txt is there, not yet set aside by a resume): ``--lr`` then applies on the
+    resume, the way the stop advises to continue."""
+    return any(d and os.path.isfile(os.path.join(d, NONFINITE_REPORT)) for d in (run_of(path), out))
+
+
+def scale_lr(optimizer, scheduler, ratio: float) -> None:
+    """Every param group's lr (and its schedule's base) times ``ratio``: a new base lr from the resumed step on,
+    the schedule's curve kept."""
+    for group in optimizer.param_groups:
+        _set_lr(group, float(group["lr"]) * ratio)
+        if "initial_lr" in group:
+            group["initial_lr"] = float(group["initial_lr"]) * ratio
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [float(b) * ratio for b in scheduler.base_lrs]
 
 
 def position_text(path: str, counters, cfg: TrainConfig) -> str:
@@ -371,7 +412,8 @@ def finished_summary(cfg: TrainConfig, run_dir: Optional[str], epoch: int, globa
         return json.load(f)
 
 
-def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: int) -> Optional[str]:
+def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: int,
+                    lr_applies: bool = False) -> Optional[str]:
     """What a resume with other schedule options changes, in one sentence, or None.
 
     The schedule's length comes from epochs/max_steps, so resuming with more epochs stretches a
@@ -389,7 +431,7 @@ def schedule_change(cfg: TrainConfig, saved: Dict[str, Any], steps_per_epoch: in
                            "(its length comes from --epochs/--max-steps)")
     if changes:
         changes[-1] += f" (applied: the {cfg.lr_schedule} schedule continues from the resumed step)"
-    if "lr" in saved and saved["lr"] != cfg.lr:
+    if "lr" in saved and saved["lr"] != cfg.lr and not lr_applies:
         changes.append(f"--lr {cfg.lr:g} does not apply: the checkpoint's lr {saved['lr']:g} continues (and is "
                        "what config.toml records)")
     if not changes:

@@ -13,8 +13,10 @@ import time
 from typing import Any, Dict, List, Optional
 
 from . import checkpoint as ckpt
+from .wording import continue_hint, opt
 
-__all__ = ["RunDirError", "RunDir", "is_run_dir", "default_run_dir", "write_atomic", "truncate_metrics", "LOCK_NAME"]
+__all__ = ["RunDirError", "RunDir", "is_run_dir", "default_run_dir", "write_atomic", "truncate_metrics", "missing_records",
+           "gap_text", "LOCK_NAME"]
 
 # held (flock) by the one process writing the run; the OS drops the lock when that process dies, so a
 # killed run never blocks the next one; removed by its holder on exit (a killed run leaves it, unlocked)
@@ -79,17 +81,16 @@ class RunDir:
         out = self.out
         holds_run = is_run_dir(out)
         if os.path.exists(out) and not os.path.isdir(out):
-            raise RunDirError(f"--out {out!r} is a file, not a directory: choose another --out.")
+            raise RunDirError(f"{opt('out', repr(out))} is a file, not a directory: choose another {opt('out')}.")
         if not holds_run and os.path.isdir(out) and _entries(out):
             entries = _entries(out)
             shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-            raise RunDirError(f"--out {out!r} is a directory that is not an ampkit run and is not empty (it holds "
-                              f"{shown}): ampkit writes only into a new or empty directory or a run of its own: "
-                              "choose a new --out (nothing was written).")
+            raise RunDirError(f"{opt('out', repr(out))} is a directory that is not an ampkit run and is not empty (it "
+                              f"holds {shown}): ampkit writes only into a new or empty directory or a run of its own: "
+                              f"choose a new {opt('out')} (nothing was written).")
         if holds_run and not resuming:
-            raise RunDirError(
-                f"--out {out!r} already holds a run: continue it with --resume auto, or choose another --out "
-                "(nothing was overwritten).")
+            raise RunDirError(f"{opt('out', repr(out))} already holds a run: continue it with {continue_hint()}, or "
+                              f"choose another {opt('out')} (nothing was overwritten).")
         try:
             existed = os.path.isdir(out)
             was_empty = not existed or not _entries(out)
@@ -97,8 +98,8 @@ class RunDir:
             self._lock()
             if not resuming and is_run_dir(out):  # another invocation made it a run while we looked
                 self.release()
-                raise RunDirError(f"--out {out!r} already holds a run: continue it with --resume auto, or choose "
-                                  "another --out (nothing was overwritten).")
+                raise RunDirError(f"{opt('out', repr(out))} already holds a run: continue it with {continue_hint()}, "
+                                  f"or choose another {opt('out')} (nothing was overwritten).")
             if was_empty:
                 self._created = True  # emptied again when this invocation fails before training starts
                 self._existed = existed
@@ -111,10 +112,10 @@ class RunDir:
             self.release()
             self.remove_stub()
             if resuming and holds_run:  # the run is there: another --out would not continue it
-                raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): a resume writes into its run "
+                raise RunDirError(f"{opt('out', repr(out))} is not writable ({e.strerror}): a resume writes into its run "
                                   "directory: make it writable (free space, remount read-write, fix permissions), "
                                   "or copy the run somewhere writable and resume there (nothing was written).") from e
-            raise RunDirError(f"--out {out!r} is not writable ({e.strerror}): choose another --out "
+            raise RunDirError(f"{opt('out', repr(out))} is not writable ({e.strerror}): choose another {opt('out')} "
                               "(nothing was written).") from e
 
     def _lock(self) -> None:
@@ -129,8 +130,8 @@ class RunDir:
                 os.close(fd)
                 if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                     raise
-                raise RunDirError(f"--out {self.out!r} is in use by another ampkit train{holder}: wait for it to "
-                                  "finish, or choose another --out (nothing was written).") from None
+                raise RunDirError(f"{opt('out', repr(self.out))} is in use by another ampkit train{holder}: wait for it "
+                                  f"to finish, or choose another {opt('out')} (nothing was written).") from None
             try:  # the holder before us may have removed the file between our open and our lock: retry
                 same = os.fstat(fd).st_ino == os.stat(path).st_ino
             except FileNotFoundError:
@@ -177,7 +178,7 @@ class RunDir:
                  if os.path.isfile(os.path.join(self.out, n))]
         return (f"the run stopped before its first checkpoint; its directory {self.out} is kept"
                 + (f" ({', '.join(names)} say what happened)" if names else "")
-                + ": start it again with --resume auto, or delete it.")
+                + f": start it again with {continue_hint()}, or delete it.")
 
 
 def _read_holder(fd: int) -> str:
@@ -226,3 +227,41 @@ def truncate_metrics(path: str, upto_step: int, upto_epoch: int, source: Optiona
             records.append(r)
     write_atomic(path, "".join(keep))
     return records
+
+
+def missing_records(records: List[Dict[str, Any]], upto_step: int, upto_epoch: int, evaluates: bool) -> Dict[str, list]:
+    """What a resumed run's record lacks up to its checkpoint (``upto_step`` attempted steps, ``upto_epoch``
+    finished epochs), beside what earlier resumes already recorded as lost (``gap`` records):
+    ``{"train_steps": [[first, last], ...], "eval_epochs": [...]}`` (eval epochs only when the run
+    ``evaluates``); empty lists when nothing is missing. A metrics.jsonl cut short or lost (a crash before
+    the records were on disk, a deleted file) leaves this; the checkpoint is the truth of where the run is."""
+    seen, evals = set(), set()
+    for r in records:
+        kind = r.get("kind")
+        if kind == "train" and isinstance(r.get("step"), int):
+            seen.add(r["step"])
+        elif kind == "eval" and isinstance(r.get("epoch"), int):
+            evals.add(r["epoch"])
+        elif kind == "gap":  # lost before, said then: not said again
+            for a, b in r.get("missing_steps") or []:
+                seen.update(range(a, b + 1))
+            evals.update(r.get("missing_eval_epochs") or [])
+    ranges: List[List[int]] = []
+    for s in range(1, upto_step + 1):
+        if s in seen:
+            continue
+        if ranges and ranges[-1][1] == s - 1:
+            ranges[-1][1] = s
+        else:
+            ranges.append([s, s])
+    epochs = [e for e in range(1, upto_epoch + 1) if e not in evals] if evaluates else []
+    return {"train_steps": ranges, "eval_epochs": epochs}
+
+
+def gap_text(gap: Dict[str, list]) -> str:
+    """``missing_records``' answer in words: "steps 53-100 and the evaluation of epoch 2"."""
+    steps = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in gap.get("train_steps") or [])
+    evals = ", ".join(str(e) for e in gap.get("eval_epochs") or [])
+    parts = ([f"step{'s' if ',' in steps or '-' in steps else ''} {steps}"] if steps else []) + (
+        [f"the evaluation of epoch{'s' if ',' in evals else ''} {evals}"] if evals else [])
+    return " and ".join(parts)

@@ -24,9 +24,10 @@ from ..utils.tree import to_device
 from ..utils.warn import user_stacklevel
 from . import distributed as _dist
 from .batches import Batches
-from .config import TrainConfig
+from .config import ONE_RESUME, TrainConfig
 from .evaluate import default_loss
 from .metrics import require_tensorboard
+from .wording import continue_hint, opt
 
 __all__ = ["build_optimizer", "build_scheduler", "check_config", "make_precision", "tune_for_run", "check_run_length", "task_note",
            "check_model_accepts_data", "infer_task", "wire"]
@@ -101,6 +102,14 @@ def check_config(cfg: TrainConfig, train_data: Dataset) -> None:
                          (" (or --strategy ddp to continue an FSDP run's checkpoint in one process)" if cfg.resume else ""))
     if cfg.memory_format not in MEMORY_FORMATS:
         raise ValueError(f"Unknown memory_format {cfg.memory_format!r}: use {', '.join(MEMORY_FORMATS)}.")
+    if not cfg.resume:  # the one-resume options mean nothing to a new run: said, not ignored
+        defaults = TrainConfig()
+        given = [opt(k, repr(getattr(cfg, k)), cli="" if isinstance(getattr(cfg, k), bool) else getattr(cfg, k))
+                 for k in ONE_RESUME if getattr(cfg, k) != getattr(defaults, k)]
+        if given:
+            raise ValueError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only to a resume "
+                             f"({continue_hint()} or a checkpoint's path): this run starts new; leave "
+                             f"{'them' if len(given) > 1 else 'it'} out.")
 
 
 def check_run_length(cfg: TrainConfig, micro_batches: int, total_steps: int) -> None:
@@ -147,15 +156,16 @@ def make_precision(precision: Any, cfg: TrainConfig, world_size: int = 1) -> Pre
 
 
 def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: Batches, loss_fn: Callable,
-                 saved_mode: Optional[str], single_process: bool) -> Precision:
+                 saved_mode: Optional[str], single_process: bool, saved_reason: Optional[str] = None) -> Precision:
     """Measure what the run left open on this model and its first batch (``ampkit.tune``; cached
     per machine): the mode for precision auto, the memory format of a conv model, attention kernels.
-    A resumed auto run keeps its checkpoint's mode (``saved_mode``); with no checkpoint yet, auto
+    A resumed auto run keeps its checkpoint's mode (``saved_mode``) and the reason it was chosen for
+    (``saved_reason``, recorded when the run started; checkpoints before it: `RESUMED`); with no checkpoint yet, auto
     chooses as a fresh start does. Several processes keep the defaults
     (every rank must run the same mode and layout, and timings differ per rank)."""
     kept = resumed_mode(prec.requested, saved_mode)  # precision.auto: a resumed auto keeps its checkpoint's mode
-    if kept in MODES and kept != prec.name:
-        prec = prec.retuned(Tuned(mode=kept, mode_reason=RESUMED))
+    if kept in MODES:
+        prec = prec.retuned(Tuned(mode=kept, mode_reason=saved_reason or RESUMED))
     modes = prec.requested == AUTO and kept is None
     if not needs_tuning(prec, model, modes) or not cfg.autotune or not single_process:
         return prec

@@ -146,9 +146,7 @@ def save_sharded(model: nn.Module, optimizer, state: Dict[str, Any], path: str) 
     if err is not None:
         if rank == 0 and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-        raise ckpt.CheckpointError(
-            f"could not write checkpoint {path!r}: {err[1]}; earlier checkpoints are intact "
-            "(free disk space or fix permissions, then resume with --resume auto).")
+        raise ckpt.write_failed(path, err[1])
     return path
 
 

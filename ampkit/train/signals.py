@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from . import distributed as _dist
+from .wording import continue_hint
 
 __all__ = ["TrainingInterrupted", "StopSignal"]
 
@@ -21,7 +22,7 @@ class TrainingInterrupted(Exception):
         self.path = path
         name = signal.Signals(signum).name
         where = f"checkpoint saved to {path}" if path else "no run directory, nothing saved"
-        super().__init__(f"{name} received: stopped at a step boundary; {where}. Resume with --resume auto.")
+        super().__init__(f"{name} received: stopped at a step boundary; {where}. Resume with {continue_hint()}.")
 
 
 class StopSignal:

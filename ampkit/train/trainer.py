@@ -38,12 +38,13 @@ from .config import TrainConfig, recorded_options
 from .evaluate import default_loss, evaluate_shards
 from .loop import Counters, Outcomes, RunState, Training, TrainLoop
 from .metrics import MetricsLogger
-from .report import announce, build_summary, open_metrics, publish, set_aside_reports, write_nonfinite_report
+from .report import (RunDivergedError, announce, build_summary, divergence, open_metrics, publish, set_aside_reports,
+                     write_nonfinite_report)
 from .rundir import RunDir, RunDirError, checkpoint_dir
 from .setup import build_optimizer, build_scheduler
 from .signals import StopSignal, TrainingInterrupted
 
-__all__ = ["Trainer", "TrainingInterrupted", "RunDirError", "build_optimizer", "build_scheduler"]
+__all__ = ["Trainer", "TrainingInterrupted", "RunDirError", "RunDivergedError", "build_optimizer", "build_scheduler"]
 
 
 _DONE = {"convert": "converted", "reset": "reset"}
@@ -118,7 +119,8 @@ class Trainer:
         if not isinstance(precision, Precision):  # not a ready Precision: measure what it left open
             saved_mode = self._resume.saved_mode if self._resume else None
             self.precision = setup.tune_for_run(self.precision, model, cfg, self.batches, self.loss_fn, saved_mode,
-                                                single_process=self.world_size == 1 and not self._fsdp)
+                                                single_process=self.world_size == 1 and not self._fsdp,
+                                                saved_reason=self._resume.saved_reason if self._resume else None)
         self.model, self.raw_model, self.optimizer = setup.wire(model, optimizer, self.precision, cfg, self.world_size)
         self.compiled_step = setup.compiled_step(self.precision, self.optimizer, cfg, self.world_size)
         self.steps_per_epoch = math.ceil(self.batches.per_epoch() / cfg.grad_accum)
@@ -151,6 +153,8 @@ class Trainer:
         self._data_change: Optional[str] = None
         self._precision_change: Optional[tuple] = None  # (old mode, new mode): allow_precision_change, this resume
         self._precision_changes: List[Dict[str, Any]] = []  # changes at resumes, recorded
+        self._lr_changes: List[Dict[str, Any]] = []  # lr given on resumes after a divergence, recorded
+        self._lr_change: Optional[Dict[str, Any]] = None  # this resume's
         if cfg.resume:  # an earlier checkpoint of a run with later ones: continuing in place would lose them
             resume.refuse_rewind(cfg.resume, cfg.out)
         self._resume = resume.ResumePlan.locate(cfg.resume, cfg.out, resume_plan) if cfg.resume else None
@@ -211,9 +215,11 @@ class Trainer:
             "rng": ckpt.rng_state(),
             "config": {k: v for k, v in recorded_options(self.config).to_dict().items() if v is not None},
             "model_signature": ckpt.model_signature(self.raw_model),
+            "precision_reason": self.precision.reason,  # why auto chose the mode: a resume keeps it
             "data_fingerprint": self.data_fingerprint,
             "data_changes": self._data_changes,
             "precision_changes": self._precision_changes,
+            "lr_changes": self._lr_changes,
         }
 
     def save_checkpoint(self) -> Optional[str]:
@@ -248,8 +254,11 @@ class Trainer:
         theirs = ck.get("model_signature")
         if switch and theirs and len(theirs) == len(signature):  # the dtypes change with the mode, not the tensors
             signature = [[name, shape, t[2]] for (name, shape, _), t in zip(signature, theirs)]
+        # after a divergence stop, --lr on the resume applies (the way the stop advises to continue)
+        lr_applies = self._own_optimizer and self._own_schedule and resume.after_divergence(path, self.config.out)
+        saved_lr = (ck.get("config") or {}).get("lr")
         self.config = resume.check_checkpoint(ck, path, self.config, self.world_size, signature,
-                                              self.steps_per_epoch if self._own_schedule else None, plan)
+                                              self.steps_per_epoch if self._own_schedule else None, plan, lr_applies)
         if self.device.type != "cpu":
             ck = to_device(ck, self.device)  # a plan reads on the CPU: where map_location would have put it
         built = [g["weight_decay"] for g in self.optimizer.param_groups] if self._own_optimizer else []
@@ -274,6 +283,11 @@ class Trainer:
         if self._data_change:  # accepted with allow_new_data: recorded in the checkpoints, config.toml, metrics
             self._data_changes.append({"step": self.attempted_steps, "change": self._data_change,
                                        "data": self.config.data})
+        self._lr_changes = list(ck.get("lr_changes") or [])
+        if lr_applies and saved_lr and saved_lr != self.config.lr:  # the schedule's curve on from the new base lr
+            resume.scale_lr(self.optimizer, self.scheduler, self.config.lr / saved_lr)
+            self._lr_change = {"step": self.attempted_steps, "from": saved_lr, "to": self.config.lr}
+            self._lr_changes.append(self._lr_change)
         self._precision_changes = list(ck.get("precision_changes") or [])
         if switch:
             self._precision_changes.append({"step": self.attempted_steps, "from": switch[0], "to": switch[1],
@@ -329,6 +343,8 @@ class Trainer:
         if resume_path:
             self._load_resumed(resume_path)
             done = self._already_finished()
+            if done is not None and done.get("diverged"):  # nothing to train, and what it trained is no model
+                raise RunDivergedError(done["diverged"], done)
             if done is not None:
                 return done
         else:
@@ -345,7 +361,8 @@ class Trainer:
                           file=sys.stderr)
         logger, kept = open_metrics(self.run_dir, cfg.tensorboard,
                                     (self.attempted_steps, self.epoch) if resume_path else None, self.world_size,
-                                    resume.run_of(resume_path) if resume_path else None)
+                                    resume.run_of(resume_path) if resume_path else None,
+                                    evaluates=self.eval_data is not None)
         if kept is not None:
             self.history = kept
         if _dist.is_main_process():
@@ -375,6 +392,8 @@ class Trainer:
         train_time = self._time_before + time.perf_counter() - t_start  # all segments of a resumed run
         summary = self._finish(logger, train_time, peak_memory_bytes)
         logger.close()
+        if summary["diverged"]:  # written and reported as it is, then a failure (`ampkit train` exits 3)
+            raise RunDivergedError(summary["diverged"], summary)
         return summary
 
     def _announce(self, logger: MetricsLogger, resume_path: Optional[str]) -> None:
@@ -385,11 +404,18 @@ class Trainer:
         changes.update({f"precision changed at step {c['step']}": f"{c['from']} -> {c['to']} (--allow-precision-"
                         f"change; the weights carried over, the optimizer state {_DONE[c['optimizer']]})"
                         for c in self._precision_changes})
+        changes.update({f"lr changed at step {c['step']}": f"{c['from']:g} -> {c['to']:g} (--lr on the resume after "
+                        "a divergence stop)" for c in self._lr_changes})
         announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
-                 resume_path and resume.position_text(resume_path, self.counters, self.config), changes)
+                 resume_path and resume.position_text(resume_path, self.counters, self.config), changes,
+                 kept=bool(resume_path) and self.precision.requested == "auto")
         if self._precision_change:
             logger.event({"kind": "precision_change", "step": self.attempted_steps, "from": self._precision_change[0],
                           "to": self._precision_change[1], "optimizer": self.config.precision_change_optimizer})
+        if self._lr_change:
+            logger.event({"kind": "lr_change", **self._lr_change})
+            print(f"ampkit: the run stopped on non-finite gradients before: lr {self._lr_change['to']:g} applies "
+                  f"from step {self._lr_change['step']} on (it was {self._lr_change['from']:g})", file=sys.stderr)
         if self._data_change:
             logger.event({"kind": "data_change", "step": self.attempted_steps, "change": self._data_change,
                           "data": self.config.data, "fingerprint": self.data_fingerprint})
@@ -408,6 +434,7 @@ class Trainer:
             strategy=self.config.strategy if (self.world_size > 1 or self._fsdp) else None,
             class_names=self.class_names, peak_memory_bytes=peak_memory_bytes,
             planned_peak_bytes=self.planned_peak_bytes)
+        summary["diverged"] = divergence(summary, self.attempted_steps)
         if _dist.is_main_process():
             publish(logger, self.run_dir, self.precision, summary, report, self.attempted_steps)
         return summary

@@ -142,6 +142,33 @@ def test_a_checkpoint_without_a_fingerprint_still_resumes(npz, tmp_path, capsys)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_one_row_edited_in_a_300_row_file_is_noticed(tmp_path, capsys):
+    """A small data file is hashed whole: one value of one row changed (between the sampled rows) is another
+    file to a resume, refused in one line; the library's fingerprint says the same."""
+    from ampkit.data import data_fingerprint, fingerprint_changes, load_data
+
+    r = np.random.RandomState(0)
+    x = r.randn(300, 8).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    path = tmp_path / "d.npz"
+    np.savez(path, x=x, y=y)
+    out = tmp_path / "run"
+    assert InProcess(["train", "--data", str(path), "--epochs", "1", "--out", str(out), *FAST], capsys).returncode == 0
+    train = load_data(str(path), seed=0).train
+    before = data_fingerprint(train)
+    n = len(train)
+    sampled = {round(i * (n - 1) / 63) for i in range(64)}
+    j = next(i for i in range(n // 2, n) if i not in sampled)  # a training row the 64 sampled ones miss
+    row = int(np.flatnonzero((x == train.tensors[0][j].numpy()).all(1))[0])
+    x[row, 3] += 1.0  # one value of one row
+    np.savez(path, x=x, y=y)
+    after = data_fingerprint(load_data(str(path), seed=0).train)
+    assert before["sample_hash"] == after["sample_hash"]  # the 64 evenly spaced samples miss it
+    assert fingerprint_changes(before, after) and before["data_hash"] != after["data_hash"]
+    line = one_error(InProcess(["train", "--out", str(out), "--resume", "auto", "--epochs", "2"], capsys))
+    assert "other data" in line and "other contents" in line and "--allow-new-data" in line, line
+
+
 @pytest.mark.parametrize("steps", [2, 4, 15])
 def test_final_train_loss_and_throughput_come_from_the_steps_taken(steps, tmp_path, capsys):
     out = tmp_path / "run"

@@ -74,3 +74,81 @@ def test_checkpoint_never_ahead_of_metrics(tmp_path):
     t.save_checkpoint = save
     t.fit()
     assert seen and all(logged >= step for step, logged in seen), seen
+
+
+def test_metrics_are_fsynced_before_every_checkpoint(tmp_path, monkeypatch):
+    """A power loss keeps what was fsynced: each checkpoint comes after an fsync of metrics.jsonl that covers
+    its steps (flushed to the OS alone, the records a checkpoint covers could be lost with the machine)."""
+    out = str(tmp_path / "run")
+    events, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    t = Trainer(_model(), _data(), out=out, **KW)
+    real_save = t.save_checkpoint
+
+    def save():
+        events.append(("save", t.attempted_steps))
+        return real_save()
+
+    t.save_checkpoint = save
+    t.fit()
+    saves = [i for i, e in enumerate(events) if e[0] == "save"]
+    assert len(saves) > 3
+    for before, i in zip([-1] + saves, saves):
+        assert ("fsync", "metrics.jsonl") in events[before + 1:i], (events[i], events[before + 1:i])
+
+
+def _cut_after(path, step, torn=True):
+    """metrics.jsonl as a crash leaves it: the records up to ``step`` and a torn half line."""
+    lines = open(path).read().splitlines(keepends=True)
+    keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step and json.loads(ln)["kind"] != "summary"]
+    with open(path, "w") as f:
+        f.writelines(keep)
+        if torn:
+            f.write('{"kind": "train", "step": ')
+
+
+def test_a_resume_behind_its_metrics_says_once_which_records_are_lost(tmp_path, capsys):
+    """metrics.jsonl cut back behind the checkpoint (a crash before the records reached the disk): the resume
+    says once which steps' and evaluations' records are lost, records the gap (a ``gap`` record, summary.json,
+    report.txt), and a later resume does not say it again."""
+    out = str(tmp_path / "run")
+    kw = {**KW, "epochs": 3, "save_every": None}  # 13 steps an epoch, a checkpoint at each epoch's end
+    Trainer(_model(), _data(), _data(), out=out, **{**kw, "epochs": 2}).fit()
+    _cut_after(os.path.join(out, "metrics.jsonl"), 5)
+    capsys.readouterr()
+    summary = Trainer(_model(), _data(), _data(), out=out, resume="auto", **kw).fit()
+    err = capsys.readouterr().err
+    assert err.count("lacks the records") == 1, err
+    assert "steps 6-26 and the evaluation of epochs 1, 2" in err, err
+    lost = {"train_steps": [[6, 26]], "eval_epochs": [1, 2]}
+    assert summary["missing_records"] == lost
+    assert json.load(open(os.path.join(out, "summary.json")))["missing_records"] == lost
+    assert "lacks the records of steps 6-26" in open(os.path.join(out, "report.txt")).read()
+    recs = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in recs if r["kind"] == "train"] == list(range(1, 6)) + list(range(27, 40))
+    assert [(r["missing_steps"], r["missing_eval_epochs"]) for r in recs if r["kind"] == "gap"] == [([[6, 26]], [1, 2])]
+    Trainer(_model(), _data(), _data(), out=out, resume="auto", **{**kw, "epochs": 4}).fit()  # said once
+    assert "lacks the records" not in capsys.readouterr().err
+    assert json.load(open(os.path.join(out, "summary.json")))["missing_records"] == lost
+
+
+def test_a_resume_without_metrics_records_the_whole_gap(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    Trainer(_model(), _data(), out=out, **{**KW, "max_steps": 6}).fit()
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    capsys.readouterr()
+    summary = Trainer(_model(), _data(), out=out, resume="auto", **{**KW, "max_steps": 9}).fit()
+    assert "metrics.jsonl lacks the records of steps 1-6 " in capsys.readouterr().err
+    assert summary["missing_records"] == {"train_steps": [[1, 6]], "eval_epochs": []}
+
+
+def test_an_uninterrupted_resume_has_no_gap(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    Trainer(_model(), _data(), _data(), out=out, **{**KW, "max_steps": 6}).fit()
+    summary = Trainer(_model(), _data(), _data(), out=out, resume="auto", **{**KW, "max_steps": 9}).fit()
+    assert "lacks the records" not in capsys.readouterr().err and summary["missing_records"] is None
