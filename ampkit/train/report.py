@@ -187,8 +187,10 @@ def _kept_summary(kept: Dict[str, str], limit: int = 64) -> Dict[str, Any]:
     return {"count": len(kept), "names": dict(list(kept.items())[:limit]), "truncated": len(kept) > limit}
 
 
-def report_text(precision: Precision, summary: Dict[str, Any], report: Optional[Dict[str, Any]]) -> str:
-    lines = [f"precision: {precision.describe()}",
+def report_text(precision: Precision, summary: Dict[str, Any], report: Optional[Dict[str, Any]],
+                kept: bool = False) -> str:
+    """report.txt (and the printed report); ``kept``: a resumed ``auto`` run (`described`)."""
+    lines = [f"precision: {described(precision, kept)}",
              f"optimizer steps: {summary['optimizer_steps']} (skipped {summary['skipped_steps']}), "
              f"final loss scale: {summary['final_loss_scale']:g}, epochs: {summary['epochs']}"]
     if summary["samples_per_s"]:
@@ -216,11 +218,12 @@ def write_reports(run_dir: Optional[str], text: str, summary: Dict[str, Any]) ->
 
 
 def publish(logger: MetricsLogger, run_dir: Optional[str], precision: Precision, summary: Dict[str, Any],
-            report: Optional[Dict[str, Any]], step: int) -> None:
-    """The summary as metrics.jsonl's last record, the report printed, report.txt and summary.json written."""
+            report: Optional[Dict[str, Any]], step: int, kept: bool = False) -> None:
+    """The summary as metrics.jsonl's last record, the report printed, report.txt and summary.json written
+    (``kept``: a resumed ``auto`` run, `described`)."""
     logger.event({"kind": "summary", "step": step,
                   **{k: v for k, v in summary.items() if k not in ("classification_report", "confusion_matrix")}})
-    text = report_text(precision, summary, report)
+    text = report_text(precision, summary, report, kept)
     print(text)
     write_reports(run_dir, text, summary)
 

@@ -140,6 +140,7 @@ class Trainer:
         self._run_dir = RunDir(cfg.out)
         self._t_segment: Optional[float] = None
         self._fit_called = False
+        self._kept_auto = False  # a resumed auto run: it kept the mode (and reason) chosen when it started
         self._training_started = False  # config.toml and metrics written: a failure keeps the run directory
 
     def _plan_resume(self, cfg: TrainConfig, precision: Any, train_data: Dataset,
@@ -365,6 +366,7 @@ class Trainer:
                                     evaluates=self.eval_data is not None)
         if kept is not None:
             self.history = kept
+        self._kept_auto = bool(resume_path) and self.precision.requested == "auto"  # kept the mode chosen at the start
         if _dist.is_main_process():
             self._announce(logger, resume_path)
         t_start = self._t_segment = time.perf_counter()
@@ -408,7 +410,7 @@ class Trainer:
                         "a divergence stop)" for c in self._lr_changes})
         announce(self.precision, self.config, self.run_dir, setup.task_note(self.task, self.train_data),
                  resume_path and resume.position_text(resume_path, self.counters, self.config), changes,
-                 kept=bool(resume_path) and self.precision.requested == "auto")
+                 kept=self._kept_auto)
         if self._precision_change:
             logger.event({"kind": "precision_change", "step": self.attempted_steps, "from": self._precision_change[0],
                           "to": self._precision_change[1], "optimizer": self.config.precision_change_optimizer})
@@ -436,5 +438,5 @@ class Trainer:
             planned_peak_bytes=self.planned_peak_bytes)
         summary["diverged"] = divergence(summary, self.attempted_steps)
         if _dist.is_main_process():
-            publish(logger, self.run_dir, self.precision, summary, report, self.attempted_steps)
+            publish(logger, self.run_dir, self.precision, summary, report, self.attempted_steps, self._kept_auto)
         return summary

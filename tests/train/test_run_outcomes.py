@@ -164,6 +164,8 @@ def test_a_resumed_auto_run_keeps_the_reason_its_mode_was_chosen_for(tmp_path, c
     assert "auto -> " not in err and "kept on resume: auto's choice when the run started: measured" in err, err
     config = open(os.path.join(out, "config.toml")).read()
     assert "(measured: the fastest here)" in config and "kept on resume" in config
+    report = open(os.path.join(out, "report.txt")).read()
+    assert "kept on resume: auto's choice when the run started: measured" in report and "auto -> " not in report
 
 
 # ---------------------------------------------------------------- library wording
