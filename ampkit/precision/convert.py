@@ -8,6 +8,14 @@ T5's RMSNorms...), plus what Hugging Face models list in ``_keep_in_fp32_modules
 a 16-bit input with fp32 weights natively and return the input's dtype, so no cast is added there;
 elsewhere, and for every norm a model writes itself, a pre-hook casts the inputs up to fp32 and a
 hook casts the output back to the 16-bit dtype, so forward works unchanged.
+
+One gating rule for every cast hook (compute copies, the norms' input and output casts, the model's input and
+output casts, fp32 islands): a hook built with a ``gate`` (a device type: the master modes, whose weights stay
+in the model as they were) casts only while autocast is on for that device (:func:`gated_off`); outside
+``precision.autocast()`` the model computes as the plain model it holds (an eval loop, ``generate``, a
+callback's forward), whatever dtypes it mixes (a bf16 frozen base with fp32 LoRA adapters). An fp32 island,
+whose weights ``setup`` made fp32, still takes fp32 inputs there and hands its output back in its input's
+dtype. A hook without a gate (the pure modes: the weights themselves were cast) casts always.
 """
 from __future__ import annotations
 
@@ -72,6 +80,7 @@ def convert_model(
         keep = name in plan.norms
         target = torch.float32 if keep else dtype
         copied = {"_parameters": [], "_buffers": []}
+        wide = []  # compute copies in fp32: a kept (norm) tensor stored narrower (a bf16 frozen base's norm)
         # buffers: none (see above), but a BatchNorm/InstanceNorm cast to 16 bits (keep_norm_fp32=False, apex
         # O3) takes its running statistics along: torch's kernel wants them in its weight's dtype
         stats = not keep and target != torch.float32 and isinstance(module, nn.modules.batchnorm._NormBase)
@@ -82,6 +91,8 @@ def convert_model(
                     continue
                 if compute_copies:  # stored as they are (fp32), cast for each forward
                     copied[attr].append(key)
+                    if want == torch.float32:
+                        wide.append(key)
                     continue
                 t.data = t.data.to(want)
                 if getattr(t, "grad", None) is not None:
@@ -89,14 +100,14 @@ def convert_model(
         if (copied["_parameters"] or copied["_buffers"]) and not getattr(module, "_ampkit_compute_copies", False):
             shared = [k for k in copied["_parameters"] if tied is not None and id(module._parameters[k]) in tied.ids]
             module.register_forward_pre_hook(ComputeCopies(dtype, copied["_parameters"], copied["_buffers"],
-                                                           tied if shared else None, shared, gate=gate))
+                                                           tied if shared else None, shared, gate=gate, wide=wide))
             module.register_forward_hook(DropComputeCopies(copied["_parameters"], copied["_buffers"]),
                                          always_call=True)
             module._ampkit_compute_copies = True
         if keep and dtype != torch.float32 and not getattr(module, "_ampkit_norm_hooked", False):
             device = next((t.device for t in module.parameters()), torch.device("cpu"))
             if _needs_input_cast(module, device):
-                module.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True)
+                module.register_forward_pre_hook(CastInputs(torch.float32, gate=gate), with_kwargs=True)
                 module.register_forward_hook(CastOutput(dtype, gate=gate))
             module._ampkit_norm_hooked = True
     if plan.islands and dtype != torch.float32:
@@ -153,10 +164,12 @@ class ComputeCopies:
     As FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does for its all-gathered parameters."""
 
     def __init__(self, dtype: torch.dtype, params: List[str], buffers: List[str],
-                 tied: Optional[_TiedCopies] = None, shared: Iterable[str] = (), gate: Optional[str] = None) -> None:
+                 tied: Optional[_TiedCopies] = None, shared: Iterable[str] = (), gate: Optional[str] = None,
+                 wide: Iterable[str] = ()) -> None:
         self.dtype, self.params, self.buffers = dtype, tuple(params), tuple(buffers)
         self.tied, self.shared = tied, frozenset(shared)  # parameters other modules use too
         self.gate = gate
+        self.wide = frozenset(wide)  # keys computed in fp32 (kept tensors stored narrower), not in ``dtype``
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if gated_off(self):
@@ -173,11 +186,14 @@ class ComputeCopies:
                     held = tied.copies[id(p)] = (p, p.to(self.dtype))
                 shadow[key] = held[1]
             else:
-                shadow[key] = p.to(self.dtype)
+                shadow[key] = p.to(self._dtype(key))
         for key in self.buffers:
             b = module._buffers[key]
             if b is not None:
-                shadow[key] = b.to(self.dtype)
+                shadow[key] = b.to(self._dtype(key))
+
+    def _dtype(self, key: str) -> torch.dtype:
+        return torch.float32 if key in getattr(self, "wide", ()) else self.dtype
 
 
 class DropComputeCopies:
@@ -224,8 +240,8 @@ class CastOutput:
 
 
 def gated_off(hook: Any) -> bool:
-    """A hook with a ``gate`` (a device type) casts only while autocast is on for that device (a model pickled
-    before hooks had a gate casts always)."""
+    """The one gating rule of every cast hook (module docstring): a hook with a ``gate`` (a device type) casts
+    only while autocast is on for that device (a model pickled before hooks had a gate casts always)."""
     gate = getattr(hook, "gate", None)
     return gate is not None and not torch.is_autocast_enabled(gate)
 
@@ -236,7 +252,7 @@ def hook_io(model: nn.Module, dtype: torch.dtype, cast_outputs: bool = True, gat
     if not getattr(model, "_ampkit_io_hooked", False):
         model.register_forward_pre_hook(CastInputs(dtype, gate=gate), with_kwargs=True)
         if cast_outputs:
-            model.register_forward_hook(CastOutput(torch.float32))
+            model.register_forward_hook(CastOutput(torch.float32, gate=gate))
         model._ampkit_io_hooked = True
     return model
 

@@ -539,15 +539,19 @@ class Precision:
         return result
 
     # ------------------------------------------------------------------ state
-    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                        cast_frozen: bool = True, device: Any = None) -> Dict[str, Any]:
         """The model's full-precision weights, keyed like ``model.state_dict()``, loadable into the fp32 model
         (strict; ``ampkit.precision.export``): the model's own fp32 params where it has them (the master modes'
         are the masters), a ``MasterWeightOptimizer``'s masters, bf16-pure's weight + Kahan buffer in fp32,
         fp32 casts of 16-bit tensors otherwise; buffers included, tied weights one tensor. ``optimizer``: the
         one holding masters or buffers (default: the last one ``wrap_optimizer`` returned). Uncast tensors alias
-        the live ones."""
+        the live ones. ``cast_frozen=False``: 16-bit parameters that do not train (a LoRA model's bf16 base) come
+        as they are, not cast (``save_pretrained`` of a PEFT model writes only the adapters); ``device``: where the
+        casts and Kahan sums are made (``"cpu"`` for a save: nothing allocated on the parameters' device)."""
         opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
-        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
+        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model),
+                               cast_frozen=cast_frozen, device=device)
 
     def export(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         """A plain fp32 copy of ``model`` with no ampkit in it (no hooks, fp32 weights from :meth:`fp32_state_dict`:
