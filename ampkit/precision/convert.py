@@ -49,6 +49,7 @@ def convert_model(
     plan: Optional[Fp32Plan] = None,
     compute_copies: bool = False,
     gate: Optional[str] = None,
+    keep_frozen: bool = False,
 ) -> nn.Module:
     """Cast ``model``'s floating params to ``dtype`` in place and return it. Buffers are not weights: they keep
     their dtype (fp32 in an fp32 model) in every mode, as FSDP2's ``MixedPrecisionPolicy`` casts parameters
@@ -66,7 +67,9 @@ def convert_model(
     with their ``dtype`` casts (:class:`ComputeCopies`: the master modes, whose fp32 weights are the
     model's own); otherwise they are cast in place (the pure modes, a user's ``model.half()``). ``gate``: a
     device type; the hooks cast only while autocast is on for it (the master modes: outside
-    ``precision.autocast()`` the model computes as the plain fp32 model it holds).
+    ``precision.autocast()`` the model computes as the plain fp32 model it holds). ``keep_frozen``: parameters
+    that do not train (``requires_grad`` False) are computed through copies as with ``compute_copies``, their
+    storage left as it is (the pure modes' ``frozen="keep"``: a frozen fp32 base under LoRA adapters).
     """
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"convert_model casts to float16, bfloat16 or float32, not {dtype}.")
@@ -89,7 +92,8 @@ def convert_model(
                 want = torch.float32 if f"{name}.{key}".lstrip(".") in plan.tensors else target
                 if t is None or not t.is_floating_point() or t.dtype == want:
                     continue
-                if compute_copies:  # stored as they are (fp32), cast for each forward
+                frozen = keep_frozen and isinstance(t, nn.Parameter) and not t.requires_grad
+                if compute_copies or frozen:  # stored as they are (fp32), cast for each forward
                     copied[attr].append(key)
                     if want == torch.float32:
                         wide.append(key)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -269,3 +270,38 @@ def test_exported_adapters_load_where_ampkit_is_not_installed(tmp_path):
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- bf16-pure and a frozen fp32 base
+def test_bf16_pure_says_it_rounds_the_frozen_base_and_keep_leaves_it():
+    """bf16-pure rounds a frozen fp32 base in place and says so once at setup (what, and that merges go into the
+    rounded base); frozen='keep' leaves it fp32, trains the same, and merge_and_unload merges into the fp32 base."""
+    runs = {}
+    for frozen in ("cast", "keep"):
+        model = lora_llama(torch.float32)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        prec = ampkit.Precision("bf16-pure", "cpu", frozen=frozen)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, opt = prec.setup(model, opt)
+        said = [str(w.message) for w in caught if "frozen parameters" in str(w.message)]
+        assert len(said) == (1 if frozen == "cast" else 0)
+        if said:
+            assert "from float32 to bfloat16 in place" in said[0] and "merge_and_unload" in said[0]
+            assert "frozen='keep'" in said[0]
+        base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+        assert base.dtype == (torch.bfloat16 if frozen == "cast" else torch.float32)
+        batch = BATCHES["llama"](0)
+        for _ in range(2):
+            with prec.autocast():
+                loss = model(**batch).loss
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            runs[frozen] = (loss.detach(), model(**batch).loss)  # outside autocast too
+        merged = model.merge_and_unload()
+        assert merged.model.layers[0].self_attn.q_proj.weight.dtype == base.dtype
+    assert torch.equal(runs["cast"][0], runs["keep"][0]) and torch.equal(runs["cast"][1], runs["keep"][1])
+    with pytest.raises(ValueError, match="frozen='fp32' is not supported: use 'cast'"):
+        ampkit.Precision("bf16-pure", "cpu", frozen="fp32")

@@ -13,7 +13,7 @@ datasets = pytest.importorskip("datasets")
 T = pytest.importorskip("transformers")
 
 from ampkit.integrations.hf import AmpkitTrainerMixin  # noqa: E402
-from hf_models import VOCAB, build  # noqa: E402
+from hf_models import build, word_texts, word_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 
@@ -22,18 +22,8 @@ class AmpkitSFTTrainer(AmpkitTrainerMixin, trl.SFTTrainer):
     pass
 
 
-def tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t1", pad_token="t0", eos_token="t0")
-
-
 def texts(n=16):
-    g = torch.Generator().manual_seed(0)
-    return datasets.Dataset.from_dict(
-        {"text": [" ".join(f"t{int(i)}" for i in torch.randint(2, VOCAB, (10,), generator=g)) for _ in range(n)]})
+    return datasets.Dataset.from_dict({"text": word_texts(n)})
 
 
 def config(out, **kw):
@@ -51,13 +41,13 @@ def test_sft_default_config_is_taken_over_said_once_and_bitwise_trls_own_bf16(tm
     and the argument to pass (issue 49: refused with "leave fp16/bf16 False" for a user who never wrote bf16), and
     precision='bf16-mixed' then trains bit for bit as TRL's own bf16 does."""
     own = trl.SFTTrainer(model=build("llama"), args=config(tmp_path / "trl"), train_dataset=texts(),
-                         processing_class=tokenizer())
+                         processing_class=word_tokenizer())
     assert own.args.bf16
     own.train()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = AmpkitSFTTrainer(model=build("llama"), args=config(tmp_path / "ampkit"), train_dataset=texts(),
-                                processing_class=tokenizer(), precision="bf16-mixed")
+                                processing_class=word_tokenizer(), precision="bf16-mixed")
     said = [str(w.message) for w in caught if "TRL" in str(w.message)]
     assert len(said) == 1 and "bf16=None" in said[0] and "pass bf16=False" in said[0]
     assert not ours.args.bf16 and ours.accelerator.mixed_precision == "no"
@@ -71,7 +61,7 @@ def test_sft_fp16_the_user_asked_for_is_still_refused(tmp_path):
     args = config(tmp_path, bf16=False)
     args.fp16 = True  # (set after building: transformers' own checks refuse fp16 with use_cpu)
     with pytest.raises(ValueError, match="leave fp16/bf16 False"):
-        AmpkitSFTTrainer(model=build("llama"), args=args, train_dataset=texts(), processing_class=tokenizer(),
+        AmpkitSFTTrainer(model=build("llama"), args=args, train_dataset=texts(), processing_class=word_tokenizer(),
                          precision="bf16-mixed")
 
 
@@ -84,7 +74,7 @@ def test_sft_lora_on_a_bf16_base_with_gradient_checkpointing_equals_without(mode
     for checkpointing in (True, False):
         trainer = AmpkitSFTTrainer(model=build("llama").to(torch.bfloat16), args=config(
             tmp_path / str(checkpointing), gradient_checkpointing=checkpointing, learning_rate=1e-2),
-            train_dataset=texts(), processing_class=tokenizer(), peft_config=lora, precision=mode)
+            train_dataset=texts(), processing_class=word_tokenizer(), peft_config=lora, precision=mode)
         trainer.train()
         runs.append({k: v for k, v in weights(trainer.model).items() if "lora_" in k})
     assert runs[0] and all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])

@@ -96,6 +96,9 @@ class Precision:
             None = measured: ``ampkit.tune`` (given a batch: the Trainer, the bench) times both
             layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
             CPU 16-bit compute with conv layers.
+        frozen: the pure modes: ``"cast"`` (default) rounds frozen parameters (``requires_grad`` False: a
+            LoRA model's base) to the 16-bit dtype with the rest, said once at setup; ``"keep"`` leaves them in
+            their dtype (an fp32 base stays fp32 for a later merge) and computes each forward with 16-bit copies.
         op_policy: speed-aware per-op kernel choice inside ``autocast()`` (``ampkit.precision.attention``:
             e.g. attention backward in fp32 where this CPU runs it faster), with the verdicts
             ``ampkit.tune`` measured; None = on for CPU 16-bit compute unless ``AMPKIT_OP_POLICY=off``.
@@ -174,6 +177,7 @@ class Precision:
         # why the memory format is what it is, when it was measured (ampkit.tune)
         self.layout_reason = self.tuned.layout_reason if model.channels_last is None and self.strategy != "fsdp" else None
         self.op_policy = model.op_policy
+        self.frozen = model.frozen  # the pure modes: frozen parameters cast with the rest, or kept (cast.py)
         self.compensation, self.optimizer_state, self.fused_optimizer = opt.compensation, opt.optimizer_state, opt.fused_optimizer
         self.scaler = options.scaling.scaler if options.scaling.scaler is not None else self._make_scaler()
         if hasattr(self.scaler, "counters"):  # the skip limit's advice fits the mode
