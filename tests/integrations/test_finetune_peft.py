@@ -305,3 +305,28 @@ def test_bf16_pure_says_it_rounds_the_frozen_base_and_keep_leaves_it():
     assert torch.equal(runs["cast"][0], runs["keep"][0]) and torch.equal(runs["cast"][1], runs["keep"][1])
     with pytest.raises(ValueError, match="frozen='fp32' is not supported: use 'cast'"):
         ampkit.Precision("bf16-pure", "cpu", frozen="fp32")
+
+
+@pytest.mark.parametrize("mode", ["bf16-master", "fp16-master", "bf16-pure", "fp8-tensorwise"])
+def test_lora_with_checkpointed_blocks_equals_without(mode):
+    """torch.utils.checkpoint around each block (HF's gradient_checkpointing_enable, non-reentrant, as PEFT users
+    turn it on) on a bf16 base: the recompute runs under the autocast state and compute copies of the forward, so
+    the adapters end bit for bit as without it (fp8: fp8_filter='all', the base's Linears in fp8)."""
+    ends = []
+    for checkpointing in (False, True):
+        model = lora_llama()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        prec = ampkit.Precision(mode, "cpu", **({"fp8_filter": "all"} if MODES[mode].fp8 else {}))
+        model, opt = prec.setup(model, opt)
+        model.train()
+        for step in range(2):
+            with prec.autocast():
+                loss = model(**BATCHES["llama"](step)).loss
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad(set_to_none=True)
+        ends.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert ends[0] and all(torch.equal(ends[0][n], ends[1][n]) for n in ends[0])
