@@ -1,4 +1,4 @@
-"""diffusers' unconditional training loop (its train_unconditional.py, as its users write it) with ampkit (issue 49):
+"""diffusers' unconditional training loop (its train_unconditional.py, as its users write it) with ampkit:
 a UNet2DModel from a tiny config, DDPMScheduler noise, accelerate's ``accumulate``, ``get_scheduler``, ``EMAModel``
 stepped after each synced optimizer step, ``save_state``/``load_state``: the resumed run ends bit for bit as the
 whole one (weights, EMA, loss scale) in bf16-mixed, fp16-mixed, bf16-master and bf16-pure."""

@@ -1,4 +1,4 @@
-"""PEFT/LoRA under ampkit as its users write it (issue 49): a bf16 (or fp32) frozen base with fp32 adapters, in a
+"""PEFT/LoRA under ampkit as its users write it: a bf16 (or fp32) frozen base with fp32 adapters, in a
 plain loop and in AmpkitTrainer, inside and outside ``precision.autocast()`` (train, eval, ``generate``, a callback's
 forward), saves that cost only what they write, bf16-pure adapters saved with their Kahan buffers folded in.
 Tiny Llama from a config (tests/hf_models.py), synthetic tokens, CPU."""
@@ -68,8 +68,8 @@ def _cast_hooks(model):
 @pytest.mark.parametrize("mode", [m for m in MODES if not MODES[m].fp8] + ["fp8-tensorwise"])
 def test_every_cast_hook_has_one_gate_and_the_model_runs_outside_autocast(mode):
     """Every cast hook setup adds carries the same gate (the device in the master modes, none where the weights
-    were cast); outside autocast a master-mode model computes as the plain model it holds, bit for bit (issue 49:
-    the norms' input cast was ungated, their output cast gated: fp32 into a bf16 Linear, a crash)."""
+    were cast); outside autocast a master-mode model computes as the plain model it holds, bit for bit (an
+    ungated norm input cast beside a gated output cast hands fp32 to a bf16 Linear there: a crash)."""
     plain = mixed_model()
     model = mixed_model()
     ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
@@ -190,8 +190,8 @@ def _adapter_bytes(model):
 
 @pytest.mark.parametrize("mode", ["bf16-master", "bf16-mixed", "bf16-pure"])
 def test_saving_a_lora_model_allocates_at_most_the_adapters_fp32_bytes(mode, tmp_path):
-    """save_model (what each checkpoint calls too) and the docs' loop recipe cast no frozen base tensor (issue 49:
-    the whole bf16 base was cast to fp32 to save the adapters: 11x their bytes here)."""
+    """save_model (what each checkpoint calls too) and the docs' loop recipe cast no frozen base tensor (casting
+    the whole bf16 base to fp32 to save the adapters costs 11x their bytes here)."""
     from ampkit.integrations.hf import AmpkitTrainer
 
     trainer = AmpkitTrainer(model=lora_llama(), args=targs(tmp_path, max_steps=2),

@@ -1,4 +1,4 @@
-"""sentence-transformers' trainer with ``AmpkitTrainerMixin`` as its users write it (issue 49): a
+"""sentence-transformers' trainer with ``AmpkitTrainerMixin`` as its users write it: a
 ``SentenceTransformer`` of a Transformer module and mean pooling (a tiny BertModel from a config, saved to a folder
 and loaded by name, as a hub model would be), (anchor, positive) pairs, ``MultipleNegativesRankingLoss``. The loss
 is computed outside the model: only the model's forward runs in bf16, as under ST's own ``bf16=True``."""
@@ -52,8 +52,8 @@ def train(trainer_class, bert_dir, out, **kw):
 
 
 def test_bf16_mixed_is_bitwise_sentence_transformers_own_bf16(bert_dir, tmp_path):
-    """In-batch negatives scored outside the model: ampkit's bf16-mixed equals ST's bf16=True bit for bit (issue
-    49: the whole compute_loss ran under bf16 autocast, step-1 loss 1.7031 vs 1.7218)."""
+    """In-batch negatives scored outside the model: ampkit's bf16-mixed equals ST's bf16=True bit for bit (a bf16
+    autocast around the whole compute_loss scores in bf16: another loss from step 1)."""
     theirs = train(st.SentenceTransformerTrainer, bert_dir, tmp_path / "st", bf16=True)
     ours = train(AmpkitSentenceTransformerTrainer, bert_dir, tmp_path / "ampkit", precision="bf16-mixed")
     assert [h["loss"] for h in theirs[1]] == [h["loss"] for h in ours[1]]

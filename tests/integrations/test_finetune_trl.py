@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` with ``AmpkitTrainerMixin`` as TRL's users write it (issue 49): its default ``SFTConfig``
+"""TRL's ``SFTTrainer`` with ``AmpkitTrainerMixin`` as TRL's users write it: its default ``SFTConfig``
 (bf16 on unless told, gradient checkpointing on), a text dataset, a tokenizer, a LoRA ``peft_config``. Tiny Llama
 from a config and a word-level tokenizer built here (no download), CPU."""
 import warnings
@@ -38,7 +38,7 @@ def weights(model):
 
 def test_sft_default_config_is_taken_over_said_once_and_bitwise_trls_own_bf16(tmp_path):
     """SFTConfig() turns bf16 on by default: AmpkitTrainerMixin takes it over with one warning naming TRL's default
-    and the argument to pass (issue 49: refused with "leave fp16/bf16 False" for a user who never wrote bf16), and
+    and the argument to pass (not a refusal saying "leave fp16/bf16 False" to a user who never wrote bf16), and
     precision='bf16-mixed' then trains bit for bit as TRL's own bf16 does."""
     own = trl.SFTTrainer(model=build("llama"), args=config(tmp_path / "trl"), train_dataset=texts(),
                          processing_class=word_tokenizer())

@@ -103,7 +103,7 @@ class AmpkitScoresTrainer(AmpkitTrainerMixin, ScoresTrainer):
 
 def test_a_loss_computed_outside_the_model_runs_in_fp32_as_under_hfs_bf16(tmp_path):
     """Only the model's forward runs under autocast, as with HF's bf16=True, whose outputs reach the loss in fp32:
-    a custom compute_loss is bitwise HF's own (issue 49: the whole compute_loss ran in bf16)."""
+    a custom compute_loss is bitwise HF's own (a bf16 autocast around the whole compute_loss is not)."""
     hf = ScoresTrainer(model=gpt2(), args=targs(tmp_path / "hf", bf16=True), train_dataset=Tokens())
     hf.train()
     ours = AmpkitScoresTrainer(model=gpt2(), args=targs(tmp_path / "ampkit"), train_dataset=Tokens(),
@@ -238,7 +238,7 @@ def test_save_model_pure_mode_writes_its_16bit_weights(tmp_path):
 
 def test_save_model_bf16_pure_folds_the_kahan_buffers_in(tmp_path):
     """bf16-pure with Kahan: save_model writes weight + buffer in fp32 (precision.fp32_state_dict, the trained
-    value) and a config saying float32 (issue 49: it wrote the bf16 weights, ~1% of the movement off)."""
+    value) and a config saying float32 (the bf16 weights alone are ~1% of the movement off)."""
     trainer = AmpkitTrainer(model=gpt2(), args=targs(tmp_path, max_steps=3), train_dataset=Tokens(),
                             precision="bf16-pure")
     trainer.train()

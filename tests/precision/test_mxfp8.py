@@ -87,7 +87,7 @@ def test_mx_needs_dims_multiples_of_32():
 
 
 def test_describe_names_mxs_block_of_32_as_the_warning_does():
-    """describe() and the setup warning say the same multiple (issue 49: describe() said 16 for mxfp8)."""
+    """describe() and the setup warning say the same multiple (32 for mxfp8)."""
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 64),
                           nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
     p = ampkit.Precision("mxfp8", "cpu", fp8_filter="all")
