@@ -30,9 +30,12 @@ Seq2SeqTrainer)``). What it changes in the Trainer:
   (mode, loss scale and its counters, optimizer state precision, fp8 recipe) and the fp8 modules' amax
   histories; ``resume_from_checkpoint`` restores them; a checkpoint of another mode is refused;
 * ``save_model`` (and the model in each checkpoint) is written in full precision where the mode keeps fp32
-  weights (fp32, the autocast modes, fp16/bf16-master, fp8: ``precision.fp32_state_dict``), with a
-  ``config.json`` whose ``dtype`` says float32, so a plain ``from_pretrained(dir)`` gets the fp32 weights;
-  bf16-pure / fp16-pure write their 16-bit weights, which are the truth there.
+  weights (fp32, the autocast modes, fp16/bf16-master, fp8) and in bf16-pure with Kahan buffers (weight +
+  buffer: ``precision.fp32_state_dict``), with a ``config.json`` whose ``dtype`` says float32, so a plain
+  ``from_pretrained(dir)`` gets the fp32 weights; fp16-pure writes its 16-bit weights, the truth there. The
+  casts are made on the CPU and a PEFT model's frozen base is not cast (its ``save_pretrained`` writes the
+  adapters only); a resume takes bf16-pure's restored buffers off the saved sums (the bf16 weights, bitwise);
+* TRL's configs, which turn bf16 on by default, are taken over (bf16 set False) with one warning;
 
 Refused in one line: ``TrainingArguments(fp16=True/bf16=True)`` (accelerate's own mixed precision, which
 ampkit replaces), DeepSpeed and FSDP (they own the optimizer and the parameters), optimizers that need the
