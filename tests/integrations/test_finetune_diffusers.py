@@ -17,19 +17,11 @@ from diffusers.optimization import get_scheduler  # noqa: E402
 from diffusers.training_utils import EMAModel  # noqa: E402
 
 import ampkit  # noqa: E402
+from integrations.test_clients_accelerate import _fresh_accelerate  # noqa: E402,F401 (autouse: no accelerate state)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 
 STEPS, ACCUMULATE, BATCH = 4, 2, 4
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def images():
