@@ -96,9 +96,7 @@ class Precision:
             None = measured: ``ampkit.tune`` (given a batch: the Trainer, the bench) times both
             layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
             CPU 16-bit compute with conv layers.
-        frozen: the pure modes: ``"cast"`` (default) rounds frozen parameters (``requires_grad`` False: a
-            LoRA model's base) to the 16-bit dtype with the rest, said once at setup; ``"keep"`` leaves them in
-            their dtype (an fp32 base stays fp32 for a later merge) and computes each forward with 16-bit copies.
+        frozen: the pure modes: ``"cast"`` (default) or ``"keep"`` frozen params in their dtype (docs/BF16_PURE.md).
         op_policy: speed-aware per-op kernel choice inside ``autocast()`` (``ampkit.precision.attention``:
             e.g. attention backward in fp32 where this CPU runs it faster), with the verdicts
             ``ampkit.tune`` measured; None = on for CPU 16-bit compute unless ``AMPKIT_OP_POLICY=off``.
@@ -177,7 +175,6 @@ class Precision:
         # why the memory format is what it is, when it was measured (ampkit.tune)
         self.layout_reason = self.tuned.layout_reason if model.channels_last is None and self.strategy != "fsdp" else None
         self.op_policy = model.op_policy
-        self.frozen = model.frozen  # the pure modes: frozen parameters cast with the rest, or kept (cast.py)
         self.compensation, self.optimizer_state, self.fused_optimizer = opt.compensation, opt.optimizer_state, opt.fused_optimizer
         self.scaler = options.scaling.scaler if options.scaling.scaler is not None else self._make_scaler()
         if hasattr(self.scaler, "counters"):  # the skip limit's advice fits the mode
@@ -543,19 +540,15 @@ class Precision:
         return result
 
     # ------------------------------------------------------------------ state
-    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                        cast_frozen: bool = True, device: Any = None) -> Dict[str, Any]:
+    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **how) -> Dict[str, Any]:
         """The model's full-precision weights, keyed like ``model.state_dict()``, loadable into the fp32 model
         (strict; ``ampkit.precision.export``): the model's own fp32 params where it has them (the master modes'
         are the masters), a ``MasterWeightOptimizer``'s masters, bf16-pure's weight + Kahan buffer in fp32,
         fp32 casts of 16-bit tensors otherwise; buffers included, tied weights one tensor. ``optimizer``: the
         one holding masters or buffers (default: the last one ``wrap_optimizer`` returned). Uncast tensors alias
-        the live ones. ``cast_frozen=False``: 16-bit parameters that do not train (a LoRA model's bf16 base) come
-        as they are, not cast (``save_pretrained`` of a PEFT model writes only the adapters); ``device``: where the
-        casts and Kahan sums are made (``"cpu"`` for a save: nothing allocated on the parameters' device)."""
+        the live ones. ``how``: ``cast_frozen=False``, ``device="cpu"`` (``export.fp32_state_dict``: PEFT saves)."""
         opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
-        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model),
-                               cast_frozen=cast_frozen, device=device)
+        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model), **how)
 
     def export(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         """A plain fp32 copy of ``model`` with no ampkit in it (no hooks, fp32 weights from :meth:`fp32_state_dict`:

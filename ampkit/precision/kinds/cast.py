@@ -38,7 +38,7 @@ class CastParams(AutocastPrecision):
         low = self.compute_dtype
         plan = fp32_plan(model, low, self.keep_norm_fp32, self.fp32_modules)
         gate = self.device.type if compute_copies else None  # fp32 weights: 16-bit compute inside autocast only
-        keep_frozen = not compute_copies and getattr(self, "frozen", "cast") == "keep"
+        keep_frozen = not compute_copies and self.settings.model.frozen == "keep"
         frozen = [(n, p, p.dtype) for n, p in model.named_parameters() if not p.requires_grad]
         convert_model(model, low, skip=self.fp32_modules, plan=plan, compute_copies=compute_copies, gate=gate,
                       keep_frozen=keep_frozen)
