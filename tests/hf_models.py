@@ -72,3 +72,19 @@ class DictDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.samples[i]
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary ("t0".."t63"; t0 pads and ends), built here (no
+    download): what TRL's and sentence-transformers' trainers need to tokenize text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t1", pad_token="t0", eos_token="t0")
+
+
+def word_texts(n: int, words: int = 10, seed: int = 0):
+    """``n`` synthetic sentences of the tokenizer's words."""
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(f"t{int(i)}" for i in torch.randint(2, VOCAB, (words,), generator=g)) for _ in range(n)]

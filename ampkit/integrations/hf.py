@@ -15,8 +15,10 @@ built :class:`ampkit.Precision` (for its options: ``loss_scale``, ``init_scale``
 Seq2SeqTrainer)``). What it changes in the Trainer:
 
 * the model and the optimizer the Trainer builds (or was given) go through ``precision.setup`` when
-  training starts (masters, the compensated optimizer, fused kernels), and the forward and loss run under
-  ``precision.autocast()``;
+  training starts (masters, the compensated optimizer, fused kernels); the model's forward (only it, as
+  accelerate's ``bf16=True``/``fp16=True`` wraps it) runs under ``precision.autocast()`` and hands its 16-bit
+  floating outputs on in fp32, so a loss computed outside the model (a custom ``compute_loss``,
+  sentence-transformers' losses) runs in fp32 as under HF's own mixed precision;
 * the backward scales the loss where the mode scales; each optimizer step is ``precision.step``: unscale,
   non-finite check, step or skip, scale update. A skipped step is counted (``trainer.precision.skipped_steps``,
   ``skipped_steps`` and ``loss_scale`` in the logs) and the learning-rate scheduler is not stepped for it
@@ -28,9 +30,12 @@ Seq2SeqTrainer)``). What it changes in the Trainer:
   (mode, loss scale and its counters, optimizer state precision, fp8 recipe) and the fp8 modules' amax
   histories; ``resume_from_checkpoint`` restores them; a checkpoint of another mode is refused;
 * ``save_model`` (and the model in each checkpoint) is written in full precision where the mode keeps fp32
-  weights (fp32, the autocast modes, fp16/bf16-master, fp8: ``precision.fp32_state_dict``), with a
-  ``config.json`` whose ``dtype`` says float32, so a plain ``from_pretrained(dir)`` gets the fp32 weights;
-  bf16-pure / fp16-pure write their 16-bit weights, which are the truth there.
+  weights (fp32, the autocast modes, fp16/bf16-master, fp8) and in bf16-pure with Kahan buffers (weight +
+  buffer: ``precision.fp32_state_dict``), with a ``config.json`` whose ``dtype`` says float32, so a plain
+  ``from_pretrained(dir)`` gets the fp32 weights; fp16-pure writes its 16-bit weights, the truth there. The
+  casts are made on the CPU and a PEFT model's frozen base is not cast (its ``save_pretrained`` writes the
+  adapters only); a resume takes bf16-pure's restored buffers off the saved sums (the bf16 weights, bitwise);
+* TRL's configs, which turn bf16 on by default, are taken over (bf16 set False) with one warning;
 
 Refused in one line: ``TrainingArguments(fp16=True/bf16=True)`` (accelerate's own mixed precision, which
 ampkit replaces), DeepSpeed and FSDP (they own the optimizer and the parameters), optimizers that need the
@@ -38,6 +43,9 @@ closure or the learning rate in the backward (LOMO).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import json
 import os
 import warnings
@@ -53,7 +61,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install transformers accelerate.") from e
 
 from ..precision import Precision
-from ..precision.export import fp8_recipe_keys
+from ..precision.export import fp8_recipe_keys, has_kahan
+from ..utils.tree import map_tensors
 
 __all__ = ["AmpkitTrainer", "AmpkitTrainerMixin", "AmpkitOptimizer", "PRECISION_STATE_NAME"]
 
@@ -142,6 +151,42 @@ class _SkippedStepsToScheduler(TrainerCallback):
         optimizer._is_overflow = not bool(stepped.last_result)  # the one host read of the step
 
 
+class _ForwardInAutocast:
+    """A model's ``forward`` replaced: the original under ``precision.autocast()``, its fp16/bf16 floating outputs
+    cast to fp32 (accelerate's ``convert_outputs_to_fp32``). An ampkit object: ``precision.export`` drops it."""
+
+    def __init__(self, forward: Any, precision: Precision) -> None:
+        self.forward, self.precision = forward, precision
+        functools.update_wrapper(self, forward)  # signature and name: the Trainer reads forward's parameters
+
+    def __deepcopy__(self, memo: dict) -> "_ForwardInAutocast":  # a copy of the model (EMA, export): the same
+        return type(self)(copy.deepcopy(self.forward, memo), self.precision)  # precision, the copy's forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision.autocast():
+            out = self.forward(*args, **kwargs)
+        return map_tensors(_to_fp32, out)
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _trl_default_bf16(targs: Any) -> bool:
+    """A TRL config (``SFTConfig``, ``DPOConfig``, ...) whose bf16 is TRL's default (on wherever fp16 is off):
+    one whose fields default bf16 to None and that holds bf16 True, accelerate's bf16 not asked by the environment
+    (``ACCELERATE_MIXED_PRECISION``). A bf16=True the user wrote looks the same: the warning says what to pass."""
+    field = getattr(type(targs), "__dataclass_fields__", {}).get("bf16")
+    return (type(targs).__module__.split(".")[0] == "trl" and field is not None and field.default is None
+            and targs.bf16 and not targs.fp16 and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "no")
+
+
+def _has_adapters(model: Any) -> bool:
+    """A PEFT model (``PeftModel``, or a transformers model given adapters with ``add_adapter``): its
+    ``save_pretrained`` writes the adapters, not the base."""
+    return getattr(model, "peft_config", None) is not None or getattr(model, "_hf_peft_config_loaded", False)
+
+
 def _keeps_fp32_weights(precision: Precision) -> bool:
     """Whether the mode's true weights are fp32 (fp32, autocast, master and fp8 modes; not the pure modes)."""
     return precision.param_dtype == torch.float32 or precision.keeps_fp32_masters
@@ -152,6 +197,11 @@ class AmpkitTrainerMixin:
 
     def __init__(self, *args: Any, precision: Any = "auto", **kwargs: Any) -> None:
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if targs is not None and _trl_default_bf16(targs):  # TRL's configs turn bf16 on unless told: ampkit's
+            warnings.warn(f"AmpkitTrainer: {type(targs).__name__} turns bf16 on by default (TRL's bf16=None); "
+                          "ampkit's precision replaces it (bf16 set False here): pass bf16=False to say so "
+                          "yourself.", stacklevel=2)
+            targs.bf16, targs.mixed_precision = False, "no"
         if targs is not None and (targs.fp16 or targs.bf16):
             which = "fp16" if targs.fp16 else "bf16"
             raise ValueError(f"AmpkitTrainer: TrainingArguments({which}=True) turns on accelerate's own mixed "
@@ -176,6 +226,7 @@ class AmpkitTrainerMixin:
         else:
             self.precision = Precision(precision, device)
         self.add_callback(_SkippedStepsToScheduler())
+        self._forward_in_autocast()
         if self.precision.scales_loss:  # the Trainer's backward goes through accelerate: scale there
             self._scale_accelerator_backward()
 
@@ -194,8 +245,17 @@ class AmpkitTrainerMixin:
             self._scale_accelerator_backward()  # a recreated accelerator (auto_find_batch_size)
 
     # -- forward
+    def _forward_in_autocast(self) -> None:
+        """The model's forward (only it) runs under ``precision.autocast()`` and hands 16-bit floating outputs on
+        in fp32, as accelerate wraps it for ``bf16=True``/``fp16=True``: a loss the client computes outside the
+        model (a custom ``compute_loss``, sentence-transformers' losses, distillation) runs in fp32. Once per
+        model object (the one ``setup`` returns, a ``model_init``'s)."""
+        model = self.model
+        if model is not None and not isinstance(vars(model).get("forward"), _ForwardInAutocast):
+            model.forward = _ForwardInAutocast(model.forward, self.precision)
+
     def autocast_smart_context_manager(self, cache_enabled: Optional[bool] = True):
-        return self.precision.autocast()
+        return contextlib.nullcontext()  # HF's own: autocast lives in the model's forward (above)
 
     # -- optimizer
     def create_optimizer(self, model=None):
@@ -209,6 +269,7 @@ class AmpkitTrainerMixin:
             model, stepped = self.precision.setup(self.model, self.optimizer)
             if model is not self.model:
                 self.model = self.model_wrapped = model
+            self._forward_in_autocast()
             clip = (f"max_grad_norm={self.args.max_grad_norm:g} is clipped by ampkit, on the unscaled gradients"
                     if self.args.max_grad_norm > 0 else "no clipping (max_grad_norm=0)")
             logger.info(f"AmpkitTrainer: {self.precision.describe()}; {clip}.")
@@ -272,14 +333,46 @@ class AmpkitTrainerMixin:
             return
         saved = torch.load(path, map_location="cpu", weights_only=True)
         self.precision.load_state_dict(saved["precision"])
+        self._unfold_kahan(checkpoint)
         with torch.no_grad():  # the fp8 modules' amax histories (the model's checkpoint holds the weights only)
             for key, value in saved.get("fp8_buffers", {}).items():
                 self.model.get_buffer(key).copy_(value)
 
+    def _unfold_kahan(self, checkpoint: str) -> None:
+        """bf16-pure: the checkpoint's weights are weight + Kahan buffer in fp32 (``_save``); HF loaded them rounded,
+        which may differ from the bf16 weight by one ulp. With the buffer back (``optimizer.pt``), each weight is
+        the saved sum minus its buffer, rounded: the bf16 weight bit for bit (the sum was exact to ~2^-16 of an
+        ulp)."""
+        optimizer = getattr(_ampkit_optimizer(self.optimizer), "optimizer", None)
+        if not has_kahan(optimizer):
+            return
+        from safetensors import safe_open  # (transformers' own dependency)
+
+        files = [os.path.join(checkpoint, f) for f in sorted(os.listdir(checkpoint)) if f.endswith(".safetensors")]
+        adapter = f".{getattr(self.model, 'active_adapter', None) or 'default'}."
+        comps = {n: optimizer.state[p]["compensation"] for n, p in self.model.named_parameters()
+                 if "compensation" in optimizer.state.get(p, {})}
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for path in files:
+                with safe_open(path, framework="pt") as f:
+                    keys = set(f.keys())
+                    for name, comp in comps.items():  # PEFT writes its keys without the adapter's name
+                        key = next((k for k in (name, name.replace(adapter, ".")) if k in keys), None)
+                        if key is None:
+                            continue
+                        folded = f.get_tensor(key)
+                        if folded.dtype == torch.float32:
+                            p = params[name]
+                            p.copy_(folded.to(p.device).sub_(comp.float()))
+
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
-        full = self.precision.is_setup and _keeps_fp32_weights(self.precision)
-        if full and state_dict is None:
-            state_dict = self.precision.fp32_state_dict(self.model)
+        precision = self.precision
+        stepped = _ampkit_optimizer(self.optimizer)
+        full = precision.is_setup and (_keeps_fp32_weights(precision) or has_kahan(getattr(stepped, "optimizer", None)))
+        if full and state_dict is None:  # a PEFT model writes its adapters only: its frozen base is not cast,
+            adapters = _has_adapters(self.model)  # and each cast (Kahan sum) is made on the CPU, where it is written
+            state_dict = precision.fp32_state_dict(self.model, cast_frozen=not adapters, device="cpu")
         super()._save(output_dir, state_dict=state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         config = os.path.join(output_dir, "config.json")

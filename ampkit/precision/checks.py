@@ -79,7 +79,9 @@ def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:
     warnings.warn(
         f"precision={name!r} keeps the optimizer state in fp16, where eps={small:g} turns a gradient "
         f"whose square underflows into a huge step (inf weights): eps raised to {low:g}. Build the optimizer "
-        f"with eps={low:g} to silence this, or use 'fp16-master' (fp32 master weights and state).",
+        f"with eps={low:g} to silence this, or keep the state in fp32 with optimizer_state='fp32' (the weights "
+        f"stay fp16, no eps floor; on LoRA adapters it ends as close to fp32 as fp16-mixed), or use 'fp16-master' "
+        f"(fp32 master weights and state).",
         stacklevel=user_stacklevel(),
     )
 

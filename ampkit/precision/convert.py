@@ -8,6 +8,14 @@ T5's RMSNorms...), plus what Hugging Face models list in ``_keep_in_fp32_modules
 a 16-bit input with fp32 weights natively and return the input's dtype, so no cast is added there;
 elsewhere, and for every norm a model writes itself, a pre-hook casts the inputs up to fp32 and a
 hook casts the output back to the 16-bit dtype, so forward works unchanged.
+
+One gating rule for every cast hook (compute copies, the norms' input and output casts, the model's input and
+output casts, fp32 islands): a hook built with a ``gate`` (a device type: the master modes, whose weights stay
+in the model as they were) casts only while autocast is on for that device (:func:`gated_off`); outside
+``precision.autocast()`` the model computes as the plain model it holds (an eval loop, ``generate``, a
+callback's forward), whatever dtypes it mixes (a bf16 frozen base with fp32 LoRA adapters). An fp32 island,
+whose weights ``setup`` made fp32, still takes fp32 inputs there and hands its output back in its input's
+dtype. A hook without a gate (the pure modes: the weights themselves were cast) casts always.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ def convert_model(
     plan: Optional[Fp32Plan] = None,
     compute_copies: bool = False,
     gate: Optional[str] = None,
+    keep_frozen: bool = False,
 ) -> nn.Module:
     """Cast ``model``'s floating params to ``dtype`` in place and return it. Buffers are not weights: they keep
     their dtype (fp32 in an fp32 model) in every mode, as FSDP2's ``MixedPrecisionPolicy`` casts parameters
@@ -58,7 +67,9 @@ def convert_model(
     with their ``dtype`` casts (:class:`ComputeCopies`: the master modes, whose fp32 weights are the
     model's own); otherwise they are cast in place (the pure modes, a user's ``model.half()``). ``gate``: a
     device type; the hooks cast only while autocast is on for it (the master modes: outside
-    ``precision.autocast()`` the model computes as the plain fp32 model it holds).
+    ``precision.autocast()`` the model computes as the plain fp32 model it holds). ``keep_frozen``: parameters
+    that do not train (``requires_grad`` False) are computed through copies as with ``compute_copies``, their
+    storage left as it is (the pure modes' ``frozen="keep"``: a frozen fp32 base under LoRA adapters).
     """
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"convert_model casts to float16, bfloat16 or float32, not {dtype}.")
@@ -72,6 +83,7 @@ def convert_model(
         keep = name in plan.norms
         target = torch.float32 if keep else dtype
         copied = {"_parameters": [], "_buffers": []}
+        wide = []  # compute copies in fp32: a kept (norm) tensor stored narrower (a bf16 frozen base's norm)
         # buffers: none (see above), but a BatchNorm/InstanceNorm cast to 16 bits (keep_norm_fp32=False, apex
         # O3) takes its running statistics along: torch's kernel wants them in its weight's dtype
         stats = not keep and target != torch.float32 and isinstance(module, nn.modules.batchnorm._NormBase)
@@ -80,8 +92,11 @@ def convert_model(
                 want = torch.float32 if f"{name}.{key}".lstrip(".") in plan.tensors else target
                 if t is None or not t.is_floating_point() or t.dtype == want:
                     continue
-                if compute_copies:  # stored as they are (fp32), cast for each forward
+                frozen = keep_frozen and isinstance(t, nn.Parameter) and not t.requires_grad
+                if compute_copies or frozen:  # stored as they are (fp32), cast for each forward
                     copied[attr].append(key)
+                    if want == torch.float32:
+                        wide.append(key)
                     continue
                 t.data = t.data.to(want)
                 if getattr(t, "grad", None) is not None:
@@ -89,14 +104,14 @@ def convert_model(
         if (copied["_parameters"] or copied["_buffers"]) and not getattr(module, "_ampkit_compute_copies", False):
             shared = [k for k in copied["_parameters"] if tied is not None and id(module._parameters[k]) in tied.ids]
             module.register_forward_pre_hook(ComputeCopies(dtype, copied["_parameters"], copied["_buffers"],
-                                                           tied if shared else None, shared, gate=gate))
+                                                           tied if shared else None, shared, gate=gate, wide=wide))
             module.register_forward_hook(DropComputeCopies(copied["_parameters"], copied["_buffers"]),
                                          always_call=True)
             module._ampkit_compute_copies = True
         if keep and dtype != torch.float32 and not getattr(module, "_ampkit_norm_hooked", False):
             device = next((t.device for t in module.parameters()), torch.device("cpu"))
             if _needs_input_cast(module, device):
-                module.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True)
+                module.register_forward_pre_hook(CastInputs(torch.float32, gate=gate), with_kwargs=True)
                 module.register_forward_hook(CastOutput(dtype, gate=gate))
             module._ampkit_norm_hooked = True
     if plan.islands and dtype != torch.float32:
@@ -153,10 +168,12 @@ class ComputeCopies:
     As FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does for its all-gathered parameters."""
 
     def __init__(self, dtype: torch.dtype, params: List[str], buffers: List[str],
-                 tied: Optional[_TiedCopies] = None, shared: Iterable[str] = (), gate: Optional[str] = None) -> None:
+                 tied: Optional[_TiedCopies] = None, shared: Iterable[str] = (), gate: Optional[str] = None,
+                 wide: Iterable[str] = ()) -> None:
         self.dtype, self.params, self.buffers = dtype, tuple(params), tuple(buffers)
         self.tied, self.shared = tied, frozenset(shared)  # parameters other modules use too
         self.gate = gate
+        self.wide = frozenset(wide)  # keys computed in fp32 (kept tensors stored narrower), not in ``dtype``
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if gated_off(self):
@@ -173,11 +190,14 @@ class ComputeCopies:
                     held = tied.copies[id(p)] = (p, p.to(self.dtype))
                 shadow[key] = held[1]
             else:
-                shadow[key] = p.to(self.dtype)
+                shadow[key] = p.to(self._dtype(key))
         for key in self.buffers:
             b = module._buffers[key]
             if b is not None:
-                shadow[key] = b.to(self.dtype)
+                shadow[key] = b.to(self._dtype(key))
+
+    def _dtype(self, key: str) -> torch.dtype:
+        return torch.float32 if key in getattr(self, "wide", ()) else self.dtype
 
 
 class DropComputeCopies:
@@ -224,8 +244,8 @@ class CastOutput:
 
 
 def gated_off(hook: Any) -> bool:
-    """A hook with a ``gate`` (a device type) casts only while autocast is on for that device (a model pickled
-    before hooks had a gate casts always)."""
+    """The one gating rule of every cast hook (module docstring): a hook with a ``gate`` (a device type) casts
+    only while autocast is on for that device (a model pickled before hooks had a gate casts always)."""
     gate = getattr(hook, "gate", None)
     return gate is not None and not torch.is_autocast_enabled(gate)
 
@@ -236,7 +256,7 @@ def hook_io(model: nn.Module, dtype: torch.dtype, cast_outputs: bool = True, gat
     if not getattr(model, "_ampkit_io_hooked", False):
         model.register_forward_pre_hook(CastInputs(dtype, gate=gate), with_kwargs=True)
         if cast_outputs:
-            model.register_forward_hook(CastOutput(torch.float32))
+            model.register_forward_hook(CastOutput(torch.float32, gate=gate))
         model._ampkit_io_hooked = True
     return model
 

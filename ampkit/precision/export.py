@@ -20,6 +20,7 @@ weight and is left out (it is in ``precision.state_dict()``).
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -28,17 +29,22 @@ from torch import nn
 
 from ..optim.master import MasterWeightOptimizer
 
-__all__ = ["fp32_state_dict", "master_weights", "kahan_folded", "fp8_recipe_keys", "plain_module", "Fp32View"]
+__all__ = ["fp32_state_dict", "master_weights", "kahan_folded", "has_kahan", "fp8_recipe_keys", "plain_module", "Fp32View"]
 
 
 def _narrow(t: torch.Tensor) -> bool:
     return t.is_floating_point() and torch.finfo(t.dtype).bits < 32
 
 
-def fp32_state_dict(model: nn.Module, exact: Optional[Dict[int, torch.Tensor]] = None,
-                    skip: Iterable[str] = ()) -> "OrderedDict[str, Any]":
-    """``model.state_dict()`` with each parameter replaced by ``exact[id(param)]`` where given, narrower
-    floating tensors cast to fp32, the keys in ``skip`` left out; shared tensors stay shared."""
+def fp32_state_dict(model: nn.Module, exact: Optional[Dict[int, Any]] = None, skip: Iterable[str] = (),
+                    cast_frozen: bool = True, device: Any = None) -> "OrderedDict[str, Any]":
+    """``model.state_dict()`` with each parameter replaced by ``exact[id(param)]`` where given (a tensor, or a
+    callable ``device -> tensor`` made only when its key is kept), narrower floating tensors cast to fp32, the
+    keys in ``skip`` left out; shared tensors stay shared. ``cast_frozen=False``: a narrower parameter that does
+    not train (``requires_grad`` False: a LoRA model's bf16 base) is the live tensor, not a cast, so a save that
+    writes only the adapters (PEFT's ``save_pretrained``) allocates nothing for the base. ``device``: where the
+    casts are made (``"cpu"``: a CPU copy, nothing allocated beside the parameters on their device); the tensors
+    returned as they are stay where they live."""
     exact, skip = exact or {}, set(skip)
     out: "OrderedDict[str, Any]" = OrderedDict()
     made: Dict[int, torch.Tensor] = {}
@@ -52,8 +58,11 @@ def fp32_state_dict(model: nn.Module, exact: Optional[Dict[int, torch.Tensor]] =
             v = made.get(id(t))
             if v is None:
                 v = exact.get(id(t))
-                if v is None:
-                    v = t.detach().float() if _narrow(t) else t.detach()
+                if callable(v):
+                    v = v(device)
+                elif v is None:
+                    keep = not _narrow(t) or (not cast_frozen and isinstance(t, nn.Parameter) and not t.requires_grad)
+                    v = t.detach() if keep else t.detach().to(device=device, dtype=torch.float32)
                 made[id(t)] = v
             out[key] = v
     return out
@@ -66,15 +75,29 @@ def master_weights(optimizer: Any) -> Dict[int, torch.Tensor]:
     return {id(p): m.detach() for p, m in zip(optimizer.model_params, optimizer.master_params)}
 
 
-def kahan_folded(optimizer: Any) -> Dict[int, torch.Tensor]:
-    """id(param) -> fp32(weight) + fp32(Kahan buffer) for the 16-bit params with a compensation buffer."""
+def kahan_folded(optimizer: Any) -> Dict[int, Any]:
+    """id(param) -> a callable ``device -> fp32(weight) + Kahan buffer`` for the 16-bit params with a compensation
+    buffer: one fp32 tensor per param, made on ``device`` (None: the param's) when :func:`fp32_state_dict` keeps
+    the key (the buffer is added into the fp32 copy in place: no fp32 temporary beside it)."""
     out = {}
+    state = getattr(optimizer, "state", None) or {}
     for group in getattr(optimizer, "param_groups", ()):
         for p in group["params"]:
-            comp = optimizer.state.get(p, {}).get("compensation") if hasattr(optimizer, "state") else None
+            comp = state.get(p, {}).get("compensation")
             if isinstance(comp, torch.Tensor) and _narrow(p):
-                out[id(p)] = p.detach().float() + comp.float()
+                out[id(p)] = functools.partial(_fold, p.detach(), comp.detach())
     return out
+
+
+def _fold(p: torch.Tensor, comp: torch.Tensor, device: Any = None) -> torch.Tensor:
+    out = p.to(device=device, dtype=torch.float32)  # (a copy: p is narrower)
+    return out.add_(comp.to(out.device))
+
+
+def has_kahan(optimizer: Any) -> bool:
+    """Whether ``optimizer`` holds a Kahan compensation buffer for a 16-bit param (bf16-pure's default)."""
+    state = getattr(optimizer, "state", None) or {}
+    return any(isinstance(st, dict) and isinstance(st.get("compensation"), torch.Tensor) for st in state.values())
 
 
 def fp8_recipe_keys(model: nn.Module) -> set:

@@ -39,14 +39,22 @@ def resolve_module_names(model: nn.Module, names: Iterable[str]) -> List[str]:
     return names
 
 
+def _floating_dtype(args, kwargs) -> Optional[torch.dtype]:
+    """The dtype of the first floating tensor among a call's arguments (None if there is none)."""
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.dtype
+    return None
+
+
 def _fp32_forward(module: nn.Module, orig_forward, output_dtype, *args, **kwargs):
     device_type = next((p.device.type for p in module.parameters()), None)
     if device_type is None:
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)
         device_type = t.device.type if t is not None else "cpu"
-    gate = getattr(module, "_ampkit_island_gate", None)  # the master modes: cast back only inside autocast
-    if gate is not None and not torch.is_autocast_enabled(gate):
-        output_dtype = None
+    gate = getattr(module, "_ampkit_island_gate", None)  # the master modes: cast back only inside autocast;
+    if gate is not None and not torch.is_autocast_enabled(gate):  # outside it, back to the input's dtype
+        output_dtype = _floating_dtype(args, kwargs)  # (convert.py's gating rule)
     with torch.autocast(device_type=device_type, enabled=False):
         out = orig_forward(*cast_floating(args, torch.float32), **cast_floating(kwargs, torch.float32))
     return out if output_dtype is None else cast_floating(out, output_dtype)

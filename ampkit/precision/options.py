@@ -82,9 +82,15 @@ class ModelOptions:
     cast_outputs: bool = True
     channels_last: Optional[bool] = None
     op_policy: Optional[bool] = None
+    #: the pure modes: ``"cast"`` rounds frozen parameters to the 16-bit dtype in place with the rest, ``"keep"``
+    #: leaves them in their dtype (a frozen fp32 base under LoRA adapters) and computes with 16-bit copies
+    frozen: str = "cast"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp32_modules", _names("fp32_modules", self.fp32_modules))
+        if self.frozen not in ("cast", "keep"):
+            raise ValueError(f"frozen={self.frozen!r} is not supported: use 'cast' (frozen parameters rounded with the "
+                             "rest in the pure modes) or 'keep' (left in their dtype).")
 
     def refused(self, mode: Mode) -> Optional[str]:
         """Every mode takes these."""

@@ -11,7 +11,7 @@ T = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import ampkit  # noqa: E402
-from ampkit.integrations.hf import PRECISION_STATE_NAME, AmpkitTrainer  # noqa: E402
+from ampkit.integrations.hf import PRECISION_STATE_NAME, AmpkitTrainer, AmpkitTrainerMixin  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 VOCAB = 64
@@ -83,6 +83,36 @@ def test_gradient_accumulation_and_evaluate_match_hfs_own_bf16(tmp_path):
     ours.train()
     assert_bitwise(weights(hf.model), weights(ours.model))
     assert hf.evaluate()["eval_loss"] == ours.evaluate()["eval_loss"]
+
+
+def _scores_loss(model, inputs):
+    """A loss the client computes outside the model (sentence-transformers' in-batch negatives, a distillation):
+    a matmul of the model's outputs, which a 16-bit autocast around it would run in 16 bits."""
+    h = model(input_ids=inputs["input_ids"]).logits[:, -1]
+    return torch.nn.functional.cross_entropy(h @ h.T / 8, torch.arange(len(h)))
+
+
+class ScoresTrainer(T.Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return _scores_loss(model, inputs)
+
+
+class AmpkitScoresTrainer(AmpkitTrainerMixin, ScoresTrainer):
+    pass
+
+
+def test_a_loss_computed_outside_the_model_runs_in_fp32_as_under_hfs_bf16(tmp_path):
+    """Only the model's forward runs under autocast, as with HF's bf16=True, whose outputs reach the loss in fp32:
+    a custom compute_loss is bitwise HF's own (a bf16 autocast around the whole compute_loss is not)."""
+    hf = ScoresTrainer(model=gpt2(), args=targs(tmp_path / "hf", bf16=True), train_dataset=Tokens())
+    hf.train()
+    ours = AmpkitScoresTrainer(model=gpt2(), args=targs(tmp_path / "ampkit"), train_dataset=Tokens(),
+                               precision="bf16-mixed")
+    ours.train()
+    assert_bitwise(weights(hf.model), weights(ours.model))
+    assert [h["loss"] for h in train_logs(hf)] == [h["loss"] for h in train_logs(ours)]
+    with torch.no_grad():  # the model's outputs reach the client in fp32 (accelerate's convert_outputs_to_fp32)
+        assert ours.model(input_ids=Tokens()[0]["input_ids"][None]).logits.dtype == torch.float32
 
 
 MODES = ["fp32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure", "fp8-delayed"]
@@ -196,13 +226,29 @@ def test_save_model_is_full_precision_and_says_so(mode, tmp_path):
 
 
 def test_save_model_pure_mode_writes_its_16bit_weights(tmp_path):
+    """fp16-pure (and bf16-pure without Kahan) keep no better weights than their 16-bit ones: those are written."""
     trainer = AmpkitTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2), train_dataset=Tokens(),
-                            precision="bf16-pure")
+                            precision=ampkit.Precision("bf16-pure", "cpu", compensation="stochastic"))
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     loaded = T.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"), dtype="auto")
     assert loaded.transformer.h[0].mlp.c_fc.weight.dtype == torch.bfloat16
     assert torch.equal(loaded.transformer.h[0].mlp.c_fc.weight, trainer.model.transformer.h[0].mlp.c_fc.weight)
+
+
+def test_save_model_bf16_pure_folds_the_kahan_buffers_in(tmp_path):
+    """bf16-pure with Kahan: save_model writes weight + buffer in fp32 (precision.fp32_state_dict, the trained
+    value) and a config saying float32 (the bf16 weights alone are ~1% of the movement off)."""
+    trainer = AmpkitTrainer(model=gpt2(), args=targs(tmp_path, max_steps=3), train_dataset=Tokens(),
+                            precision="bf16-pure")
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "float32"
+    loaded = T.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final")).state_dict()
+    truth = trainer.precision.fp32_state_dict(trainer.model)
+    w = "transformer.h.0.mlp.c_fc.weight"
+    assert not torch.equal(truth[w], trainer.model.state_dict()[w].float())  # the buffers hold something
+    assert all(torch.equal(loaded[k], v) for k, v in truth.items() if k in loaded)
 
 
 def test_refusals_are_one_line(tmp_path):

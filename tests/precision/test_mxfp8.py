@@ -86,6 +86,18 @@ def test_mx_needs_dims_multiples_of_32():
     assert p["0"].startswith("bf16: dims 32x48") and p["1"].startswith("bf16: dims 48x64") and p["2"] == "fp8"
 
 
+def test_describe_names_mxs_block_of_32_as_the_warning_does():
+    """describe() and the setup warning say the same multiple (32 for mxfp8)."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 64),
+                          nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    p = ampkit.Precision("mxfp8", "cpu", fp8_filter="all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p.setup(model, None)
+    d = p.describe()
+    assert "with dims not multiples of 32 in bf16" in d and "multiples of 16" not in d
+
+
 def test_setup_warning_names_mxs_block_of_32():
     model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 8))
     with pytest.warns(UserWarning, match="3 with dims not multiples of 32.*mxfp8 needs both dims multiples of 32"):

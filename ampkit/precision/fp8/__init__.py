@@ -177,7 +177,7 @@ class Fp8Plan:
             cov = self.coverage or {}
             n = f", {len(self.layers)} of {cov.get('candidates', len(self.layers))} Linear/Conv1D layers in fp8"
             extra = [f"{cov['flop_share']:.0%} of their FLOPs"] if cov.get("flop_share") is not None else []
-            extra += [f"{c} {skip_label(why)} in bf16" for why, c in (cov.get("skipped") or {}).items()]
+            extra += [f"{c} {skip_label(why, cov.get('mult', 16))} in bf16" for why, c in (cov.get("skipped") or {}).items()]
             n += f" ({'; '.join(extra)})" if extra else ""
             n += f"; {self._target_note(cov)}"
         gathered = "; FSDP2 gathers the fp8 Linears' weights in fp8" if self.fsdp_all_gather else ""

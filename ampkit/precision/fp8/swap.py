@@ -44,9 +44,10 @@ RULES = ("ends", "auto", "all")
 DEFAULT_RULE = "auto"
 
 
-def skip_label(why: str) -> str:
-    """How a ``coverage()["skipped"]`` key reads after its count ("2 first/last")."""
-    return _LABEL.get(why, why)
+def skip_label(why: str, mult: int = 16) -> str:
+    """How a ``coverage()["skipped"]`` key reads after its count ("2 first/last"); ``mult``: the dims' multiple
+    the recipe needs (``coverage()["mult"]``: 32 for mxfp8, whose scales cover blocks of 32)."""
+    return _LABEL.get(why, why).replace("16", str(mult)) if why == DIMS else _LABEL.get(why, why)
 
 
 def has_gemm(device, recipe: Recipe) -> bool:
@@ -184,6 +185,7 @@ def coverage(model: nn.Module, filt: Optional[Fp8Filter] = None) -> Dict[str, An
         "kept": {r["name"]: _text(r)[6:] for r in rows if r["why"] != "fp8"},
         "sizes": size,
         "convolutions": sum(isinstance(m, _CONVS) for m in model.modules()),
+        "mult": 32 if filt.recipe == "mxfp8" else 16,  # both GEMM dims must be multiples of it
         "layers": [r["name"] for r in done],
         "rule": filt.rule, "gpu": filt.target, "tokens": filt.tokens,
         # what the roofline alone would convert on the target GPU (dims fit, not first/last or named)
@@ -202,8 +204,8 @@ def coverage_warning(cov: Dict[str, Any], mode: str) -> Optional[str]:
     share = cov["flop_share"] or 0.0
     if cov["converted"] and share >= MIN_FLOP_SHARE:
         return None
-    mult = "32" if mode == "mxfp8" else "16"  # MX scales blocks of 32
-    why = ", ".join(f"{n} {_LABEL[k].replace('16', mult)}" for k, n in cov["skipped"].items())
+    mult = cov.get("mult", 32 if mode == "mxfp8" else 16)  # MX scales blocks of 32
+    why = ", ".join(f"{n} {skip_label(k, mult)}" for k, n in cov["skipped"].items())
     fix = []
     if ENDS in cov["skipped"]:
         fix.append("fp8_force=[names] converts first/last layers")

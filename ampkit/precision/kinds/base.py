@@ -96,6 +96,7 @@ class Precision:
             None = measured: ``ampkit.tune`` (given a batch: the Trainer, the bench) times both
             layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
             CPU 16-bit compute with conv layers.
+        frozen: the pure modes: ``"cast"`` (default) or ``"keep"`` frozen params in their dtype (docs/BF16_PURE.md).
         op_policy: speed-aware per-op kernel choice inside ``autocast()`` (``ampkit.precision.attention``:
             e.g. attention backward in fp32 where this CPU runs it faster), with the verdicts
             ``ampkit.tune`` measured; None = on for CPU 16-bit compute unless ``AMPKIT_OP_POLICY=off``.
@@ -539,15 +540,15 @@ class Precision:
         return result
 
     # ------------------------------------------------------------------ state
-    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+    def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **how) -> Dict[str, Any]:
         """The model's full-precision weights, keyed like ``model.state_dict()``, loadable into the fp32 model
         (strict; ``ampkit.precision.export``): the model's own fp32 params where it has them (the master modes'
         are the masters), a ``MasterWeightOptimizer``'s masters, bf16-pure's weight + Kahan buffer in fp32,
         fp32 casts of 16-bit tensors otherwise; buffers included, tied weights one tensor. ``optimizer``: the
         one holding masters or buffers (default: the last one ``wrap_optimizer`` returned). Uncast tensors alias
-        the live ones."""
+        the live ones. ``how``: ``cast_frozen=False``, ``device="cpu"`` (``export.fp32_state_dict``: PEFT saves)."""
         opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
-        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model))
+        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model), **how)
 
     def export(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         """A plain fp32 copy of ``model`` with no ampkit in it (no hooks, fp32 weights from :meth:`fp32_state_dict`:

@@ -4,8 +4,10 @@
 ``fp32_policy`` (``ampkit.train.distributed.shard_fsdp``)."""
 from __future__ import annotations
 
-from typing import Any, List
+import warnings
+from typing import Any, List, Tuple
 
+import torch
 from torch import nn
 
 from ..convert import cast_floating, convert_model, hook_io
@@ -13,6 +15,17 @@ from ..keep_fp32 import fp32_plan, kept_text
 from .autocast import AutocastPrecision
 
 __all__ = ["CastParams"]
+
+
+def _say_frozen_rounded(rounded: List[Tuple[str, nn.Parameter, torch.dtype]], low: torch.dtype, mode: str) -> None:
+    """One warning at setup where the cast rounded frozen parameters (a LoRA model's fp32 base) in place."""
+    if not rounded:
+        return
+    size = sum(p.numel() for _, p, _ in rounded)
+    warnings.warn(f"precision={mode!r} rounded the {len(rounded)} frozen parameters ({size / 1e6:.3g}M values, e.g. "
+                  f"{rounded[0][0]!r}) from {str(rounded[0][2])[6:]} to {str(low)[6:]} in place: they never train, "
+                  "so the rounding stays, and a LoRA merge (merge_and_unload) goes into the rounded base; "
+                  "frozen='keep' leaves them in their dtype (computed through 16-bit copies).", stacklevel=4)
 
 
 class CastParams(AutocastPrecision):
@@ -25,7 +38,11 @@ class CastParams(AutocastPrecision):
         low = self.compute_dtype
         plan = fp32_plan(model, low, self.keep_norm_fp32, self.fp32_modules)
         gate = self.device.type if compute_copies else None  # fp32 weights: 16-bit compute inside autocast only
-        convert_model(model, low, skip=self.fp32_modules, plan=plan, compute_copies=compute_copies, gate=gate)
+        keep_frozen = not compute_copies and self.settings.model.frozen == "keep"
+        frozen = [(n, p, p.dtype) for n, p in model.named_parameters() if not p.requires_grad]
+        convert_model(model, low, skip=self.fp32_modules, plan=plan, compute_copies=compute_copies, gate=gate,
+                      keep_frozen=keep_frozen)
+        _say_frozen_rounded([(n, p, was) for n, p, was in frozen if p.dtype != was], low, self.name)
         hook_io(model, low, self.cast_outputs, gate=gate)
         self._kept_fp32 = plan.kept()
 
