@@ -21,6 +21,7 @@ import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .base import CompensatedOptimizer, check_moment_rounding, lr_of, scalar
 from .flat import batch_of
@@ -120,7 +121,8 @@ class Adam(CompensatedOptimizer):
         (one kernel each), or traced inline under an outer ``torch.compile``. False: the eager batches run it."""
         device = params[0].device
         compiling = torch.compiler.is_compiling()
-        if not compiling and not self._compiles(device, sum(p.numel() for p in params)):
+        if not compiling and (params[0].is_meta or is_fake(params[0])  # (the memory planner's tensors)
+                              or not self._compiles(device, sum(p.numel() for p in params))):
             return False
         shared = target.shared
         rule = self._rule(group, mode, params[0].dtype, states[0]["exp_avg"].dtype)
