@@ -38,7 +38,7 @@ SMOKE = {"llama": {"plain fp32", "autocast bf16", "pure bf16 + fused AdamW", "ac
                    "ampkit bf16-mixed", "ampkit bf16-master", "ampkit bf16-pure", "ampkit fp8-tensorwise"},
          "gpt2": {"autocast bf16", "ampkit bf16-mixed", "ampkit fp8-delayed"}}
 PEERS = ["plain fp32", "autocast bf16", "autocast bf16 + fused AdamW", "pure bf16 + fused AdamW",
-         "accelerate bf16", "Fabric bf16-mixed"]
+         "torch-optimi Kahan AdamW bf16", "torchao _AdamW bf16 stochastic rounding", "accelerate bf16", "Fabric bf16-mixed"]
 
 
 def build(arch: str, size: dict, layers: Optional[int] = None):
@@ -100,6 +100,25 @@ def _engine_step(model, opt, backward):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
+
+
+def _pure_peer(device, which):
+    """A bf16 model (``model.to(bf16)``) with a peer's compensated AdamW: torch-optimi's ``AdamW(kahan_sum=True)``
+    (a bf16 Kahan buffer, as ampkit's default) or torchao's ``_AdamW(bf16_stochastic_round=True)``; torch's
+    defaults otherwise (lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01)."""
+    def prepare(model):
+        model = model.to(device).to(torch.bfloat16)
+        if which == "optimi":
+            import optimi
+
+            opt = optimi.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                               kahan_sum=True)
+        else:
+            from torchao.optim import _AdamW
+
+            opt = _AdamW(model.parameters(), lr=1e-4, bf16_stochastic_round=True)
+        return model, _loop_step(model, opt, contextlib.nullcontext)
+    return prepare
 
 
 def _accelerate(device):
@@ -164,6 +183,8 @@ def eager_runners(device) -> List[Runner]:
             Runner("autocast bf16", _plain(device, autocast=True)),
             Runner("autocast bf16 + fused AdamW", _plain(device, autocast=True, fused=True)),
             Runner("pure bf16 + fused AdamW", _plain(device, cast=torch.bfloat16, fused=True)),
+            Runner("torch-optimi Kahan AdamW bf16", _pure_peer(device, "optimi")),
+            Runner("torchao _AdamW bf16 stochastic rounding", _pure_peer(device, "torchao")),
             Runner("accelerate bf16", _accelerate(device)),
             Runner("Fabric bf16-mixed", _fabric(device))]
     return rows + [Runner(f"ampkit {m}", _ampkit(device, m)) for m in MODES]

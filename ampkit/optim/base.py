@@ -143,8 +143,14 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults: Dict[str, Any], *, compensation: Optional[str] = "kahan",
-                 state_dtype: Optional[torch.dtype] = None, seed: Optional[int] = None) -> None:
+                 state_dtype: Optional[torch.dtype] = None, seed: Optional[int] = None,
+                 compiled: Optional[bool] = None) -> None:
         check_compensation(compensation)
+        if compiled not in (None, True, False):
+            raise ValueError(f"compiled must be None (auto), True or False, got {compiled!r}.")
+        #: whether the update runs as one compiled pass per tensor (None: where a bucket is big enough, see
+        #: ``ampkit.optim.onepass``); the eager batches otherwise
+        self.compiled = compiled
         if state_dtype not in _STATE_DTYPES:
             raise ValueError(f"state_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {state_dtype}.")
         self.state_dtype = state_dtype
@@ -253,30 +259,26 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 if group["compensation"] == "stochastic" and dtype == torch.float16:
                     raise ValueError("compensation='stochastic' rounds to bfloat16; found torch.float16 params. "
                                      "Use compensation='kahan' for float16 params.")
-            on_device: Dict[torch.device, tuple] = {}  # once per device: skip flags, scale, shared factors
-            for device in dict.fromkeys(d for d, _ in buckets):
-                skip = keep = None
-                if found_inf is not None:
-                    skip = found_inf.to(device, non_blocking=True).reshape(()) > 0
-                    keep = (~skip).to(torch.float32)
-                scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True).reshape(())
-                # step counts once per param (a param split into pieces shares its count), masked by the skip
-                states = [s for (d, _), (_, _, ss) in buckets.items() if d == device for s in ss]
-                steps = [s["step"] for s in states if "step" in s]
-                if steps:
-                    if keep is None:
-                        torch._foreach_add_(steps, 1.0)
-                    else:  # a list of 0-d tensors: the Tensor-scalar overload reads the scalar on CPU
-                        torch._foreach_add_(steps, [keep] * len(steps))
-                shared = self._prepare(group, device, states, skip, keep) if self._skips_itself else None
-                on_device[device] = (skip, keep, scale, shared)
+            on_device = self._on_devices(group, buckets, found_inf, grad_scale)
+            offsets: Dict[torch.device, int] = {}  # elements updated so far, per device: where the draws' bits sit
             for (device, dtype), (params, grads, states) in buckets.items():
                 mode = group["compensation"] if dtype in LOW_PRECISION else None
                 noise = self.noise(device)
                 skip, keep, scale, shared = on_device[device]
-                cap = self._cap(device, sum(p.numel() for p in params))
+                numel = sum(p.numel() for p in params)
+                offset = offsets.get(device, 0)
+                offsets[device] = offset + numel
+                if self._skips_itself:  # one pass per tensor (compiled, or inline in an outer compile)?
+                    target = _Target(mode, params, states, noise, skip, keep=keep)
+                    target.scale, target.shared, target.offset = scale, shared, offset
+                    if self._one_pass(group, mode, params, grads, states, target):
+                        self._after_update(group, states, keep)
+                        continue
+                cap = self._cap(device, numel)
                 for index, (ps, gs, ss) in enumerate(pieces(params, grads, states, cap)):
                     target = _Target(mode, ps, ss, noise, skip, keep=keep, where=(gi, device, dtype, index))
+                    target.offset = offset
+                    offset += sum(p.numel() for p in ps)
                     if self._skips_itself:  # the update unscales and honours the skip itself
                         target.scale, target.shared = scale, shared
                         self._update(group, ps, gs, ss, target)
@@ -290,6 +292,35 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     del gs, undo
                 self._after_update(group, states, keep)
         return loss
+
+    def _on_devices(self, group: Dict[str, Any], buckets: Dict[Tuple[torch.device, torch.dtype], tuple],
+                    found_inf: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> Dict[torch.device, tuple]:
+        """Once per step, group and device: the skip flag and its 0/1 keep factor, the loss scale, the step counts
+        advanced (by keep), and what the batches share (``_prepare``): ``{device: (skip, keep, scale, shared)}``."""
+        on_device: Dict[torch.device, tuple] = {}
+        for device in dict.fromkeys(d for d, _ in buckets):
+            skip = keep = None
+            if found_inf is not None:
+                skip = found_inf.to(device, non_blocking=True).reshape(()) > 0
+                keep = (~skip).to(torch.float32)
+            scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True).reshape(())
+            # step counts once per param (a param split into pieces shares its count), masked by the skip
+            states = [s for (d, _), (_, _, ss) in buckets.items() if d == device for s in ss]
+            steps = [s["step"] for s in states if "step" in s]
+            if steps:
+                if keep is None:
+                    torch._foreach_add_(steps, 1.0)
+                else:  # a list of 0-d tensors: the Tensor-scalar overload reads the scalar on CPU
+                    torch._foreach_add_(steps, [keep] * len(steps))
+            shared = self._prepare(group, device, states, skip, keep) if self._skips_itself else None
+            on_device[device] = (skip, keep, scale, shared)
+        return on_device
+
+    def _one_pass(self, group: Dict[str, Any], mode: Optional[str], params: List[torch.Tensor],
+                  grads: List[torch.Tensor], states: List[Dict[str, Any]], target: _Target) -> bool:
+        """For an optimizer that ``_skips_itself``: update a whole (device, dtype) bucket in one pass per tensor
+        and return True, or return False for the eager batches (``_update``)."""
+        return False
 
     def _prepare(self, group: Dict[str, Any], device: torch.device, states: List[Dict[str, Any]],
                  skip: Optional[torch.Tensor], keep: Optional[torch.Tensor]) -> Any:

@@ -32,6 +32,7 @@ class FlatBatch:
         self.numels = [p.numel() for p in params]
         self.n = sum(self.numels)
         self.shapes = [p.shape for p in params]
+        self._repeats: Any = None
         self.rows: Dict[str, List[torch.Tensor]] = {"param": [_row(p) for p in params]}
         for key in keys:
             self.rows[key] = [_row(s[key]) for s in states]
@@ -61,6 +62,13 @@ class FlatBatch:
             torch._chunk_cat([t if t.dim() else t.view(1) for ts in run for t in ts], 0, 1, out=out)  # (0-d: a view)
             start += size
         return flat
+
+    def repeats(self, device: torch.device) -> torch.Tensor:
+        """The pieces' sizes as an int64 tensor on ``device`` (made once: ``repeat_interleave`` of per-piece
+        factors over a row)."""
+        if self._repeats is None or self._repeats.device != device:
+            self._repeats = torch.tensor(self.numels, dtype=torch.int64, device=device)
+        return self._repeats
 
     def chunks(self, row: torch.Tensor, times: int = 1) -> List[torch.Tensor]:
         """``row`` (``(1, times * n)``) split into per-tensor pieces, ``times`` lists' worth, pairing with

@@ -42,6 +42,15 @@ def _round_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16).mul_(_MUL).bitwise_and_(_M32)
 
 
+def hash32(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The draw's hash of the int64 counters ``x`` (values below 2**33: ``k1`` plus an element's index) under
+    ``key`` (the draw's 0-d int64 key, :meth:`RoundingNoise.next_key`): 32 uniform bits per value, out of place
+    (what a compiled one-pass update inlines: ``ampkit.optim.onepass``). Equal to :meth:`RoundingNoise.hashes`."""
+    x = ((x ^ (x >> 16)) * _MUL) & _M32
+    x = (((x ^ key) ^ ((x ^ key) >> 16)) * _MUL) & _M32
+    return x ^ (x >> 16)
+
+
 class RoundingNoise:
     """Uniform 16-bit random values from ``hash(seed, draw, index)``; ``position`` is the int64 draw counter
     on ``device``, advanced by one per draw, in place, without a host read.
@@ -64,13 +73,24 @@ class RoundingNoise:
         self._k2 = _mix_int(((self.seed >> 32) & _M32) ^ _mix_int(self._k1 ^ 0x9E3779B9))
         self.position.copy_(torch.as_tensor(position, dtype=torch.int64))  # map_location may have moved it
 
+    @property
+    def k1(self) -> int:
+        """The stream's first key: element ``i`` of a draw hashes ``k1 + i``."""
+        return self._k1
+
+    def next_key(self) -> torch.Tensor:
+        """The next draw's key (0-d int64 on the device; the counter advances by one): with :func:`hash32`,
+        the bits of element ``i`` of that draw are ``hash32(k1 + i, key)``."""
+        key = self.position.mul(_GOLDEN).add_(self._k2).bitwise_and_(_M32)
+        self.position.add_(1)
+        return key
+
     def hashes(self, m: int) -> torch.Tensor:
         """``m`` int64 values holding 32 uniform bits each (one draw: the counter advances by one).
 
         Sixteen elementwise ops (four of them on the 0-d key), whatever ``m``; under torch.compile inductor
         fuses them into one kernel."""
-        key = self.position.mul(_GOLDEN).add_(self._k2).bitwise_and_(_M32)  # this draw's key (0-d)
-        self.position.add_(1)
+        key = self.next_key()
         x = torch.arange(self._k1, self._k1 + m, dtype=torch.int64, device=self.position.device)
         _round_(x)
         _round_(x.bitwise_xor_(key))

@@ -44,6 +44,9 @@ class _Target:
         self.where = where
         #: the stochastic-rounding noise of this batch's device
         self.noise = noise
+        #: the index of the batch's first element among the elements the step updates on its device and group
+        #: (where its bits sit in the step's draw: the same whether the update runs per batch or per tensor)
+        self.offset = 0
         #: what the batches of the step's group on this device share (``CompensatedOptimizer._prepare``)
         self.shared: Any = None
         self._flat: Optional[torch.Tensor] = None

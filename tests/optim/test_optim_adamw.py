@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from ampkit.optim import Adam, AdamW, RoundingNoise
+from ampkit.optim.noise import hash32
 from optim_helpers import grads as _grads
-from optim_helpers import (assert_same_params_and_state, land_, reference_target, regression, run,
-                           step_with_reference, stochastic_round_bucket_, through_checkpoint, twin_params)
+from optim_helpers import (assert_same_params_and_state, regression, run,
+                           step_with_reference, through_checkpoint, twin_params)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,37 +78,45 @@ def test_fp32_params_match_torch(cls, kw, compensation):
         assert torch.equal(ta.state[p]["exp_avg_sq"], tb.state[q]["exp_avg_sq"])
 
 
+def _round_stochastically(x32, r):
+    """fp32 ``x32`` to a bf16 value: the 16-bit ``r`` added below bf16's last mantissa bit, the low bits cut
+    (in int64, unlike the optimizer's int32)."""
+    bits = x32.view(torch.int32).clamp(max=0x7FFF0000).to(torch.int64) + r
+    return (bits & -65536).to(torch.int32).view(torch.float32).bfloat16()
+
+
 def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, gen):
-    """The documented algorithm, one tensor at a time (bf16 params, bf16 moments): moments in fp32, both rounded
-    stochastically in one draw; the update in fp32; landed with the decay in fp32 (Kahan: into the buffer,
-    rounded once; stochastic: into fp32 params, one more draw; plain: the bf16 params decayed, the update rounded)."""
+    """The documented algorithm, one tensor at a time (bf16 params, bf16 moments), per element: moments in fp32,
+    rounded stochastically with the bits of ``hash32(k1 + 2 * i, key)`` (``i``: the element's index among the
+    step's elements, ``key``: one draw per step); the update in fp32 from the rounded moments; landed with the
+    decay in fp32 (Kahan: ``s = p + (c - lr * wd * p + u)``, ``p = bf16(s)``, ``c = bf16(s - p)``; stochastic:
+    ``p * (1 - lr * wd) + u`` rounded with the bits of ``hash32(k1 + 2 * i + 1, key)``; plain: rounded)."""
     beta1, beta2 = betas
-    wd = weight_decay
-    m32, v32 = [], []
+    decay = torch.tensor([-lr * weight_decay, 1 - lr * weight_decay], dtype=torch.float32)
+    key, offset = gen.next_key(), 0
     for p, s in zip(params, states):
         s["step"] += 1
+        x = gen.k1 + 2 * (offset + torch.arange(p.numel(), dtype=torch.int64)).view(p.shape)
+        offset += p.numel()
+        h = hash32(x, key)
         g = p.grad.float()
-        m32.append(s["exp_avg"].float().lerp_(g, 1 - beta1))
-        v32.append(s["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2))
-    stochastic_round_bucket_(m32 + v32, gen)
-    updates = []
-    for p, s, m, v in zip(params, states, m32, v32):
-        s["exp_avg"].copy_(m)
-        s["exp_avg_sq"].copy_(v)
+        s["exp_avg"].copy_(_round_stochastically(s["exp_avg"].float().lerp(g, 1 - beta1), h & 0xFFFF))
+        v = s["exp_avg_sq"].float().mul(beta2).addcmul(g, g, value=1 - beta2)
+        s["exp_avg_sq"].copy_(_round_stochastically(v, (h >> 16) & 0xFFFF))
         n = s["step"].double()
         bc2_sqrt = (1 - torch.pow(beta2, n)).sqrt().float()
         step_size = (-lr / (1 - torch.pow(beta1, n))).float()
-        updates.append(m.div(v.sqrt().div_(bc2_sqrt).add_(eps)).mul_(step_size))
-    if compensation == "kahan":
-        for p, s, u in zip(params, states, updates):
-            s["compensation"].copy_(s["compensation"].float().add_(p.float(), alpha=-lr * wd).add_(u))
-        land_(params, [s["compensation"] for s in states], "kahan", gen)
-    elif compensation == "stochastic":
-        p32 = [p.float().mul_(1 - lr * wd).add_(u) for p, u in zip(params, updates)]
-        land_(params, p32, "stochastic", gen)
-    else:
-        for p, u in zip(params, updates):
-            p.mul_(1 - lr * wd).add_(u.to(p.dtype))
+        u = s["exp_avg"].float() / (s["exp_avg_sq"].float().sqrt() / bc2_sqrt + eps) * step_size
+        p32 = p.detach().float()
+        with torch.no_grad():
+            if compensation == "kahan":
+                total = p32 + (s["compensation"].float() + p32 * decay[0] + u)
+                p.copy_(total.bfloat16())
+                s["compensation"].copy_((total - p.float()).bfloat16())
+            elif compensation == "stochastic":
+                p.copy_(_round_stochastically(p32 * decay[1] + u, hash32(x + 1, key) & 0xFFFF))
+            else:
+                p.copy_((p32 * decay[1] + u).bfloat16())
 
 
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic", None])

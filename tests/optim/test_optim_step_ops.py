@@ -1,6 +1,6 @@
-"""The ops one bf16-pure optimizer step dispatches (each a kernel launch on a GPU, where a step that launches per
+"""The ops one eager bf16-pure optimizer step dispatches (each a kernel launch on a GPU, where a step that launches per
 tensor or per chunk is bound by the host: ~50,000 launches on an H200 before), counted under a
-``TorchDispatchMode``: a fixed number whatever the parameters' count and size up to a batch, at most twice
+``TorchDispatchMode``: a fixed number whatever the parameters' count and size up to a batch, at most 2-3x
 ``torch.optim.AdamW(foreach=True)``'s on the same parameters, and beyond a batch growing with the bytes only."""
 import warnings
 
@@ -33,7 +33,7 @@ def _step_ops(width, layers, batch=None, compensation=None):
         precision = ampkit.Precision("bf16-pure", "cpu", compensation=compensation)
         model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert isinstance(opt, AdamW)
-    opt.bucket_numel = batch
+    opt.bucket_numel, opt.compiled = batch, False  # the eager batches (the compiled pass: test_optim_onepass.py)
     x = torch.randn(4, width)
     for _ in range(3):  # the count of the third step (state made, views cached)
         with precision.autocast():
@@ -57,14 +57,15 @@ def _step_ops(width, layers, batch=None, compensation=None):
 @pytest.mark.parametrize("compensation", [None, "stochastic"])  # None: bf16-pure's default, Kahan
 def test_ops_do_not_grow_with_parameter_count(compensation):
     """Two models, 14 and 26 tensors, 13k and 101k parameters (under a CPU batch): the same count, within
-    2x torch's foreach AdamW (whose count grows with the tensor count) on each."""
+    3x torch's foreach AdamW (whose count grows with the tensor count) on each: the eager batches run the compiled
+    pass's formula op by op (~50 elementwise ops on a flat row, the noise hash among them)."""
     small = _step_ops(64, 3, compensation=compensation)
     large = _step_ops(128, 6, compensation=compensation)
     assert small[2] < large[2] and small[3] * 7 < large[3] <= CPU_BATCH, (small, large)
     assert small[0] == large[0], (small, large)
-    if compensation is None:  # stochastic rounding of the params costs one more draw (~20 ops)
+    if compensation is None:  # stochastic rounding of the params costs one more hash (~10 ops)
         for ours, theirs, *_ in (small, large):
-            assert ours <= 2 * theirs, (ours, theirs)
+            assert ours <= 3 * theirs, (ours, theirs)
 
 
 def test_ops_grow_with_bytes_beyond_a_batch_only():

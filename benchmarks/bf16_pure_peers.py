@@ -1,0 +1,94 @@
+"""bf16-pure against its peers, paired in one process: the same Hugging Face ``LlamaForCausalLM`` from a config
+(issue 48's: hidden 512, 4 layers, 17M parameters, 4 x 256 tokens, AdamW lr 1e-4), one fresh model per row, the
+rows' timed steps interleaved round by round (so a load that comes and goes hits every row alike), medians.
+
+Rows: plain pure bf16 (``model.to(bf16)``, torch's AdamW: default foreach, then fused); torch-optimi's
+``AdamW(kahan_sum=True)`` and torchao's ``_AdamW(bf16_stochastic_round=True)`` on the bf16 model
+(benchmarks/hf_compare.py's runners, which gpu-check runs too); ampkit bf16-pure (``Precision("bf16-pure")``,
+Kahan: its update compiled into one pass per tensor, ``ampkit.optim.onepass``). The first step of each row
+(warm-up: ampkit's compile is there) is reported apart.
+
+    python benchmarks/bf16_pure_peers.py [--rounds 5] [--steps 2] [--small]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_compare as H  # noqa: E402
+
+SIZE = {"llama": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1376, vocab_size=4096,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256),
+        "batch": (4, 256)}
+SMALL = {"llama": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32),
+         "batch": (2, 16)}
+REF = "pure bf16 + AdamW"
+
+
+def runners(device):
+    return [H.Runner(REF, H._plain(device, cast=torch.bfloat16)),
+            H.Runner("pure bf16 + fused AdamW", H._plain(device, cast=torch.bfloat16, fused=True)),
+            H.Runner("torch-optimi Kahan AdamW bf16", H._pure_peer(device, "optimi")),
+            H.Runner("torchao _AdamW bf16 stochastic rounding", H._pure_peer(device, "torchao")),
+            H.Runner("ampkit bf16-pure", H._ampkit(device, "bf16-pure"))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per row per round")
+    ap.add_argument("--small", action="store_true", help="a tiny Llama (a smoke of the rows, seconds)")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    size = SMALL if args.small else SIZE
+    b, t = size["batch"]
+    live, first, times = {}, {}, {}
+    for r in runners(device):
+        try:
+            model = H.build("llama", size)
+            ids = torch.randint(0, model.config.vocab_size, (b, t), generator=torch.Generator().manual_seed(1))
+            batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model, step = r.prepare(model)
+                t0 = time.perf_counter()
+                step(batch)
+                H._sync(device)
+            first[r.name] = time.perf_counter() - t0
+            live[r.name] = (model, step, batch, sum(p.numel() for p in model.parameters()))
+            times[r.name] = []
+        except Exception as e:  # noqa: BLE001 - a peer not installed: the row says so
+            print(f"| {r.name} | could not run: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''} |")
+    for _ in range(args.rounds):
+        for name, (model, step, batch, _) in live.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(args.steps):
+                    H._sync(device)
+                    t0 = time.perf_counter()
+                    step(batch)
+                    H._sync(device)
+                    times[name].append(time.perf_counter() - t0)
+    params = next(iter(live.values()))[3] if live else 0
+    print(f"device: {device}; torch {torch.__version__}; Llama {params / 1e6:.1f}M params, {b} x {t} tokens; "
+          f"{args.rounds} rounds x {args.steps} steps, medians")
+    print("| row | ms/step | vs plain pure bf16 | first step (s) |")
+    print("|---|---:|---:|---:|")
+    ref = statistics.median(times[REF]) if REF in times else None
+    for name, ts in times.items():
+        ms = 1e3 * statistics.median(ts)
+        vs = f"{ref * 1e3 / ms:.2f}x" if ref else "-"
+        print(f"| {name} | {ms:.1f} | {vs} | {first[name]:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
