@@ -1,4 +1,4 @@
-"""What a data factory may return, and labels with a gap (issue 50, items 2 and 11): ``(train, None)`` is a
+"""What a data factory may return, and labels with a gap: ``(train, None)`` is a
 run without a test set, a Dataset is never read into numpy (one with no end would eat the memory), and a
 typo label is refused in one line naming the labels seen instead of building outputs for phantom classes."""
 import sys

@@ -126,7 +126,7 @@ def test_bad_fp8_roofline_flags_exit_2(capsys, flag):
 
 
 def test_each_fp8_mode_says_its_verdict_once(tmp_path, monkeypatch, capsys):
-    """Issue 50: ``check --precision fp8-tensorwise,mxfp8`` judged mxfp8 a second time for the first recipe's GPU
+    """``check --precision fp8-tensorwise,mxfp8`` judged mxfp8 a second time for the first recipe's GPU
     (h100, then b200), and printed its "no layer runs in fp8" twice."""
     import numpy as np
 

@@ -112,7 +112,7 @@ def test_every_mode_traces_once_per_layout_not_four_times_per_mode(capsys, monke
 
 
 def test_a_budget_below_batch_1_says_what_batch_1_needs(capsys):
-    """Issue 50: ``--memory 1KB`` printed "max batch 0" and exited 0; now each mode says what batch 1 needs, in
+    """``--memory 1KB`` printed "max batch 0" and exited 0; now each mode says what batch 1 needs, in
     bytes, and the exit is 1 when no mode fits."""
     rc = main(["plan", "--model", "mlp", "--precision", "fp32", "--memory", "1KB"])
     err = capsys.readouterr().err

@@ -143,7 +143,7 @@ def test_plot_replaces_its_own_file_not_anothers(tmp_path, monkeypatch, capsys):
 
 
 def test_jpeg_nan_loss_and_a_run_without_summary(tmp_path, figures):
-    """Issue 50: --out x.jpg writes a JPEG (matplotlib takes no metadata for it); a NaN loss of a step that was
+    """--out x.jpg writes a JPEG (matplotlib takes no metadata for it); a NaN loss of a step that was
     not skipped is a gap in the curve and a mark on the floor, not the last finite loss carried across it; a run
     without summary.json (stopped, or still running) keeps its mode label from config.toml."""
     from ampkit.plot import plot_runs

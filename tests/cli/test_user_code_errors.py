@@ -1,4 +1,4 @@
-"""Whose error is it (issue 50, items 5, 6, 18): the user's own code (model, data factory) keeps its traceback,
+"""Whose error is it: the user's own code (model, data factory) keeps its traceback,
 an OSError from it is not answered as a disk problem; a --device torch cannot run here is one line, exit 2, in
 every verb; option ranges are said in the flags' words."""
 import sys

@@ -49,7 +49,7 @@ def user_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("data,model,needle,subprocess_", [
-    # a label beyond a gap (3 and 4 have no sample): refused as a typo before the model is built (issue 50)
+    # a label beyond a gap (3 and 4 have no sample): refused as a typo before the model is built
     ("label5.npz", "mymod:make", "classes 3-4 have no sample. A typo? Label 5 is at row 5", True),
     ("uint8.npz", None, "x holds integers: save it as float32", True),
     ("good.npz", "mymod:narrow", "the model cannot train on this data", True),

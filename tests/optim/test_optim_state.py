@@ -202,7 +202,7 @@ def test_ampkit_train_with_8bit_state_relays_no_torchao_warning(tmp_path):
 
 
 def test_8bit_state_says_how_many_tensors_are_in_8_bits():
-    """Issue 50: torchao keeps tensors under 4096 values in fp32; a model of only such tensors said "8-bit optimizer
+    """torchao keeps tensors under 4096 values in fp32; a model of only such tensors said "8-bit optimizer
     state (torchao)" with every moment in fp32: one warning now says 0 of 4 tensors are in 8 bits."""
     pytest.importorskip("torchao.optim")
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))

@@ -232,7 +232,7 @@ def test_timing_says_nothing_about_its_own_optimizer(caplog):
 
 @pytest.mark.cpu_caps("amx")
 def test_timings_too_noisy_to_decide_are_no_measurement(monkeypatch, tmp_path):
-    """Issue 50: steps that wandered by 665% cannot tell 2.75x apart: the device's choice is kept, the reason says
+    """steps that wandered by 665% cannot tell 2.75x apart: the device's choice is kept, the reason says
     the timings were too noisy and names --retune, nothing is cached as measured (the next run times again),
     and the ratio is the speed ratio ("2.75x faster"), not the share of time saved ("64% faster")."""
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
