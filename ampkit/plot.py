@@ -93,6 +93,24 @@ def written_by_ampkit(path: str) -> bool:
     return head.startswith(b"\x89PNG") and b"Software\x00" + WRITER.encode() in head
 
 
+def _draw_loss(ax, floor, train: List[dict], label: str, smooth: int, plotted: List[float]):
+    """One run's train-loss curve on ``ax`` (its finite values added to ``plotted``), its skipped steps and its
+    non-finite losses of steps that were not skipped (gaps in the curve) marked on the floor; returns the line."""
+    losses = [r["loss"] if _finite(r.get("loss")) and not r.get("skipped") else float("nan") for r in train]
+    curve = _moving_mean(losses, smooth) if smooth > 1 else losses
+    plotted += [v for v in curve if _finite(v)]
+    line, = ax.plot([r["step"] for r in train], curve, label=label)
+    skipped = [r["step"] for r in train if r.get("skipped")]
+    if skipped:
+        ax.plot(skipped, [0.02] * len(skipped), "x", color="red", ms=4, transform=floor,
+                label=f"{label}: {len(skipped)} skipped step(s)")
+    nonfinite = [r["step"] for r in train if not r.get("skipped") and "loss" in r and not _finite(r["loss"])]
+    if nonfinite:
+        ax.plot(nonfinite, [0.06] * len(nonfinite), "o", mfc="none", color="red", ms=4, transform=floor,
+                label=f"{label}: {len(nonfinite)} non-finite loss(es)")
+    return line
+
+
 def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[str] = None) -> str:
     """Write a PNG with three panels (train loss, eval accuracy or loss, loss scale) to ``out``.
 
@@ -119,18 +137,7 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
     for d, m in runs:
         label = _label(d)
         steps = [r["step"] for r in m["train"]]
-        losses = [r["loss"] if _finite(r.get("loss")) and not r.get("skipped") else float("nan") for r in m["train"]]
-        curve = _moving_mean(losses, smooth) if smooth > 1 else losses
-        plotted += [v for v in curve if _finite(v)]
-        line, = axes[0].plot(steps, curve, label=label)
-        skipped = [r["step"] for r in m["train"] if r.get("skipped")]
-        if skipped:
-            axes[0].plot(skipped, [0.02] * len(skipped), "x", color="red", ms=4, transform=floor[0],
-                         label=f"{label}: {len(skipped)} skipped step(s)")
-        nonfinite = [r["step"] for r in m["train"] if not r.get("skipped") and "loss" in r and not _finite(r["loss"])]
-        if nonfinite:  # a NaN/inf loss of a step that was not skipped: a gap in the curve, marked on the floor
-            axes[0].plot(nonfinite, [0.06] * len(nonfinite), "o", mfc="none", color="red", ms=4, transform=floor[0],
-                         label=f"{label}: {len(nonfinite)} non-finite loss(es)")
+        line = _draw_loss(axes[0], floor[0], m["train"], label, smooth, plotted)
         ev = [r for r in m["eval"] if r.get(key) is not None]
         if ev:
             axes[1].plot([r["step"] for r in ev], [r[key] for r in ev], marker="o", label=label, color=line.get_color())
