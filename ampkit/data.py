@@ -179,6 +179,18 @@ def _as_tensor(a, what: str, name: str) -> torch.Tensor:
     return torch.as_tensor(a)
 
 
+#: what a data factory may return, said when it returned something else
+_RETURNS = ("return a Dataset or DataLoader, a (train, test) pair of them (test None: no test set), a DataSplits, "
+            "or (x, y) arrays (numpy arrays, tensors or lists)")
+
+
+def _is_array(a) -> bool:
+    """Arrays ``_from_arrays`` reads whole: numpy arrays, tensors, lists/tuples (of numbers or arrays).
+    A Dataset is not one: numpy would iterate it by index, without end where ``__getitem__`` never raises
+    IndexError (torch does not require it to)."""
+    return isinstance(a, (np.ndarray, np.generic, torch.Tensor, list, tuple))
+
+
 def _from_arrays(x, y, name: str, test_fraction: float, seed: int) -> DataSplits:
     class_names = None
     y_np = np.asarray(y)
@@ -211,6 +223,8 @@ def _from_arrays(x, y, name: str, test_fraction: float, seed: int) -> DataSplits
             raise ValueError(f"dataset {name!r}: y holds a negative label at row {row}; class labels must be "
                              "0..K-1 (or float targets for regression).")
         num_classes = int(max(y.max().item(), x.max().item() if task == "lm" else 0)) + 1
+        if task == "classification" and class_names is None:
+            _refuse_gaps(y, name)
     if len(x) < 2:
         train, test = RowsDataset(x, y, rows=torch.arange(len(x))), None
     else:
@@ -226,11 +240,45 @@ def _from_arrays(x, y, name: str, test_fraction: float, seed: int) -> DataSplits
     return DataSplits(train, test, task, num_classes, shape, name, class_names, default, kw)
 
 
+def _refuse_gaps(y: torch.Tensor, name: str) -> None:
+    """Class ids with no sample below the largest label (a typo ``7`` in a 3-class set would build 8 outputs,
+    4 of them phantom classes): one ValueError naming the labels seen, the rows of the rarest beyond a gap,
+    and the fix."""
+    seen, counts = torch.unique(y, return_counts=True)
+    if len(seen) == int(seen[-1]) + 1:
+        return
+    present = set(seen.tolist())
+    missing = [c for c in range(int(seen[-1]) + 1) if c not in present]
+    beyond = [int(c) for c in seen if c > missing[0]]
+    rarest = min(beyond, key=lambda c: int(counts[seen == c]))
+    rows = (y.reshape(len(y), -1) == rarest).any(1).nonzero().reshape(-1)[:3].tolist()
+    listed = ", ".join(str(c) for c in seen.tolist()[:12]) + (", ..." if len(seen) > 12 else "")
+    gap = _ranges(missing)
+    raise ValueError(
+        f"dataset {name!r}: y holds the labels {listed} ({len(seen)} classes), so its largest, {int(seen[-1])}, "
+        f"would make {int(seen[-1]) + 1} outputs, and class{'es' if len(missing) > 1 else ''} {gap} "
+        f"{'have' if len(missing) > 1 else 'has'} no sample. A typo? Label {rarest} is at row"
+        f"{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}{' ...' if int(counts[seen == rarest]) > 3 else ''}: "
+        "fix it, or number the classes 0..K-1 (numpy.unique(y, return_inverse=True)[1]), or save y as "
+        "float32 for a regression.")
+
+
+def _ranges(ids: list) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9' (at most 6 runs shown)."""
+    runs, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(runs[:6]) + (", ..." if len(runs) > 6 else "")
+
+
 def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
     """``digits`` | ``images`` | ``sequences`` | ``path.npz`` (arrays ``x``, ``y``) | ``pkg.module:factory``.
 
     A factory may return a DataSplits, a ``(train, test)`` pair of datasets (or DataLoaders: their
-    ``collate_fn`` and ``batch_size`` are used), one dataset, or a ``(x, y)`` pair of arrays. Samples may be
+    ``collate_fn`` and ``batch_size`` are used; ``test`` None: no test set), one dataset, or a ``(x, y)`` pair
+    of arrays (numpy arrays, tensors or lists; never a Dataset, which is not read whole). Samples may be
     ``(x, y)`` pairs or dicts (Hugging Face style: ``input_ids``, ``attention_mask``, ``labels``..., passed
     as ``model(**batch)``; give the model with ``--model pkg.module:factory``). Raises ValueError with
     the fix for anything malformed.
@@ -260,14 +308,16 @@ def load_data(spec: str = "digits", test_fraction: float = 0.2, seed: int = 0) -
             raise ValueError(f"data factory {spec!r} failed: {type(e).__name__}: {e}") from e
         if isinstance(out, DataSplits):
             return out
-        if isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, (Dataset, DataLoader)) for o in out):
+        datasets = (Dataset, DataLoader)
+        if (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], datasets)
+                and (out[1] is None or isinstance(out[1], datasets))):  # (train, None): no test set
             return _from_dataset(out[0], out[1], spec)
-        if isinstance(out, (Dataset, DataLoader)):
+        if isinstance(out, datasets):
             return _from_dataset(out, None, spec)
-        if isinstance(out, tuple) and len(out) == 2:
+        if isinstance(out, tuple) and len(out) == 2 and all(_is_array(o) for o in out):
             return _from_arrays(out[0], out[1], spec, test_fraction, seed)
-        raise ValueError(f"data factory {spec!r} returned {type(out).__name__}: return a Dataset, "
-                         "a (train, test) pair of Datasets or DataLoaders, or (x, y) arrays.")
+        got = type(out).__name__ if not isinstance(out, tuple) else f"({', '.join(type(o).__name__ for o in out)})"
+        raise ValueError(f"data factory {spec!r} returned {got}: {_RETURNS}.")
     raise ValueError(_unknown_data(spec))
 
 
@@ -416,6 +466,9 @@ def _largest_label(dataset: Dataset) -> int:
 
 def _from_dataset(train: Dataset, test: Optional[Dataset], name: str) -> DataSplits:
     dataset = train.dataset if isinstance(train, DataLoader) else train
+    if not hasattr(type(dataset), "__len__"):
+        raise ValueError(f"dataset {name!r} ({type(dataset).__name__}) has no __len__: ampkit reads map-style "
+                         "datasets by index; give its class a __len__ returning the number of samples.")
     if len(dataset) == 0:
         raise ValueError(f"dataset {name!r} is empty: it needs at least one sample.")
     sample = dataset[0]

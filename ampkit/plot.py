@@ -28,11 +28,21 @@ def read_metrics(run_dir: str) -> Dict[str, List[dict]]:
 
 
 def _label(run_dir: str) -> str:
+    """The run directory's name and its mode: summary.json's, else (a run stopped or still running)
+    config.toml's, which records the mode from the start."""
     try:
         with open(os.path.join(run_dir, "summary.json")) as f:
             prec = json.load(f).get("precision")
     except (OSError, ValueError):
         prec = None
+    if not prec:
+        from .train.config import load_config_file
+
+        try:
+            prec = load_config_file(os.path.join(run_dir, "config.toml")).get("precision")
+        except (OSError, ValueError):
+            prec = None
+    prec = prec if isinstance(prec, str) else None
     name = os.path.basename(os.path.normpath(run_dir))
     return f"{name} ({prec})" if prec and prec not in name else name
 
@@ -42,12 +52,12 @@ def _finite(v) -> bool:
 
 
 def _moving_mean(values: List[float], window: int) -> List[float]:
-    """Mean of the finite values among the last ``window`` (NaN where there is none): a diverged
-    stretch leaves a gap instead of turning the rest of the curve into NaN."""
+    """Mean of the finite values among the last ``window``, NaN where the value itself is not finite: a diverged
+    stretch leaves a gap (not the last finite losses carried across it, nor the rest of the curve turned NaN)."""
     out = []
     for i in range(len(values)):
         win = [v for v in values[max(0, i - window + 1): i + 1] if _finite(v)]
-        out.append(sum(win) / len(win) if win else float("nan"))
+        out.append(sum(win) / len(win) if win and _finite(values[i]) else float("nan"))
     return out
 
 
@@ -105,6 +115,24 @@ def written_by_ampkit(path: str) -> bool:
     return head.startswith(b"\x89PNG") and b"Software\x00" + WRITER.encode() in head
 
 
+def _draw_loss(ax, floor, train: List[dict], label: str, smooth: int, plotted: List[float]):
+    """One run's train-loss curve on ``ax`` (its finite values added to ``plotted``), its skipped steps and its
+    non-finite losses of steps that were not skipped (gaps in the curve) marked on the floor; returns the line."""
+    losses = [r["loss"] if _finite(r.get("loss")) and not r.get("skipped") else float("nan") for r in train]
+    curve = _moving_mean(losses, smooth) if smooth > 1 else losses
+    plotted += [v for v in curve if _finite(v)]
+    line, = ax.plot(*_broken_at_gaps([r["step"] for r in train], curve), label=label)
+    skipped = [r["step"] for r in train if r.get("skipped")]
+    if skipped:
+        ax.plot(skipped, [0.02] * len(skipped), "x", color="red", ms=4, transform=floor,
+                label=f"{label}: {len(skipped)} skipped step(s)")
+    nonfinite = [r["step"] for r in train if not r.get("skipped") and "loss" in r and not _finite(r["loss"])]
+    if nonfinite:
+        ax.plot(nonfinite, [0.06] * len(nonfinite), "o", mfc="none", color="red", ms=4, transform=floor,
+                label=f"{label}: {len(nonfinite)} non-finite loss(es)")
+    return line
+
+
 def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[str] = None) -> str:
     """Write a PNG with three panels (train loss, eval accuracy or loss, loss scale) to ``out``.
 
@@ -133,15 +161,8 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
     for d, m in runs:
         label = _label(d)
         steps = [r["step"] for r in m["train"]]
-        losses = [r["loss"] if _finite(r.get("loss")) and not r.get("skipped") else float("nan") for r in m["train"]]
-        curve = _moving_mean(losses, smooth) if smooth > 1 else losses
-        plotted += [v for v in curve if _finite(v)]
-        line, = axes[0].plot(*_broken_at_gaps(steps, curve), label=label)
+        line = _draw_loss(axes[0], floor[0], m["train"], label, smooth, plotted)
         _mark_gaps(axes[0], m.get("gap", []), label, line.get_color())
-        skipped = [r["step"] for r in m["train"] if r.get("skipped")]
-        if skipped:
-            axes[0].plot(skipped, [0.02] * len(skipped), "x", color="red", ms=4, transform=floor[0],
-                         label=f"{label}: {len(skipped)} skipped step(s)")
         ev = [r for r in m["eval"] if r.get(key) is not None]
         if ev:
             axes[1].plot([r["step"] for r in ev], [r[key] for r in ev], marker="o", label=label, color=line.get_color())
@@ -168,6 +189,8 @@ def plot_runs(run_dirs: List[str], out: str, smooth: int = 10, title: Optional[s
         fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110, metadata={"Software": WRITER})  # marks the file as ours (`written_by_ampkit`)
+    # a PNG is marked as ours (`written_by_ampkit`); other formats (jpeg takes no metadata) are written plain
+    png = os.path.splitext(out)[1].lower() in ("", ".png")
+    fig.savefig(out, dpi=110, **({"metadata": {"Software": WRITER}} if png else {}))
     plt.close(fig)
     return out

@@ -226,7 +226,7 @@ def _run(args) -> int:
                           "max_batch_reason": c.reason} for _, p, c in rows],
                "unseen": rows[0][1].unseen if rows else None, "failed": failed}
         print(json.dumps(out, indent=1))
-        return 0 if rows else 2
+        return 0 if any(c.batch_size for _, _, c in rows) else (1 if rows else 2)
     n_params = rows[0][1].num_params if rows else 0
     ranks = (f" per rank of {args.world_size} ({strategy}{', fake process group' if strategy == 'fsdp' else ''})"
              if strategy else "")
@@ -252,4 +252,7 @@ def _run(args) -> int:
             print(f"{device}: {rows[0][1].unseen}.")
     for mode, why in failed.items():
         print(f"{mode}: not planned: {why}", file=sys.stderr)
-    return 0 if rows else 2
+    for mode, _, c in rows:
+        if not c.batch_size:
+            print(f"{mode}: {c.reason}", file=sys.stderr)
+    return 0 if any(c.batch_size for _, _, c in rows) else (1 if rows else 2)

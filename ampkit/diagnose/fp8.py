@@ -159,8 +159,10 @@ def fp8_check(model: nn.Module, batch: Any, loss_fn: Callable, forward_fn: Calla
     recipes = {mode: _recipe_verdict(mode, layers, cov, device) for mode in FP8_ORDER}
     model_sqnr = {}
     for mode in requested:
+        # each mode judged for its own default GPU (mxfp8: b200), as its end-to-end run in amp_verdicts was: the
+        # first recipe's (h100 for fp8-tensorwise) would judge, and warn about, mxfp8 for a GPU without it
         m, p = prepare(model, mode, device, fp8_skip=filt.skip, fp8_force=filt.force, fp8_filter=filt.rule,
-                       fp8_gpu=filt.gpu, fp8_tokens=filt.tokens)
+                       fp8_gpu=gpu or gpu_class(device) or default_gpu(mode), fp8_tokens=filt.tokens)
         got = run_once(m, p, batch, forward_fn, loss_fn)
         g_ref = [ref.grads[k].reshape(-1) for k in ref.grads if k in got.grads]
         g_got = [got.grads[k].reshape(-1) for k in ref.grads if k in got.grads]

@@ -145,7 +145,8 @@ class MemoryPlan:
         chosen = best_fit
         peak = points.get(chosen, 0)
         why = (f"largest batch whose planned peak {_gib(peak)} fits {_gib(budget_bytes)} less a {margin:.0%} margin"
-               if chosen else f"even one sample needs more than {_gib(budget_bytes)} less a {margin:.0%} margin")
+               if chosen else f"batch 1 does not fit: its planned peak is {_gib(peak_at(1))} ({peak_at(1)} bytes), "
+               f"the budget {_gib(budget_bytes)} less a {margin:.0%} margin is {_gib(target)}")
         if chosen == cap:
             why = f"the cap {cap} (its planned peak {_gib(peak)} fits {_gib(budget_bytes)} less a {margin:.0%} margin)"
         return BatchChoice(chosen, peak, int(budget_bytes), margin, cap, slope, fixed, why)

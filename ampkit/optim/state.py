@@ -88,7 +88,22 @@ def _lowbit(optimizer: torch.optim.Optimizer, bf16_stochastic_round: bool) -> to
     new = cls(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
               bf16_stochastic_round=bf16_stochastic_round)
     _quiet_torchao()
+    _say_fp32_share(new)
     return new
+
+
+def _say_fp32_share(optimizer: torch.optim.Optimizer) -> None:
+    """torchao keeps the moments of a tensor under 4096 values (or not a multiple of its block) in fp32: where
+    that is most of the model, one warning says how many tensors are in 8 bits (a small model: none)."""
+    sizes = [(p.to_local() if hasattr(p, "to_local") else p).numel()
+             for g in optimizer.param_groups for p in g["params"]]
+    block = getattr(optimizer, "block_size", 256)
+    in_8bit = [n for n in sizes if n >= 4096 and n % block == 0]
+    if sizes and sum(in_8bit) * 2 < sum(sizes):
+        warnings.warn(f"optimizer_state='8bit': {len(in_8bit)} of {len(sizes)} tensors in 8 bits "
+                      f"({sum(in_8bit) / max(1, sum(sizes)):.0%} of the values): torchao keeps the moments of a tensor "
+                      f"under 4096 values, or not a multiple of its {block}-value block, in fp32, so little or no memory "
+                      "is saved; optimizer_state='bf16' halves every tensor's moments.", stacklevel=4)
 
 
 #: what torch says while it compiles torchao's 8-bit step (at its first calls, and again at each recompile): advice

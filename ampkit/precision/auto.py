@@ -146,8 +146,15 @@ def pick(ms: Dict[str, float], ranked: Sequence[str], noise: Optional[Dict[str, 
     tie = max(TIE, *((noise or {}).get(m, 0.0) for m in (best, first)))
     if gain > tie:
         return best, f"{best} fastest here"
-    return first, (f"{best} only {gain:.0%} faster than {first}, within {tie:.0%} (the tie margin or the timing "
-                   f"noise): kept {first}, the mode this device's measured speeds favour")
+    return first, (f"{best} only {faster(ms[first], ms[best])} than {first}, within {tie:.0%} (the tie margin or "
+                   f"the timing noise): kept {first}, the mode this device's measured speeds favour")
+
+
+def faster(slow_ms: float, fast_ms: float) -> str:
+    """How much faster a step of ``fast_ms`` is than one of ``slow_ms``, as a speed ratio: "2.75x faster"
+    (138 ms vs 50.1 ms), "2% faster" below 1.1x (not the share of time saved: 64% of 138 ms saved is 2.75x)."""
+    ratio = slow_ms / max(fast_ms, 1e-12)
+    return f"{ratio:.2f}x faster" if ratio >= 1.1 else f"{ratio - 1:.0%} faster"
 
 
 #: the reason a resumed `auto` run gives for its mode

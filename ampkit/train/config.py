@@ -134,6 +134,12 @@ def _check_ranges(out: Dict[str, Any]) -> None:
                           ("weight_decay", lambda v: v >= 0, ">= 0"), ("warmup_steps", lambda v: v >= 0, ">= 0")):
         if out[key] is not None and not ok(out[key]):
             raise ValueError(f"--{key.replace('_', '-')} must be {rule}, got {out[key]:g}.")
+    if out["init_scale"] is not None and not isinstance(out["init_scale"], bool) and not out["init_scale"] > 0:
+        raise ValueError(f"--init-scale must be a positive number of the dynamic loss scale to start from (e.g. "
+                         f"65536 = 2**16, the default), got {out['init_scale']:g}.")
+    if out["max_consecutive_skips"] is not None and out["max_consecutive_skips"] < 1:
+        raise ValueError(f"--max-consecutive-skips must be >= 1 (the run stops after that many non-finite steps in a "
+                         f"row; default 50), got {out['max_consecutive_skips']}.")
     if out.get("precision_change_optimizer") not in ("convert", "reset"):
         raise ValueError(f"--precision-change-optimizer must be convert or reset, got {out.get('precision_change_optimizer')!r}.")
     cpus = os.cpu_count() or 1

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..diagnose import verdict
 from ..precision import Precision
-from ..precision.auto import auto_candidates, auto_mode, pick, probe, safe_modes, why
+from ..precision.auto import TIE, auto_candidates, auto_mode, faster, pick, probe, safe_modes, why
 from ..precision.device import machine_key, resolve_device
 from ..utils.batch import call_model
 from ..utils.copying import copy_model
@@ -194,19 +194,42 @@ def fastest_mode(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, 
             remember({}, {})
         return {"mode": passed[0], "reason": why(passed[0], check_note, dev), "ms": {}, "cached": bool(hit),
                 "checked": checked}
-    cached = set(hit.get("ms", {})) == set(passed)
+    cached = set(hit.get("ms", {})) == set(passed) and not too_noisy(hit["ms"], passed, hit.get("noise"))
     if not cached and log:
         log(f"precision auto: timing {', '.join(passed)} on the first batch (once per model on this machine; "
             "--no-autotune skips it)")
     noise: Dict[str, float] = dict(hit.get("noise") or {}) if cached else {}
     ms = hit["ms"] if cached else time_modes(model, inputs, target, loss_fn, passed, dev, noise=noise, **kw)
+    timing = ", ".join(f"{m} {fmt_ms(ms[m])}" for m in passed)
+    noisy = too_noisy(ms, passed, noise)
+    if noisy:  # no measurement: the device's choice, and nothing cached as measured (the next run times again)
+        if not cached:
+            remember({}, {})
+        reason = why(passed[0], f"{check_note}; step timings too noisy to decide ({noisy}; {timing}): kept "
+                                f"{passed[0]}, the device's choice, not cached as measured (the next run times "
+                                "again; --retune re-measures, --no-autotune skips the timing)", dev)
+        return {"mode": passed[0], "reason": reason, "ms": {}, "cached": False, "checked": checked, "noisy": True}
     if not cached:
         remember(ms, noise)
     mode, verdict_note = pick(ms, passed, noise)
-    timing = ", ".join(f"{m} {fmt_ms(ms[m])}" for m in passed)
     reason = why(mode, f"{check_note}; {verdict_note}, measured per step ({timing}"
                        f"{', cached' if cached else ''})", dev)
     return {"mode": mode, "reason": reason, "ms": ms, "cached": cached, "checked": checked}
+
+
+def too_noisy(ms: Dict[str, float], ranked: Sequence[str], noise: Optional[Dict[str, float]]) -> Optional[str]:
+    """Why step times cannot decide between the two that matter (the fastest and the device's choice
+    ``ranked[0]``, or the runner-up where that is the fastest), or None: their steps wandered by more than
+    the tie margin and by more than the gap between them (665% on a busy machine cannot tell 2.75x apart)."""
+    if not noise or len(ranked) < 2 or any(m not in ms for m in ranked):
+        return None
+    order = sorted(ranked, key=ms.get)
+    fast, other = order[0], (ranked[0] if order[0] != ranked[0] else order[1])
+    margin = max(noise.get(fast, 0.0), noise.get(other, 0.0))
+    gain = 1 - ms[fast] / max(ms[other], 1e-12)
+    if margin <= TIE or gain > margin:
+        return None
+    return f"{fast} {faster(ms[other], ms[fast])} than {other}, but the steps varied by up to {margin:.0%}"
 
 
 def amp_check(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, modes: Sequence[str],

@@ -123,3 +123,26 @@ def test_unknown_name_beside_a_block_format_exits_2(capsys):
 def test_bad_fp8_roofline_flags_exit_2(capsys, flag):
     code, out, err = _run(capsys, ["check", "--model", "check_models:mlp", "--precision", "fp8-rowwise"] + flag + TINY)
     assert code == 2 and flag[0] in err and len(err.strip().splitlines()) == 1
+
+
+def test_each_fp8_mode_says_its_verdict_once(tmp_path, monkeypatch, capsys):
+    """``check --precision fp8-tensorwise,mxfp8`` judged mxfp8 a second time for the first recipe's GPU
+    (h100, then b200), and printed its "no layer runs in fp8" twice."""
+    import numpy as np
+
+    from ampkit.cli import main
+
+    r = np.random.RandomState(0)
+    np.savez(tmp_path / "d.npz", x=r.randn(64, 64).astype("float32"), y=r.randint(0, 4, 64))
+    (tmp_path / "w50mlp.py").write_text(
+        "import torch\n"
+        "def make(**kw):\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),\n"
+        "                               torch.nn.ReLU(), torch.nn.Linear(64, 4))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "--data", "d.npz", "--model", "w50mlp:make", "--precision", "fp8-tensorwise,mxfp8",
+                 "--batch-size", "16"]) == 0
+    err = capsys.readouterr().err
+    said = [ln for ln in err.splitlines() if "warning: mxfp8: no layer runs in fp8" in ln]
+    assert len(said) == 1 and "on b200" in said[0], err

@@ -106,8 +106,9 @@ def test_npz_and_user_factories(capsys, tmp_path, monkeypatch):
     assert main(["train", "--data", "d.npz", "--model", "mymods:make", "--out", str(out), "--epochs", "15", "--lr", "0.02",
                  "--no-progress"]) == 0
     assert json.load(open(out / "summary.json"))["accuracy"] > 0.8
-    code, err = _err(capsys, ["train", "--data", "d.npz", "--model", "mymods:broken"] + FAST)
-    assert code == 2 and "failed: RuntimeError: boom" in err[-1]
+    with pytest.raises(ValueError, match="failed: RuntimeError: boom") as e:  # the user's code: its traceback kept
+        main(["train", "--data", "d.npz", "--model", "mymods:broken"] + FAST)
+    assert isinstance(e.value.__cause__, RuntimeError)
 
 
 def test_out_dir_and_checkpoint_errors_keep_files(capsys, tmp_path, monkeypatch):

@@ -109,3 +109,12 @@ def test_every_mode_traces_once_per_layout_not_four_times_per_mode(capsys, monke
     assert all(len(sizes) <= 3 for sizes in searched.values()), searched
     batch = {m["mode"]: m["max_batch_size"] for m in out["modes"]}
     assert {batch[m] for m in ("fp8-tensorwise", "fp8-rowwise", "fp8-delayed", "mxfp8")} == {batch["bf16-mixed"]}
+
+
+def test_a_budget_below_batch_1_says_what_batch_1_needs(capsys):
+    """``--memory 1KB`` printed "max batch 0" and exited 0; now each mode says what batch 1 needs, in
+    bytes, and the exit is 1 when no mode fits."""
+    rc = main(["plan", "--model", "mlp", "--precision", "fp32", "--memory", "1KB"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "fp32: batch 1 does not fit: its planned peak is" in err and "bytes), the budget 1000 B less a 10% margin is 900 B" in err

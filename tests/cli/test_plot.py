@@ -140,3 +140,23 @@ def test_plot_replaces_its_own_file_not_anothers(tmp_path, monkeypatch, capsys):
     assert "was not written by ampkit plot" in err and "--force" in err, err
     assert (tmp_path / "mine.png").read_bytes().endswith(b"the user's")
     assert main(["plot", a, b, "--out", "mine.png", "--force"]) == 0
+
+
+def test_jpeg_nan_loss_and_a_run_without_summary(tmp_path, figures):
+    """--out x.jpg writes a JPEG (matplotlib takes no metadata for it); a NaN loss of a step that was
+    not skipped is a gap in the curve and a mark on the floor, not the last finite loss carried across it; a run
+    without summary.json (stopped, or still running) keeps its mode label from config.toml."""
+    from ampkit.plot import plot_runs
+
+    train = [{"step": i, "loss": [1.0, 7e21][i - 1] if i <= 2 else math.nan, "scale": 1.0, "skipped": False}
+             for i in range(1, 13)]
+    d = _run_dir(tmp_path / "blown", train)
+    (tmp_path / "blown" / "config.toml").write_text('precision = "bf16-mixed"\nepochs = 1\n')
+    out = plot_runs([d], str(tmp_path / "x.jpg"), smooth=10)
+    assert open(out, "rb").read(3) == b"\xff\xd8\xff"
+    ax_loss = figures[0].axes[0]
+    curve = next(ln for ln in ax_loss.lines if ln.get_label().startswith("blown"))
+    assert curve.get_label() == "blown (bf16-mixed)"
+    assert all(math.isnan(v) for v in curve.get_ydata()[2:])  # before: 3.5e21 for the 8 steps after
+    marks = [ln for ln in ax_loss.lines if "non-finite loss" in ln.get_label()]
+    assert marks and len(marks[0].get_xdata()) == 10

@@ -49,7 +49,8 @@ def user_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("data,model,needle,subprocess_", [
-    ("label5.npz", "mymod:make", "label 5 at row 5 of the data file, but the model has 3 outputs", True),
+    # a label beyond a gap (3 and 4 have no sample): refused as a typo before the model is built
+    ("label5.npz", "mymod:make", "classes 3-4 have no sample. A typo? Label 5 is at row 5", True),
     ("uint8.npz", None, "x holds integers: save it as float32", True),
     ("good.npz", "mymod:narrow", "the model cannot train on this data", True),
     ("x1d.npz", None, "x[:, None]", False),
@@ -72,7 +73,7 @@ def test_bad_data_is_one_line_and_leaves_no_run_dir(user_dir, data, model, needl
 def test_check_reports_labels_out_of_range_with_exit_2(user_dir, ledger):
     with ledger.trial("user mistake refused (one line, nothing left)", note="check, label out of range"):
         r = _ampkit(["check", "--data", "label5.npz", "--model", "mymod:make", "--batch-size", "64"], user_dir)
-        assert "label 5 at row 5 of the data file" in _one_line_error(r)
+        assert "Label 5 is at row 5" in _one_line_error(r)
 
 
 def test_string_labels_train_with_their_names(user_dir):
@@ -126,7 +127,7 @@ def test_bad_flags_and_config_name_the_key(user_dir, ledger, capsys, monkeypatch
     (user_dir / "broken.toml").write_text("epochs = \n")
     for args, needle in [(["--config", "bad.toml"], "option epochs = 'two'"),
                          (["--config", "broken.toml"], "config file 'broken.toml' could not be parsed"),
-                         (["--init-scale", "0", "--precision", "fp16-mixed"], "init_scale must be a positive finite"),
+                         (["--init-scale", "0", "--precision", "fp16-mixed"], "--init-scale must be a positive number"),
                          (["--precision", "fp32", "--loss-scale", "0"], "precision='fp32' does not use loss scaling")]:
         with ledger.trial("user mistake refused (one line, nothing left)", note=args[0]):
             argv = ["train", "--data", "good.npz", "--out", "flags", *args]

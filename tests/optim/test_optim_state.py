@@ -199,3 +199,18 @@ def test_ampkit_train_with_8bit_state_relays_no_torchao_warning(tmp_path):
                         "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "warning" not in r.stderr and "torchao" not in r.stderr.replace("(torchao)", ""), r.stderr[-2000:]
+
+
+def test_8bit_state_says_how_many_tensors_are_in_8_bits():
+    """torchao keeps tensors under 4096 values in fp32; a model of only such tensors said "8-bit optimizer
+    state (torchao)" with every moment in fp32: one warning now says 0 of 4 tensors are in 8 bits."""
+    pytest.importorskip("torchao.optim")
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.warns(UserWarning, match=r"optimizer_state='8bit': 0 of 4 tensors in 8 bits \(0% of the values\)"):
+        with_state_precision(torch.optim.AdamW(model.parameters(), lr=1e-3), "8bit")
+    big = nn.Linear(256, 256)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # most values in 8 bits: nothing to say
+        with_state_precision(torch.optim.AdamW(big.parameters(), lr=1e-3), "8bit")

@@ -228,3 +228,43 @@ def test_timing_says_nothing_about_its_own_optimizer(caplog):
     with caplog.at_level("WARNING", logger="ampkit"):
         autotune.time_modes(_model(), x, y, nn.functional.cross_entropy, ["fp32"], rounds=2, warmup=1)
     assert not [r for r in caplog.records if "switched your" in r.getMessage()]
+
+
+@pytest.mark.cpu_caps("amx")
+def test_timings_too_noisy_to_decide_are_no_measurement(monkeypatch, tmp_path):
+    """steps that wandered by 665% cannot tell 2.75x apart: the device's choice is kept, the reason says
+    the timings were too noisy and names --retune, nothing is cached as measured (the next run times again),
+    and the ratio is the speed ratio ("2.75x faster"), not the share of time saved ("64% faster")."""
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def timed(model, x, y, loss, modes, dev, noise=None, **kw):
+        calls.append(1)
+        noise.update({m: 6.65 for m in modes})
+        return {m: (50.1 if m == "fp32" else 138.0) for m in modes}
+
+    monkeypatch.setattr(autotune, "time_modes", timed)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    args = (model, torch.randn(4, 8), torch.randint(0, 2, (4,)), nn.functional.cross_entropy, "cpu")
+    got = autotune.fastest_mode(*args)
+    device_choice = autotune.auto_mode(torch.device("cpu"))[0]
+    assert got["mode"] == device_choice != "fp32" and not got["cached"] and got["ms"] == {}
+    assert "too noisy to decide" in got["reason"] and "--retune" in got["reason"]
+    assert "fp32 2.75x faster than" in got["reason"] and "665%" in got["reason"] and "measured per step" not in got["reason"]
+    again = autotune.fastest_mode(*args)
+    assert len(calls) == 2 and not again["cached"]  # not read back as a measurement
+    quiet = {"fp32": 0.01, device_choice: 0.01}
+    monkeypatch.setattr(autotune, "time_modes", lambda *a, noise=None, **kw: noise.update(quiet) or
+                        {m: (50.1 if m == "fp32" else 138.0) for m in a[4]})
+    decided = autotune.fastest_mode(*args)
+    assert decided["mode"] == "fp32" and "measured per step" in decided["reason"]
+    assert autotune.fastest_mode(*args)["cached"]
+
+
+def test_the_tie_reason_gives_the_speed_ratio():
+    from ampkit.precision.auto import faster, pick
+
+    assert faster(138.0, 50.1) == "2.75x faster" and faster(100.0, 98.0) == "2% faster"
+    mode, why = pick({"bf16-mixed": 100.0, "bf16-master": 98.0}, ["bf16-mixed", "bf16-master"])
+    assert mode == "bf16-mixed" and "bf16-master only 2% faster than bf16-mixed" in why
