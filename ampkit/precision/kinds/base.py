@@ -6,8 +6,9 @@
 here with the default an fp32 run needs; each kind (``kinds/``, one module each) overrides only its own.
 
 Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and counted), so training never
-applies a non-finite update, in bf16 and fp32 too (there the check rides on the clipping norm, or one
-read-only pass; no scale, no unscale). With an optimizer that takes ``found_inf`` into its kernel (torch's
+applies a non-finite update, in bf16 and fp32 too (there without a loss scaler: ``ampkit.precision.step``'s
+``NonFiniteGuard``, whose check rides on the clipping norm or torch's multi-tensor check; ``nonfinite="stop"``
+stops the run instead, ``"off"`` checks nothing). The step path reads top to bottom in ``precision/step.py``. With an optimizer that takes ``found_inf`` into its kernel (torch's
 fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host sync: ``step`` returns a
 ``StepResult`` that reads the skip flag only if asked.
 """
@@ -458,8 +459,8 @@ class Precision:
         """Make the optimizer's grads real (unscaled) and record the non-finite check (once per step), as
         ``GradScaler.unscale_``: then ``clip_grad_norm_`` over ``model.parameters()`` or the optimizer's params
         clips what the step applies, in every mode (a ``MasterWeightOptimizer``'s unscaled master grads are
-        written back into the model's). Unscaled modes check ``_norm`` (a norm computed anyway) or make one
-        read-only pass, never a scale-1 unscale."""
+        written back into the model's). Unscaled modes only check: ``_norm`` (a norm computed anyway) or torch's
+        multi-tensor check at inverse scale 1 (the values stay as they are)."""
         self._unscale(optimizer, _norm, to_model=True)
 
     def _unscale(self, optimizer, norm: Optional[torch.Tensor] = None, to_model: bool = False) -> None:
