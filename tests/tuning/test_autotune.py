@@ -158,7 +158,7 @@ def test_slow_steps_get_fewer_rounds():
             return self.fc(x)
 
     args, y = (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0])
-    cands = {"a": {"name": "fp32"}, "b": {"name": "fp32", "skip_nonfinite": False}}
+    cands = {"a": {"name": "fp32"}, "b": {"name": "fp32", "nonfinite": "off"}}
     opt = lambda ps: torch.optim.SGD(ps, lr=0.0)  # noqa: E731
     quick = autotune._time_rounds(Slow(), args, y, nn.functional.cross_entropy, cands, torch.device("cpu"),
                                   1, 1, 6, opt, budget_s=None)
