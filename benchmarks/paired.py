@@ -11,7 +11,7 @@ step to the loop's step next to it is paired, and its median is what it reports.
 
 Variants: ``ampkit`` (the bench's ampkit runner: `Precision` hooks, measured memory format, the
 Trainer's fused AdamW), ``torch-loop`` (the bench's plain loop), ``ampkit-unguarded`` (ampkit
-with ``skip_nonfinite=False`` and NCHW: the fp32 non-finite guard's and the layout's share), and
+with ``nonfinite="off"`` and NCHW: the fp32 non-finite guard's and the layout's share), and
 with ``--compile`` also ``ampkit-compiled`` (the ampkit step over ``torch.compile(model)``,
 compiled before timing: what ``ampkit train --compile`` buys on this model).
 Run it alone on the machine (``flock /tmp/ampkit-bench.lock ...``), as the bench.
@@ -32,7 +32,7 @@ from ampkit.train.trainer import build_optimizer
 
 def _unguarded(spec: str, mode: str, batch_size: int, device: torch.device):
     w = build_workload(spec, batch_size, 4, 0, device)
-    prec = Precision(mode, device, skip_nonfinite=False, channels_last=False)
+    prec = Precision(mode, device, nonfinite="off", channels_last=False)
     opt = build_optimizer(w.model, "adamw", 1e-3, 0.01, device, eps=prec.min_adam_eps)
     model, opt = prec.setup(w.model, opt)
 

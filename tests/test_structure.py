@@ -209,65 +209,6 @@ def test_the_counter_sees_the_old_mode_branches(tmp_path):
         "branches on MODES[name].compensated", "branches on getattr(self.mode, 'compensated')"], got
 
 
-MAX_FUNCTION_LINES = 60  # a function's body (its docstring aside) that does one thing fits a screen
-#: the functions already longer, each at most its size today: the list only shrinks (a split by
-#: responsibility removes an entry; a new long function, or one of these growing, fails the test)
-LONG_FUNCTIONS = {
-    "ampkit/bench/report.py:markdown": 106, "ampkit/diagnose/check.py:check": 90,
-    "ampkit/diagnose/report.py:format_check": 84, "ampkit/train/loop.py:_epoch": 80,
-    "ampkit/compat/apex/_amp/setup.py:initialize": 78, "ampkit/cli/plan.py:_run": 76,
-    "ampkit/bench/configs.py:plan": 76, "ampkit/compat/apex/fp16_utils/fp16_optimizer.py:__init__": 75,
-    "ampkit/cli/train.py:add_parser": 73, "ampkit/optim/convert.py:compensated_from": 68,
-    "ampkit/train/trainer.py:__init__": 63,
-}
-#: a smell, not a target: a module this long almost surely holds more than one job
-MAX_MODULE_LINES = 600
-
-
-def long_functions(limit=MAX_FUNCTION_LINES):
-    """``{"path:name": body lines}`` of every ampkit function whose body (docstring aside) is longer than ``limit``."""
-    out = {}
-    for name, (path, _) in sorted(_modules().items()):
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                first = node.body[0]
-                doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
-                    first.value.value, str)
-                n = node.end_lineno - (first.end_lineno + 1 if doc else node.lineno) + 1
-                if n > limit:
-                    out[f"{os.path.relpath(path, ROOT)}:{node.name}"] = n
-    return out
-
-
-def long_modules(limit=MAX_MODULE_LINES):
-    """``path: lines`` of every ampkit module longer than ``limit`` lines."""
-    out = []
-    for name, (path, _) in sorted(_modules().items()):
-        with open(path, encoding="utf-8") as f:
-            n = sum(1 for _ in f)
-        if n > limit:
-            out.append(f"{os.path.relpath(path, ROOT)}: {n}")
-    return out
-
-
-def test_no_function_over_a_screen_and_the_long_ones_only_shrink():
-    got = long_functions()
-    new = {k: v for k, v in got.items() if k not in LONG_FUNCTIONS}
-    grown = {k: (v, LONG_FUNCTIONS[k]) for k, v in got.items() if k in LONG_FUNCTIONS and v > LONG_FUNCTIONS[k]}
-    assert not new, f"functions over {MAX_FUNCTION_LINES} lines: split them by what they do: {new}"
-    assert not grown, f"long functions that grew (now, allowed): {grown}"
-
-
-def test_no_module_over_the_smell_limit():
-    assert long_modules() == []
-
-
-def test_the_counters_see_a_long_function_and_a_long_module(tmp_path, monkeypatch):
-    path = tmp_path / "long.py"
-    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES + 1))
-    path.write_text('def f():\n    """doc"""\n' + body + "y = 1\n" * MAX_MODULE_LINES)
-    monkeypatch.setattr(__import__(__name__), "_modules", lambda: {"ampkit.p.long": (str(path), False)})
-    assert len(long_modules()) == 1
-    assert list(long_functions().values()) == [MAX_FUNCTION_LINES + 1]
+# Guidance for reviews, not a test (issue 47: a line limit shaped the code instead of the design): a function's
+# body that does one thing fits a screen (about 60 lines); a module far longer than a few hundred lines likely
+# holds more than one job. Split by responsibility, never to win lines.

@@ -78,13 +78,15 @@ def auto_mode(device: Any = None) -> Tuple[str, str]:
 def mode_family(mode: str, device: Any = None, grad_accum: int = 1) -> List[str]:
     """``mode`` and the modes judged by the same AMP check (same compute dtype) that `auto` may pick.
 
-    An autocast mode brings its master-weights variant (16-bit params, fp32 masters), except where
-    gradients accumulate over micro-batches (the 16-bit model grads would accumulate in 16 bits) or
-    for fp16 off CUDA. bf16-pure (bf16 weights and optimizer state) is opt-in only.
+    An autocast mode brings its master-weights variant (the model's fp32 parameters computed as 16-bit copies),
+    except for fp16 off CUDA. ``grad_accum`` changes nothing: in both the gradients reach the fp32 parameters in
+    fp32 and accumulate there over micro-batches (an earlier design kept 16-bit model grads, which accumulated in
+    16 bits, and dropped the master variant under accumulation). bf16-pure (bf16 weights and optimizer state) is
+    opt-in only.
     """
     mode = resolve(mode)
     low = MODES[mode].low_dtype
-    if MODES[mode].fp8 is not None or MODES[mode].param_dtype != torch.float32 or low is None or grad_accum > 1:
+    if MODES[mode].fp8 is not None or MODES[mode].param_dtype != torch.float32 or low is None:
         return [mode]
     master = "bf16-master" if low == torch.bfloat16 else "fp16-master"
     if low == torch.float16 and resolve_device(device).type != "cuda":

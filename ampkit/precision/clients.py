@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 from .scaling.step_result import SkipFlag, StepResult
 
 __all__ = ["engine_wrapper", "unwrapped", "accelerate_accumulation_steps", "install_skip_flags", "mark_skipped",
@@ -72,9 +71,12 @@ def install_skip_flags(optimizer: Any) -> Any:
     """Give ``optimizer`` (and accelerate's wrapper) the :class:`SkipFlag` objects :func:`mark_skipped` updates in
     place, reading "not skipped" until a step ran (``Precision.wrap_optimizer``, ``compile_step``; eager); returns
     ``optimizer``."""
-    for holder, attr in _skip_flag_holders(optimizer):
+    holders = _skip_flag_holders(optimizer)
+    for holder, attr in holders:
         if type(getattr(holder, attr, None)) is not SkipFlag:
             setattr(holder, attr, SkipFlag(StepResult()))
+    # the step updates these in place (``ampkit.precision.step``), without looking them up again
+    optimizer._ampkit_skip_flags = tuple(getattr(holder, attr) for holder, attr in holders)
     return optimizer
 
 
@@ -84,14 +86,14 @@ def mark_skipped(optimizer: Any, result: StepResult) -> None:
     ``AcceleratedScheduler`` reads to hold the schedule back) on accelerate's wrapper. Each holds one
     :class:`SkipFlag` whose result is replaced every step (no attribute of the optimizer is set: Dynamo < 2.12
     cannot set one in a graph, ``scaling/fused.py``); where a flag is missing (an optimizer ``setup`` never saw) it
-    is set, eagerly under ``torch.compile`` on torch < 2.12 (a graph break, on that optimizer's first step)."""
+    is set, eagerly under ``torch.compile`` (a graph break, on that optimizer's first step)."""
     holders = _skip_flag_holders(optimizer)
     flags = [getattr(holder, attr, None) for holder, attr in holders]
     if all(type(flag) is SkipFlag for flag in flags):
         for flag in flags:
             flag.result = result
         return
-    if not DYNAMO_SETS_OPTIMIZER_ATTRS and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (Dynamo < 2.12 cannot set them; later ones drop them at the step's break)
         return _set_skip_flags_eagerly(holders, result)
     _set_skip_flags(holders, result)
 

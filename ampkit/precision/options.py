@@ -51,7 +51,7 @@ class ScalerOptions:
     max_scale: Optional[float] = None
     hysteresis: int = 1
     max_consecutive_skips: Optional[int] = None
-    skip_nonfinite: bool = True
+    nonfinite: str = "skip"
     scaler: Any = None
     #: the static loss scale ``loss_scale`` asks for; None = dynamic (or not given): parsed once, here
     static_scale: Optional[float] = field(init=False, default=None, compare=False)
@@ -60,9 +60,17 @@ class ScalerOptions:
         object.__setattr__(self, "static_scale", parse_loss_scale(self.loss_scale))
         check_scaler_ranges(self.init_scale, self.growth_interval, self.min_scale, self.max_scale, self.hysteresis,
                             self.max_consecutive_skips)
+        if self.nonfinite not in ("skip", "stop", "off"):
+            raise ValueError(f"nonfinite={self.nonfinite!r} is not supported: use 'skip' (skip and count the step), "
+                             "'stop' (stop the run) or 'off' (no check).")
 
     def refused(self, mode: Mode) -> Optional[str]:
-        """The one-line error for a loss scale given to a mode that does not scale, else None."""
+        """The one-line error for a loss scale given to a mode that does not scale (or ``nonfinite`` other than
+        ``"skip"`` to one that does: a scaled step must skip an overflow to lower its scale), else None."""
+        if mode.scaled and self.nonfinite != "skip":
+            return (f"precision={mode.name!r} scales the loss, and a dynamic loss scale skips overflowing steps to "
+                    f"find its scale: drop nonfinite={self.nonfinite!r} (it applies to the unscaled modes: fp32, bf16, "
+                    "fp8).")
         if mode.scaled or (self.loss_scale is None and self.scaler is None and self.init_scale is None):
             return None
         found = self.loss_scale if self.loss_scale is not None else self.init_scale

@@ -25,7 +25,7 @@ def _model(width, layers):
 
 
 def _step_ops(width, layers, batch=None, compensation=None):
-    """Ops of the optimizer step of ``Precision("bf16-pure")`` (the scaler's step: the device-side skip included,
+    """Ops of the optimizer step of ``Precision("bf16-pure")`` (with ``found_inf``: the device-side skip included,
     as every training step runs it) and of torch's foreach AdamW over the same (bf16 and fp32 norm) params."""
     model = _model(width, layers)
     with warnings.catch_warnings():
@@ -39,10 +39,11 @@ def _step_ops(width, layers, batch=None, compensation=None):
         with precision.autocast():
             loss = model(precision.convert_input(x)).float().pow(2).mean()
         precision.backward(loss)
-        precision._unscale(opt)
+        found = torch.zeros(())  # the non-finite flag precision.step hands the optimizer (ampkit.precision.step)
         with OpCount() as ours:
-            precision.scaler.step(opt)
-        precision.scaler.update()
+            opt.found_inf = found
+            opt.step()
+            del opt.found_inf
         opt.zero_grad()
     ref = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     for _ in range(3):

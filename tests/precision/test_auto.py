@@ -61,3 +61,41 @@ def test_a_resumed_auto_run_keeps_its_checkpoints_mode():
     assert resumed_mode("auto", "bf16-master") == "bf16-master"
     assert resumed_mode("auto", None) is None  # nothing saved yet: chosen as a fresh start
     assert resumed_mode("bf16-mixed", "fp32") is None  # a named mode is what runs (a mismatch: the checkpoint's error)
+
+
+
+def test_auto_keeps_bf16_master_under_gradient_accumulation():
+    """Today's bf16-master accumulates micro-batch gradients on the fp32 parameters, in fp32 (the design that kept
+    16-bit model grads, which accumulated in bf16, is gone): auto keeps it a candidate under accumulation."""
+    import warnings
+
+    from torch import nn
+
+    from ampkit import Precision
+    from ampkit.precision.auto import mode_family
+
+    assert mode_family("bf16-mixed", "cpu", grad_accum=4) == ["bf16-mixed", "bf16-master"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Precision("bf16-master", "cpu")
+        model, _ = p.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    xs = torch.randn(3, 4, 8)
+
+    def backward(x):
+        with p.autocast():
+            loss = model(x).float().square().mean()
+        p.backward(loss)
+
+    each = []
+    for x in xs:  # each micro-batch's gradient alone
+        model.zero_grad(set_to_none=True)
+        backward(x)
+        each.append([q.grad.clone() for q in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    for x in xs:  # accumulated
+        backward(x)
+    for i, q in enumerate(model.parameters()):
+        assert q.grad.dtype == torch.float32
+        assert torch.equal(q.grad, each[0][i] + each[1][i] + each[2][i])  # summed in fp32, not rounded to bf16

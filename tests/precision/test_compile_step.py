@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 import ampkit
 from ampkit.precision import compile_step, tensor_lr_
 from ampkit.precision.modes import MODES
+from ampkit.precision import step as step_path
 from ampkit.precision.scaling import loss_scaler
 from ampkit.precision.scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 
@@ -35,7 +36,11 @@ ALL_MODES = list(MODES)
 # torch's optimizer over the model's fp32 params, as the mixed ones); ampkit.optim's compensated step
 # (bf16-pure) has none: its stochastic rounding draws from a counter-based hash (ampkit/optim/noise.py)
 BOUND = {"master": 1, "pure-compensated": 0}
-ALLOWED = re.compile(r"torch/optim/")
+# torch's optimizers break the graph at their step (the update runs eagerly): the unscaled modes hand found_inf
+# over at that break, in ampkit.precision.step's one call to step_outside_graph (no break of its own)
+_STEP_LINES = inspect.getsource(step_path).splitlines()
+_STEP_HANDOVER = next(i for i, line in enumerate(_STEP_LINES, 1) if "step_outside_graph(optimizer, None" in line)
+ALLOWED = re.compile(rf"torch/optim/|ampkit/precision/step\.py:{_STEP_HANDOVER}$")
 # torch < 2.12: Dynamo cannot set attributes on an optimizer inside a graph, so the scaler hands grad_scale /
 # found_inf over and steps outside it (ampkit/precision/scaling/fused.py): the break the optimizer makes anyway
 # moves to that one call, and bf16-pure's compensated step gets it too
@@ -43,7 +48,8 @@ OLD_DYNAMO = not DYNAMO_SETS_OPTIMIZER_ATTRS
 if OLD_DYNAMO:  # that call's line, and no other in ampkit
     _LINES = inspect.getsource(loss_scaler).splitlines()
     _HANDOVER = next(i for i, line in enumerate(_LINES, 1) if "step_outside_graph(optimizer, grad_scale" in line)
-    ALLOWED = re.compile(rf"torch/optim/|ampkit/precision/scaling/loss_scaler\.py:{_HANDOVER}$")
+    ALLOWED = re.compile(rf"torch/optim/|ampkit/precision/scaling/loss_scaler\.py:{_HANDOVER}$"
+                         rf"|ampkit/precision/step\.py:{_STEP_HANDOVER}$")
 
 
 def _bound(mode: str) -> int:

@@ -140,7 +140,7 @@ def test_every_keyword_of_the_flat_signature_still_builds():
     """The grouped options take the same flat keywords ``Precision(...)`` always took, each to its group."""
     flat = {"loss_scale": 0, "init_scale": 256.0, "growth_interval": 10, "min_scale": 1.0, "max_scale": 2.0**20,
             "hysteresis": 2, "max_consecutive_skips": 5, "fp32_modules": ["0"], "keep_norm_fp32": True,
-            "cast_outputs": False, "skip_nonfinite": True, "channels_last": False, "op_policy": False,
+            "cast_outputs": False, "nonfinite": "skip", "channels_last": False, "op_policy": False,
             "optimizer_state": "fp32", "fused_optimizer": False}
     p = _quiet("fp16-master", "cpu", **flat)
     assert {k: p.options()[k] for k in flat} == {**flat, "fp32_modules": ("0",)}

@@ -84,7 +84,8 @@ def test_master_checkpoint_roundtrip_exact(name):
     model2.load_state_dict(ck["model"])
     opt2.load_state_dict(ck["opt"])
     p2.load_state_dict(ck["prec"])
-    assert p2.loss_scale == ck["prec"]["scaler"]["scale"]
+    assert p2.loss_scale == ck["prec"]["scaler"].get("scale", 1.0)
+    assert p2.optimizer_steps == ck["prec"]["scaler"]["optimizer_steps"]
     new_params, new_masters = cont(p2, model2, opt2)
     assert all(t.dtype == torch.float32 for t in ref_params)  # the params are the masters
     for a, b in zip(ref_params, new_params):

@@ -6,8 +6,9 @@
 here with the default an fp32 run needs; each kind (``kinds/``, one module each) overrides only its own.
 
 Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and counted), so training never
-applies a non-finite update, in bf16 and fp32 too (there the check rides on the clipping norm, or one
-read-only pass; no scale, no unscale). With an optimizer that takes ``found_inf`` into its kernel (torch's
+applies a non-finite update, in bf16 and fp32 too (there without a loss scaler: ``ampkit.precision.step``'s
+``NonFiniteGuard``, whose check rides on the clipping norm or torch's multi-tensor check; ``nonfinite="stop"``
+stops the run instead, ``"off"`` checks nothing). The step path reads top to bottom in ``precision/step.py``. With an optimizer that takes ``found_inf`` into its kernel (torch's
 fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host sync: ``step`` returns a
 ``StepResult`` that reads the skip flag only if asked.
 """
@@ -26,16 +27,16 @@ from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
-from ..clients import (accelerate_accumulation_steps, check_scaled_backward, engine_wrapper, install_skip_flags, log,
-                       mark_skipped, stepped_object, unwrapped)
+from ..clients import (accelerate_accumulation_steps, engine_wrapper, install_skip_flags, log, mark_skipped,
+                       unwrapped)
 from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
 from ..options import PrecisionOptions
 from ..scaling.backward_unscale import BackwardUnscale
 from ..scaling.loss_scaler import LossScaler
-from ..scaling.nonfinite import nonfinite_flag, nonfinite_from_norm
 from ..scaling.step_result import StepResult
+from ..step import NonFiniteGuard, run_step
 from ..tuned import Tuned
 
 __all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params", "accelerate_accumulation_steps", "mark_skipped"]
@@ -91,7 +92,10 @@ class Precision:
         keep_norm_fp32: keep norm layers fp32 when params are cast (default True).
         cast_outputs: in param-casting modes, return floating outputs as fp32 (apex O2) so the
             loss is computed in fp32 (default True).
-        skip_nonfinite: skip (and count) steps whose gradients are non-finite, in every mode.
+        nonfinite: what the unscaled modes (fp32, bf16, fp8) do with a step whose gradients hold inf/NaN:
+            ``"skip"`` (default: skipped on the device and counted), ``"stop"`` (an async device assert naming the
+            step, no host sync: the run stops with a RuntimeError) or ``"off"`` (no check). The fp16 modes skip
+            (their loss scale needs it).
         channels_last: convert 4-D conv models to channels_last memory format in ``setup``;
             None = measured: ``ampkit.tune`` (given a batch: the Trainer, the bench) times both
             layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
@@ -182,18 +186,15 @@ class Precision:
         self.scales_loss = self.mode.scaled
         self._setup_done = False
         self._backward_unscale = BackwardUnscale()
-        self._grad_norm: Optional[torch.Tensor] = None  # the norm step(max_norm=) clipped (last_grad_norm)
 
-    def _make_scaler(self) -> LossScaler:
-        """The mode's loss scaler; unscaled modes get a check-only guard (scale 1, never grows, skips
-        non-finite steps and counts them). Under DDP (``strategy="ddp"``) every rank holds the same all-reduced
-        gradients, so the non-finite check needs no collective."""
+    def _make_scaler(self):
+        """The mode's loss scaler; the unscaled modes get a :class:`~ampkit.precision.step.NonFiniteGuard`
+        instead (no scale: it checks, skips or stops, and counts). Under DDP (``strategy="ddp"``) every rank holds
+        the same all-reduced gradients, so the non-finite check needs no collective."""
         o = self.settings.scaling
         distributed = False if self.strategy == "ddp" else None
         if not self.mode.scaled:
-            return LossScaler(self.device.type, init_scale=1.0, dynamic=False, enabled=o.skip_nonfinite,
-                              max_consecutive_skips=o.max_consecutive_skips, allow_fp16_grads=True,
-                              distributed=distributed)
+            return NonFiniteGuard(o.nonfinite, o.max_consecutive_skips, distributed)
         static = o.static_scale  # parsed once, by the options
         return LossScaler(
             self.device.type,
@@ -459,85 +460,56 @@ class Precision:
         """Make the optimizer's grads real (unscaled) and record the non-finite check (once per step), as
         ``GradScaler.unscale_``: then ``clip_grad_norm_`` over ``model.parameters()`` or the optimizer's params
         clips what the step applies, in every mode (a ``MasterWeightOptimizer``'s unscaled master grads are
-        written back into the model's). Unscaled modes check ``_norm`` (a norm computed anyway) or make one
-        read-only pass, never a scale-1 unscale."""
+        written back into the model's). Unscaled modes only check: ``_norm`` (a norm computed anyway) or torch's
+        multi-tensor check at inverse scale 1 (the values stay as they are)."""
         self._unscale(optimizer, _norm, to_model=True)
 
     def _unscale(self, optimizer, norm: Optional[torch.Tensor] = None, to_model: bool = False) -> None:
         """Make the optimizer's grads real and record the step's non-finite check (once per step); ``to_model``
         also writes unscaled master grads back into the model's (``unscale_``)."""
         scaler = self.scaler
+        if not self.scales_loss:  # the guard: check once per step (the step takes this flag)
+            self.sync_grads(optimizer)
+            if scaler.is_enabled() and id(optimizer) not in scaler.checked:
+                scaler.ensure_initialized(self.device)  # backward() may not have come through us
+                grads = [p.grad for p in grads_params(optimizer)]
+                if grads or norm is not None:
+                    scaler.checked[id(optimizer)] = (scaler.check_norm(norm) if norm is not None
+                                                     else scaler.check_grads(grads))
+            return
         self.sync_grads(optimizer)  # also takes the model grads changed since an earlier unscale_
         if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
             return
         scaler.ensure_initialized(self.device)  # backward() may not have come through us
-        if self.scales_loss and self._backward_unscale.found and self._backward_unscale.covers(optimizer):
+        if self._backward_unscale.found and self._backward_unscale.covers(optimizer):
             scaler.record_unscaled(optimizer, self._backward_unscale.take())  # backward unscaled them
-        elif self.scales_loss:
-            scaler.unscale_(optimizer, to_model=to_model)
         else:
-            found = (nonfinite_from_norm(norm, self.device) if norm is not None
-                     else nonfinite_flag([p.grad for p in grads_params(optimizer)], self.device))
-            scaler.record_found_inf(optimizer, found)
+            scaler.unscale_(optimizer, to_model=to_model)
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale (once) and clip the optimizer's grads (the fp32 master grads where the mode has them);
         returns the total norm (no sync). In the unscaled modes the norm is also the step's non-finite check."""
-        scaler = self.scaler
-        if self.scales_loss or not scaler.is_enabled() or scaler.stage(optimizer) is not OptState.READY:
+        if self.scales_loss or id(optimizer) in self.scaler.checked:
             self._unscale(optimizer)
             return torch.nn.utils.clip_grad_norm_(grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
-        self.sync_grads(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(grads_params(optimizer), max_norm, norm_type=norm_type, foreach=True)
         self._unscale(optimizer, norm=norm)
         return norm
 
-    @property
-    def last_grad_norm(self) -> Optional[torch.Tensor]:
-        """Deprecated (removed in the release after 0.1.0): the total gradient norm the last ``step(max_norm=...)``
-        clipped (a device tensor, None when that step did not clip). Use ``norm = precision.clip_grad_norm_(optimizer,
-        max_norm)`` before ``precision.step(optimizer)``: the same norm, and the step then clips no further."""
-        warnings.warn("Precision.last_grad_norm is deprecated: use norm = precision.clip_grad_norm_(optimizer, "
-                      "max_norm) before precision.step(optimizer)", DeprecationWarning, stacklevel=2)
-        return self._grad_norm
-
     def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
              norm_type: float = 2.0) -> StepResult:
-        """Unscale -> clip -> non-finite check -> step or skip -> update the scale (``torch.amp.GradScaler``'s order).
+        """Unscale -> clip -> non-finite check -> step or skip -> update the scale and counts (``ampkit.precision.step``
+        reads top to bottom).
 
         Returns a :class:`StepResult` (what the optimizer's ``step`` returned, if not None): truthy when
         the optimizer stepped, falsy when the step was skipped, read from the device only when asked.
-        No host sync with an optimizer that skips on the device (torch's fused AdamW/Adam/SGD, also
-        under ``MasterWeightOptimizer``); one (the skip decision) with any other, as in torch.
-        Clipping done by the caller after ``unscale_`` is applied as it is; ``max_norm`` clips on top.
-        A step no backward reached is refused; an optimizer wrapped by accelerate inside
-        ``accelerator.accumulate`` on a micro-batch that does not sync is left alone (no unscale, no count).
+        No host sync with an optimizer that skips on the device (torch's fused AdamW/Adam/SGD); one (the skip
+        decision) with any other, as in torch. Clipping done by the caller after ``unscale_`` is applied as it
+        is; ``max_norm`` clips on top. A step no backward reached is refused (no gradients, or the ones the last
+        step applied, unchanged); an optimizer wrapped by accelerate inside ``accelerator.accumulate`` on a
+        micro-batch that does not sync is left alone (no unscale, no count).
         """
-        optimizer, gradient_state = stepped_object(optimizer), getattr(optimizer, "gradient_state", None)
-        if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
-            return StepResult(stepped=False)
-        if isinstance(max_norm, (int, float)) and not max_norm > 0:  # 0, a negative or NaN would clip nothing, silently
-            raise ValueError(f"Precision.step(max_norm={max_norm!r}): max_norm must be > 0, or None for no clipping; "
-                             "nothing was stepped.")
-        self.check_step_optimizer(optimizer)
-        if not self.has_grads(optimizer):
-            raise RuntimeError(
-                "Precision.step() found no gradients on the optimizer's parameters: call precision.backward(loss) "
-                "(or loss.backward()) before each step(); nothing was stepped or counted.")
-        if self.scales_loss:
-            check_scaled_backward(self.name, self.scaler, self._backward_unscale, optimizer)
-        if max_norm is not None and max_norm > 0:
-            self._grad_norm = self.clip_grad_norm_(optimizer, max_norm, norm_type)
-        else:
-            self._grad_norm = None
-            self._unscale(optimizer)
-        result = self.scaler.step(optimizer)
-        if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
-            found = self.scaler.found_inf(optimizer)
-            result = StepResult(found) if found is not None else StepResult()
-        self.scaler.update()
-        mark_skipped(optimizer, result)
-        return result
+        return run_step(self, optimizer, max_norm, norm_type)
 
     # ------------------------------------------------------------------ state
     def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **how) -> Dict[str, Any]:

@@ -140,13 +140,18 @@ class SkipCounters:
 
     def _check_pending(self, optimizer, scale_now: Callable[[], float]) -> None:
         pending, self._pending = self._pending, None
-        if pending is None or pending.value() < self.limit:
+        consecutive = None if pending is None else self._consecutive(pending.value())
+        if consecutive is None or consecutive < self.limit:
             return
         if optimizer is not None:
             self.optimizers = {id(optimizer): optimizer}
-        message = self.describe(pending.value(), scale_now())
+        message = self.describe(consecutive, scale_now())
         self.optimizers = {}
         raise NonFiniteGradientsError(message)
+
+    def _consecutive(self, copied) -> int:
+        """The consecutive-skip count from the value ``start_copy`` copied."""
+        return int(copied)
 
     def describe(self, consecutive: int, scale: float) -> str:
         """The limit's error: how long, the scale now, which gradients are non-finite, what to do."""
