@@ -1,6 +1,6 @@
 # One entry point for setting up and running ampkit.
 #   make run    - create .venv if needed, install what the default run needs (.[data]), train it (digits CNN)
-#   make test   - create .venv if needed, install with dev deps, run the test suite (2 workers, slow tests skipped)
+#   make test   - create .venv if needed, install with dev deps, run the test suite (2 workers, random order, slow tests skipped)
 #   make test-slow - the tests marked slow, alone (CI runs them once)
 #   make test-kinds - the tests marked machine_kind again with torch/oneDNN held to AVX2, then to plain AVX512
 #   make test-compat - the tests that touch torch internals under every torch of the support window
@@ -42,10 +42,13 @@ run: $(RUN_STAMP)
 	$(VENV)/bin/ampkit train
 
 # 2 workers (pytest-xdist): the suite is CPU-bound and most tests run one thread; PYTEST_WORKERS=0 runs it in
-# one process. The tests marked slow are skipped here (make test-slow, or AMPKIT_SLOW=1 make test, runs them)
+# one process. The tests marked slow are skipped here (make test-slow, or AMPKIT_SLOW=1 make test, runs them).
+# A random order every run (pytest-randomly, the dev extra): the last line names the seed and how to replay it;
+# PYTEST_ORDER='-p no:randomly' runs the files' order, PYTEST_ORDER='-p randomly --randomly-seed=N' replays one
 PYTEST_WORKERS ?= 2
+PYTEST_ORDER ?= -p randomly
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ORDER)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow

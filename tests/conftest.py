@@ -6,8 +6,14 @@ avx512_fp16 | avx512 | avx2, or ratios: bf16=0.55,fp16=1.0) overrides.
 A test whose assertions depend on that pins it: ``@pytest.mark.cpu_caps("avx2")`` (subprocesses the test
 starts inherit it), or takes the ``any_cpu_kind`` fixture to run once per kind. ``AMPKIT_CPU_CAPS=amx
 pytest`` runs the rest of the suite as that kind would.
+
+Order: ``make test`` runs the tests in a random order (pytest-randomly, a new seed each run, printed at the end
+of the run with the line that replays it); ``_process_state`` below puts back, after every test, each
+process-wide thing ampkit or a test may change (global policies, once-per-process memos, torch's defaults),
+so no test depends on what ran before it in the same worker.
 """
 import os
+import zlib
 
 import pytest
 import torch
@@ -36,6 +42,26 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_caps(kind): run the test as a CPU of this kind would "
                             f"(sets ${CPU_CAPS_ENV}; kinds: {', '.join(CPU_KINDS)})")
+
+
+def _native_bf16_missing() -> str:
+    """Why this process has no native bf16 (torch's own check, which follows ``ONEDNN_MAX_CPU_ISA``), or ''."""
+    try:
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return ""
+    except (AttributeError, RuntimeError):
+        pass
+    return (f"not run: needs native bf16 (AVX512-BF16 or AMX) and oneDNN allowed to use it; here torch's kernels "
+            f"are {torch.backends.cpu.get_cpu_capability()}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '<unset>')}")
+
+
+@pytest.fixture(autouse=True)
+def _needs_native_bf16(request):
+    """``@pytest.mark.native_bf16``: skipped, with the reason, where oneDNN does not run bf16 natively."""
+    if request.node.get_closest_marker("native_bf16") is not None:
+        why = _native_bf16_missing()
+        if why:
+            pytest.skip(why)
 
 
 @pytest.fixture(autouse=True)
@@ -78,3 +104,46 @@ def _private_cache_dir(tmp_path_factory):
         os.environ.pop("AMPKIT_CACHE_DIR", None)
     else:
         os.environ["AMPKIT_CACHE_DIR"] = old
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The random order's seed, last (``-q`` hides pytest's header, where pytest-randomly prints it): a failure
+    that depends on the order replays with it (in one process, ``-n 0``, the workers' tests in one sequence)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+        terminalreporter.write_line(f"tests ran in a random order: replay it with -p randomly --randomly-seed={seed} "
+                                    "(-p no:randomly: file order)")
+
+
+@pytest.fixture(autouse=True)
+def _process_state(request):
+    """Every process-wide thing a test may change, put back after it (the suite passes in any order):
+    ampkit's and Keras-style global policies, apex's ``amp`` state, the op-speed memo, the in-memory
+    capability answers (the session's cache file keeps the measured one: read again, not measured again),
+    and torch's default dtype, grad mode and thread count. torch's random generator starts each test from a seed
+    of the test's own id, so what a test draws does not depend on what drew before it."""
+    import importlib
+    import sys
+
+    from ampkit.precision import choice
+
+    cap_mod = importlib.import_module("ampkit.precision.capability")  # the module (the package's name is the function)
+    policy = choice._GLOBAL_POLICY
+    dtype, grad, threads = torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads()
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    yield
+    choice._GLOBAL_POLICY = policy
+    keras = sys.modules.get("ampkit.compat.keras")
+    if keras is not None:
+        keras._last_set = None
+    amp = sys.modules.get("ampkit.compat.apex.amp")
+    if amp is not None:
+        amp._amp_state = amp._AmpState()
+    opspeed = sys.modules.get("ampkit.tuning.opspeed")
+    if opspeed is not None:
+        opspeed._MEMO.clear()
+    cap_mod._capability.cache_clear()
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

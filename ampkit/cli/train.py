@@ -265,6 +265,22 @@ def env_is_secondary() -> bool:
 
 
 def _run(env, cfg, plan, auto_batch: bool) -> int:
+    """One process's training; under torchrun a rank that dies (a signal, an uncaught exception) leaves its last
+    stderr lines in ``<out>/ranks/`` (``ampkit.train.rank_log``). A rank that ends as ampkit meant (an exit code,
+    a one-line error) leaves nothing."""
+    logs: list = []
+    try:
+        code = _train(env, cfg, plan, auto_batch, logs)
+    except UsageError:
+        for log in logs:
+            log.finished()
+        raise
+    for log in logs:
+        log.finished()
+    return code
+
+
+def _train(env, cfg, plan, auto_batch: bool, logs: list) -> int:
     import torch
 
     from ..data import load_data
@@ -286,6 +302,10 @@ def _run(env, cfg, plan, auto_batch: bool) -> int:
                 from ..train.distributed import broadcast_object
 
                 cfg = cfg.updated(out=broadcast_object(cfg.out))
+        if env is not None:
+            from ..train.rank_log import rank_log
+
+            logs.extend(filter(None, [rank_log(cfg.out, env.rank, env.world_size)]))
         data = load_data(cfg.data, seed=cfg.seed)
         torch.manual_seed(cfg.seed)
         if not (cfg.model or data.default_model):
