@@ -137,3 +137,15 @@ def test_errors_are_clear():
         SGD([w], lr=0.1, compensation=1)
     with pytest.raises(ValueError, match="moment_rounding"):
         SGD([w], lr=0.1, moment_rounding=None)
+
+
+def test_one_pass_ignores_a_stale_buffer_without_momentum():
+    """The per-tensor pass (what is compiled) given a momentum buffer under ``momentum=0`` (a group whose momentum
+    was set to 0 later) leaves it alone and lands the plain gradient step, as torch's SGD does."""
+    from ampkit.optim import onepass
+
+    rule = onepass.SGDRule(mode=None, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                           maximize=False, moments_sr=False, p_dtype=torch.float32, s_dtype=torch.float32)
+    p, g, m = torch.ones(5), torch.full((5,), 2.0), torch.full((5,), 7.0)
+    onepass.inplace(rule)(p, g, m, None, None, torch.tensor(-0.5), None, None, None, 0)
+    assert torch.equal(p, torch.zeros(5)) and torch.equal(m, torch.full((5,), 7.0))
