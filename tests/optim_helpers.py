@@ -1,14 +1,11 @@
 """Shared pieces of the compensated-optimizer tests (tests/optim/test_optim_adamw.py, test_optim_sgd.py).
 
 A regression task whose loss shows what the optimizer's precision costs, seeded gradient
-streams, and the two steps every per-tensor reference shares: rounding a bucket stochastically
-as one flat buffer, and landing the fp32/compensated targets in the 16-bit params.
+streams, and the stochastic rounding every per-tensor reference shares (bits given per element).
 """
 import io
 
 import torch
-
-from ampkit.optim import stochastic_round_
 
 
 def regression(make_opt, dtype, steps, lr, init_noise, noise=0.1):
@@ -49,35 +46,11 @@ def run(opt, params, grad_stream):
         opt.step()
 
 
-def stochastic_round_bucket_(c32_list, gen):
-    """Round fp32 tensors as one flat buffer (one random stream), as the optimizer does per bucket."""
-    if not c32_list:
-        return
-    flat = torch.cat([c.reshape(-1) for c in c32_list])
-    stochastic_round_(flat, gen)
-    for c, r in zip(c32_list, flat.split([c.numel() for c in c32_list])):
-        c.copy_(r.view(c.shape))
-
-
-def reference_target(p, state, compensation):
-    """What a reference update is applied to: the Kahan buffer, an fp32 copy (stochastic) or the param."""
-    if compensation == "kahan":
-        return state["compensation"]
-    return p.float() if compensation == "stochastic" else p
-
-
-def land_(params, targets, compensation, gen):
-    """Apply updated targets to the 16-bit params: Kahan add (keeping the residual) or stochastic rounding."""
-    if compensation == "stochastic":
-        stochastic_round_bucket_(targets, gen)
-    for p, t in zip(params, targets):
-        if compensation == "kahan":
-            applied = -p
-            p.add_(t)
-            applied.add_(p)
-            t.sub_(applied)
-        elif compensation == "stochastic":
-            p.copy_(t)
+def round_stochastically(x32, r):
+    """fp32 ``x32`` to a bf16 value: the 16-bit ``r`` added below bf16's last mantissa bit, the low bits cut
+    (in int64, unlike the optimizer's int32)."""
+    bits = x32.view(torch.int32).clamp(max=0x7FFF0000).to(torch.int64) + r
+    return (bits & -65536).to(torch.int32).view(torch.float32).bfloat16()
 
 
 def step_with_reference(opt, params, refs, ref_states, grad_stream, reference, skip=None):

@@ -6,7 +6,8 @@
 * :class:`AdamW`, :class:`Adam`, :class:`SGD`: torch's update rules (foreach), with
   ``compensation="kahan"`` (a 16-bit buffer per param, default), ``"stochastic"`` (stochastic
   rounding, no extra state) or None (plain rounding, which stalls at small learning rates).
-* ``ampkit.optim.onepass``: Adam/AdamW's update as one function, compiled into one pass over each tensor.
+* ``ampkit.optim.onepass``: Adam/AdamW's and SGD's updates as one function each, compiled into one pass over each
+  tensor.
 * :func:`compensated_from`: the compensated equivalent of a torch AdamW/Adam/SGD; what
   ``Precision("bf16-pure").setup`` uses.
 * :func:`with_state_precision`: moments in bf16 or 8-bit (torchao): ``Precision(optimizer_state=...)``.

@@ -17,15 +17,13 @@ See ``ampkit.optim.onepass`` and docs/BF16_PURE.md.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .base import CompensatedOptimizer, check_moment_rounding, lr_of, scalar
 from .flat import batch_of
-from .onepass import COMPILE_MIN, AdamRule, adam_inplace, adam_math, compile_broken, compiled_adam, mark_broken
+from .onepass import AdamRule, adam_math
 from .target import _Target
 
 __all__ = ["Adam", "AdamW"]
@@ -99,7 +97,8 @@ class Adam(CompensatedOptimizer):
         shared["key"] = self.noise(device).next_key() if draws else None  # one draw per step, group and device
         return shared
 
-    def _rule(self, group: Dict[str, Any], mode: Optional[str], p_dtype: torch.dtype, s_dtype: torch.dtype) -> AdamRule:
+    def _rule(self, group: Dict[str, Any], mode: Optional[str], p_dtype: torch.dtype, states: List[Dict[str, Any]]) -> AdamRule:
+        s_dtype = states[0]["exp_avg"].dtype
         beta1, beta2 = group["betas"]
         decoupled = group["decoupled_weight_decay"]
         return AdamRule(mode=mode, beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -108,44 +107,11 @@ class Adam(CompensatedOptimizer):
                         moments_sr=s_dtype == torch.bfloat16 and group["moment_rounding"] == "stochastic",
                         p_dtype=p_dtype, s_dtype=s_dtype)
 
-    def _compiles(self, device: torch.device, numel: int) -> bool:
-        """Whether this bucket's update runs compiled: ``compiled`` (None: auto, a bucket of at least
-        :data:`~ampkit.optim.onepass.COMPILE_MIN` elements), unless compiling failed here before (said once)."""
-        if self.compiled is False or compile_broken(device) is not None or torch.compiler.is_compiling():
-            return False
-        return bool(self.compiled) or numel >= COMPILE_MIN
+    def _pass_tensors(self, s: Dict[str, Any], mode: Optional[str]) -> List[Optional[torch.Tensor]]:
+        return [s["exp_avg"], s["exp_avg_sq"], s["compensation"] if mode == "kahan" else None]
 
-    def _one_pass(self, group: Dict[str, Any], mode: Optional[str], params: List[torch.Tensor],
-                  grads: List[torch.Tensor], states: List[Dict[str, Any]], target: _Target) -> bool:
-        """The bucket's update as one pass per tensor (:func:`~ampkit.optim.onepass.adam_inplace`): compiled
-        (one kernel each), or traced inline under an outer ``torch.compile``. False: the eager batches run it."""
-        device = params[0].device
-        compiling = torch.compiler.is_compiling()
-        if not compiling and (params[0].is_meta or is_fake(params[0])  # (the memory planner's tensors)
-                              or not self._compiles(device, sum(p.numel() for p in params))):
-            return False
-        shared = target.shared
-        rule = self._rule(group, mode, params[0].dtype, states[0]["exp_avg"].dtype)
-        eager = functools.partial(adam_inplace, rule)
-        fn = eager if compiling else compiled_adam(rule)
-        start = target.noise.k1 + 2 * target.offset
-        for p, g, s in zip(params, grads, states):
-            c = s["compensation"] if mode == "kahan" else None
-            ts = [p, g, s["exp_avg"], s["exp_avg_sq"]] + ([c] if c is not None else [])
-            if all(t.is_contiguous() for t in ts):
-                ts = [t.view(-1) for t in ts]
-            args = ts[:4] + [ts[4] if c is not None else None, *shared["factors"][id(s["step"])], shared["decay"],
-                             target.skip, target.scale, shared["key"], start]
-            try:
-                fn(*args)
-            except Exception as error:  # (a compile that failed: nothing of this tensor was written)
-                if fn is eager:
-                    raise
-                mark_broken(device, error)
-                fn = eager  # the rest of this step, per tensor, eager; the next steps in eager batches
-                fn(*args)
-            start += 2 * p.numel()
-        return True
+    def _pass_scalars(self, s: Dict[str, Any], shared: Dict[str, Any]) -> tuple:
+        return (*shared["factors"][id(s["step"])], shared["decay"])
 
     def _update(self, group: Dict[str, Any], params: List[torch.Tensor], grads: List[torch.Tensor],
                 states: List[Dict[str, Any]], target: _Target) -> None:
@@ -158,7 +124,7 @@ class Adam(CompensatedOptimizer):
         storage (exact: they are rounded to the storage's dtype already).
         """
         mode, shared = target.mode, target.shared
-        rule = self._rule(group, mode, params[0].dtype, states[0]["exp_avg"].dtype)
+        rule = self._rule(group, mode, params[0].dtype, states)
         keys = ("exp_avg", "exp_avg_sq") + (("compensation",) if mode == "kahan" else ())
         batch = batch_of(self._flat_cache, target.where, params, states, keys)
         n, rows = batch.n, batch.rows
@@ -179,7 +145,7 @@ class Adam(CompensatedOptimizer):
         if len(pairs) == 1:
             return pairs[0]
         both = torch.stack([torch.stack([f[0] for f in pairs]), torch.stack([f[1] for f in pairs])])
-        return tuple(torch.repeat_interleave(both, batch.repeats(both.device), dim=1, output_size=batch.n).unbind())
+        return tuple(batch.spread(both).unbind())
 
 
 class AdamW(Adam):

@@ -10,8 +10,9 @@ No host reads per step: step counts live on the params' device (as in torch's fu
 Adam), a tensor ``lr`` stays a tensor, and the skip decision is taken on the device through torch's
 amp protocol (``_step_supports_amp_scaling``: the scaler sets ``found_inf`` and ``grad_scale``).
 A step whose ``found_inf`` is set leaves params, moments, Kahan buffers and step counts identical, bit for
-bit: Adam/AdamW (``_skips_itself``) mask their grads and factors on the device so the update lands nothing;
-SGD computes its update and then selects the state it started from (:class:`~ampkit.optim.batches._Undo`). Stochastic rounding draws its random bits before the outcome is known, so a
+bit: Adam/AdamW and SGD (``_skips_itself``) select every old bit inside their one-pass update (a final
+``where``); a subclass that does not skip itself has its batch's state snapshotted and restored
+(:class:`~ampkit.optim.batches._Undo`). Stochastic rounding draws its random bits before the outcome is known, so a
 skipped step does consume draws (deterministically: the same run with the same seed skips and draws
 the same way).
 
@@ -28,6 +29,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from torch._subclasses.fake_tensor import is_fake
+
+from . import onepass
 from .batches import _Undo, pieces
 from .noise import RoundingNoise
 from .target import _Target
@@ -316,11 +320,58 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             on_device[device] = (skip, keep, scale, shared)
         return on_device
 
+    def _compiles(self, device: torch.device, numel: int) -> bool:
+        """Whether this bucket's update runs compiled: ``compiled`` (None: auto, a bucket of at least
+        :data:`~ampkit.optim.onepass.COMPILE_MIN` elements), unless compiling failed here before (said once)."""
+        if self.compiled is False or onepass.compile_broken(device) is not None or torch.compiler.is_compiling():
+            return False
+        return bool(self.compiled) or numel >= onepass.COMPILE_MIN
+
     def _one_pass(self, group: Dict[str, Any], mode: Optional[str], params: List[torch.Tensor],
                   grads: List[torch.Tensor], states: List[Dict[str, Any]], target: _Target) -> bool:
-        """For an optimizer that ``_skips_itself``: update a whole (device, dtype) bucket in one pass per tensor
-        and return True, or return False for the eager batches (``_update``)."""
-        return False
+        """For an optimizer that ``_skips_itself``: update the whole (device, dtype) bucket as one pass per tensor
+        (the rule's in-place update, ``ampkit.optim.onepass``): compiled (one kernel each), or traced inline under
+        an outer ``torch.compile``; False: the eager batches (``_update``) run it. The subclass names the rule
+        (``_rule``), each param's state tensors (``_pass_tensors``, None where absent) and per-param values
+        (``_pass_scalars``); the call is ``(p, g, *tensors, *scalars, skip, scale, key, start)``."""
+        device = params[0].device
+        compiling = torch.compiler.is_compiling()
+        if not compiling and (params[0].is_meta or is_fake(params[0])  # (the memory planner's tensors)
+                              or not self._compiles(device, sum(p.numel() for p in params))):
+            return False
+        shared = target.shared
+        rule = self._rule(group, mode, params[0].dtype, states)
+        eager = onepass.inplace(rule)
+        fn = eager if compiling else onepass.compiled_update(rule)
+        start = target.noise.k1 + 2 * target.offset
+        for p, g, s in zip(params, grads, states):
+            ts = [p, g] + self._pass_tensors(s, mode)
+            if all(t is None or t.is_contiguous() for t in ts):
+                ts = [None if t is None else t.view(-1) for t in ts]
+            args = ts + [*self._pass_scalars(s, shared), target.skip, target.scale, shared["key"], start]
+            try:
+                fn(*args)
+            except Exception as error:  # (a compile that failed: nothing of this tensor was written)
+                if fn is eager:
+                    raise
+                onepass.mark_broken(device, error)
+                fn = eager  # the rest of this step, per tensor, eager; the next steps in eager batches
+                fn(*args)
+            start += 2 * p.numel()
+        return True
+
+    def _rule(self, group: Dict[str, Any], mode: Optional[str], p_dtype: torch.dtype,
+              states: List[Dict[str, Any]]) -> Any:
+        """For an optimizer that ``_skips_itself``: the bucket's ``onepass`` rule (what its compiled pass keys on)."""
+        raise NotImplementedError
+
+    def _pass_tensors(self, s: Dict[str, Any], mode: Optional[str]) -> List[Optional[torch.Tensor]]:
+        """For ``_one_pass``: one param's state tensors, in the order its rule's update takes them."""
+        raise NotImplementedError
+
+    def _pass_scalars(self, s: Dict[str, Any], shared: Any) -> tuple:
+        """For ``_one_pass``: one param's per-step values after its tensors (factors, flags)."""
+        raise NotImplementedError
 
     def _prepare(self, group: Dict[str, Any], device: torch.device, states: List[Dict[str, Any]],
                  skip: Optional[torch.Tensor], keep: Optional[torch.Tensor]) -> Any:

@@ -70,6 +70,11 @@ class FlatBatch:
             self._repeats = torch.tensor(self.numels, dtype=torch.int64, device=device)
         return self._repeats
 
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-piece ``values`` (last dim: one per piece) over each piece's elements (last dim: ``n``): one
+        ``repeat_interleave``."""
+        return torch.repeat_interleave(values, self.repeats(values.device), dim=-1, output_size=self.n)
+
     def chunks(self, row: torch.Tensor, times: int = 1) -> List[torch.Tensor]:
         """``row`` (``(1, times * n)``) split into per-tensor pieces, ``times`` lists' worth, pairing with
         ``rows``: one op (plus one view per non-contiguous tensor)."""

@@ -1,4 +1,5 @@
-"""Adam's compensated update as one elementwise function: one read and one write of each tensor per step.
+"""Adam's and SGD's compensated updates as one elementwise function each: one read and one write of each tensor
+per step.
 
 :func:`adam_math` is the whole bf16-pure update of one tensor (or one flat row of a batch) as plain torch ops
 on fp32 values: the moments (torch's foreach Adam rule: ``lerp``, ``mul``/``addcmul``), their stochastic
@@ -6,14 +7,18 @@ rounding, the bias-corrected update, decoupled or L2 decay, the landing (Kahan b
 plain) and the device-side skip (a final ``where`` that keeps every old bit when ``skip`` is set). Its random
 bits come from a counter hash computed inside it (:func:`~ampkit.optim.noise.hash32` of the element's index in
 the step and the draw's key), so the bits depend on (seed, rank, step, element) and not on how the update is
-cut into calls.
+cut into calls. :func:`sgd_math` is SGD's (torch's rule: L2 decay and maximize on the gradient, the momentum
+buffer in fp32, started as the gradient where its ``pending`` flag is set, Nesterov), rounded once. Both share
+the landing (:func:`_land`), the bf16 roundings on the bits (:func:`_nearest`, :func:`_sr`), the counters
+(:func:`_counters`) and the skip (:func:`_keep`).
 
-Two drivers run it (``ampkit.optim.adamw``):
+Two drivers run them (``CompensatedOptimizer._one_pass`` and each optimizer's ``_update``):
 
-* compiled (:func:`compiled_adam`): ``torch.compile(dynamic=True)`` of the function writing its results in
+* compiled (:func:`compiled_update`): ``torch.compile(dynamic=True)`` of the function writing its results in
   place, called once per tensor. inductor fuses it into one kernel (C++ on a CPU, Triton on CUDA) that reads
   the param, grad, moments and Kahan buffer once and writes them once: 8-10 B per bf16 param each way
-  against torch's fused AdamW's 8. One compile per :class:`AdamRule` (mode, hyperparameters, dtypes) and
+  against torch's fused AdamW's 8 (SGD: 8 read against torch's fused SGD's 6). One compile per rule
+  (:class:`AdamRule`, :class:`SGDRule`: mode, hyperparameters but the lr, dtypes) and
   shape class (dynamic sizes: one per tensor rank, plus dynamo's 0/1 size specialisation), not per step or
   per shape;
 * eager: the same function on a batch's flat fp32 row (``FlatBatch``), a fixed number of ops per batch. The
@@ -27,13 +32,14 @@ import dataclasses
 import functools
 import types
 import warnings
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from .noise import hash32
 
-__all__ = ["AdamRule", "adam_math", "adam_inplace", "compiled_adam", "COMPILE_MIN"]
+__all__ = ["AdamRule", "SGDRule", "adam_math", "adam_inplace", "sgd_math", "sgd_inplace", "compiled_update", "inplace",
+           "COMPILE_MIN"]
 
 #: ``compiled=None`` (auto) compiles a (group, device, dtype) bucket of at least this many elements: below it the
 #: compile (seconds, once per process) does not pay back, and tests of small models stay eager
@@ -59,6 +65,21 @@ class AdamRule:
     s_dtype: torch.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class SGDRule:
+    """What is constant about one SGD bucket's update (a compiled function is made per rule)."""
+
+    mode: Optional[str]  # "kahan", "stochastic" or None
+    momentum: float
+    dampening: float
+    weight_decay: float  # L2, added to the gradient (torch's SGD)
+    nesterov: bool
+    maximize: bool
+    moments_sr: bool  # a bf16 momentum buffer rounded stochastically
+    p_dtype: torch.dtype
+    s_dtype: torch.dtype
+
+
 def _sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` rounded stochastically to a bf16-representable fp32 (``r``: uniform in [0, 65535])."""
     bits = x.view(torch.int32).clamp(max=_NO_OVERFLOW) + r.to(torch.int32)
@@ -79,6 +100,60 @@ def _nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(x != x, x, rounded)
 
 
+def _counters(p: torch.Tensor, key: Optional[torch.Tensor], start: int) -> Optional[torch.Tensor]:
+    """Each element's counter in the step's draw, two per element (state, param), or None where no bits are drawn."""
+    if key is None:
+        return None
+    return torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(p.shape) * 2 + start
+
+
+def _gradient(g: torch.Tensor, p: torch.Tensor, scale: Optional[torch.Tensor], maximize: bool,
+              l2: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 gradient (unscaled by ``scale``, negated where ``maximize``, plus ``l2 * p``: torch's order) and
+    the fp32 param."""
+    g32 = g.to(torch.float32)
+    if scale is not None:
+        g32 = g32 / scale
+    if maximize:
+        g32 = -g32
+    p32 = p.to(torch.float32)
+    if l2:
+        g32 = torch.add(g32, p32, alpha=l2)  # (torch's op: a fused multiply-add on a CPU)
+    return g32, p32
+
+
+def _land(mode: Optional[str], p32: torch.Tensor, c: Optional[torch.Tensor], d: torch.Tensor, step: Any,
+          decay: Optional[torch.Tensor], x: Optional[torch.Tensor], key: Optional[torch.Tensor],
+          p_dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The param (and Kahan buffer) after ``p += d * step`` with decoupled ``decay`` (``[-lr * wd, 1 - lr * wd]`` or
+    None), landed by ``mode``: Kahan (buffer + decay + update in fp32, what rounds away stays in the buffer),
+    stochastic rounding (the bits of counter ``x + 1``) or plain rounding. ``step``: a tensor, or a Python float
+    (eager only: ``torch.add(..., alpha=step)``, torch's own SGD op, bitwise). Values in ``p_dtype``."""
+    f32 = torch.float32
+    if mode == "kahan":
+        c32 = c.to(f32)
+        if decay is not None:
+            c32 = c32 + p32 * decay[0]
+        s = p32 + (c32 + d * step)
+        p32 = _nearest(s, p_dtype)
+        return p32.to(p_dtype), _nearest(s - p32, p_dtype).to(p_dtype)  # (the buffer has the param's dtype)
+    if decay is not None:
+        p32 = p32 * decay[1]
+    p32 = torch.add(p32, d, alpha=step) if isinstance(step, float) else p32 + d * step
+    if mode == "stochastic":
+        p32 = _sr(p32, hash32(x + 1, key) & _LOW16)
+    else:
+        p32 = _nearest(p32, p_dtype)
+    return p32.to(p_dtype), None
+
+
+def _keep(skip: Optional[torch.Tensor], olds: Tuple[Optional[torch.Tensor], ...],
+          news: Tuple[Optional[torch.Tensor], ...]) -> Tuple[torch.Tensor, ...]:
+    """``news`` (None entries dropped), or on a skipped step (``skip`` set) every old bit as it was."""
+    return tuple(new if skip is None else torch.where(skip, old.to(new.dtype), new)
+                 for old, new in zip(olds, news) if new is not None)
+
+
 def adam_math(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
               c: Optional[torch.Tensor], bc2: torch.Tensor, step_size: torch.Tensor, decay: Optional[torch.Tensor],
               skip: Optional[torch.Tensor], scale: Optional[torch.Tensor], key: Optional[torch.Tensor],
@@ -91,66 +166,77 @@ def adam_math(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
     key (0-d int64) where bits are needed; ``start``: ``k1 + 2 * (index of the first element in the step)``.
     """
     f32 = torch.float32
-    g32 = g.to(f32)
-    if scale is not None:
-        g32 = g32 / scale
-    if rule.maximize:
-        g32 = -g32
-    p32 = p.to(f32)
-    if rule.l2:
-        g32 = torch.add(g32, p32, alpha=rule.l2)  # (torch's op: a fused multiply-add on a CPU)
+    g32, p32 = _gradient(g, p, scale, rule.maximize, rule.l2)
     m32 = torch.lerp(m.to(f32), g32, 1 - rule.beta1)
     v32 = torch.addcmul(v.to(f32) * rule.beta2, g32, g32, value=1 - rule.beta2)
-    x = None
-    if key is not None:  # this element's counter in the draw: two per element (moments, param)
-        x = torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(p.shape) * 2 + start
+    x = _counters(p, key, start)
     if rule.moments_sr:
         h = hash32(x, key)
         m32, v32 = _sr(m32, h & _LOW16), _sr(v32, (h >> 16) & _LOW16)
     else:
         m32, v32 = _nearest(m32, rule.s_dtype), _nearest(v32, rule.s_dtype)
     # (every value below is rounded to its storage dtype in fp32 before it is used or stored: exact casts)
-    update = m32 / (v32.sqrt() / bc2 + rule.eps) * step_size
-    m_new, v_new, c_new = m32.to(rule.s_dtype), v32.to(rule.s_dtype), None
-    if rule.mode == "kahan":  # buffer + decay + update, in fp32; what rounds away stays in the buffer
-        c32 = c.to(f32)
-        if rule.decoupled:
-            c32 = c32 + p32 * decay[0]
-        s = p32 + (c32 + update)
-        p32 = _nearest(s, rule.p_dtype)
-        c_new = _nearest(s - p32, rule.p_dtype).to(rule.p_dtype)  # (the buffer has the param's dtype)
-    else:
-        if rule.decoupled:
-            p32 = p32 * decay[1]
-        p32 = p32 + update
-        if rule.mode == "stochastic":
-            p32 = _sr(p32, hash32(x + 1, key) & _LOW16)
-        else:
-            p32 = _nearest(p32, rule.p_dtype)
-    p_new = p32.to(rule.p_dtype)
-    if skip is not None:  # a skipped step: every bit as it was
-        p_new = torch.where(skip, p.to(rule.p_dtype), p_new)
-        m_new = torch.where(skip, m.to(rule.s_dtype), m_new)
-        v_new = torch.where(skip, v.to(rule.s_dtype), v_new)
-        if c_new is not None:
-            c_new = torch.where(skip, c.to(rule.p_dtype), c_new)
-    return (p_new, m_new, v_new) if c_new is None else (p_new, m_new, v_new, c_new)
+    p_new, c_new = _land(rule.mode, p32, c, m32 / (v32.sqrt() / bc2 + rule.eps), step_size,
+                         decay if rule.decoupled else None, x, key, rule.p_dtype)
+    return _keep(skip, (p, m, v, c), (p_new, m32.to(rule.s_dtype), v32.to(rule.s_dtype), c_new))
 
 
 def adam_inplace(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  c: Optional[torch.Tensor], bc2: torch.Tensor, step_size: torch.Tensor, decay: Optional[torch.Tensor],
                  skip: Optional[torch.Tensor], scale: Optional[torch.Tensor], key: Optional[torch.Tensor],
                  start: int) -> None:
-    """:func:`adam_math` on one tensor's storage, written back in place (what :func:`compiled_adam` compiles)."""
-    out = adam_math(rule, p, g, m, v, c, bc2, step_size, decay, skip, scale, key, start)
-    p.copy_(out[0])
-    m.copy_(out[1])
-    v.copy_(out[2])
-    if c is not None:
-        c.copy_(out[3])
+    """:func:`adam_math` on one tensor's storage, written back in place (what :func:`compiled_update` compiles)."""
+    _write((p, m, v, c), adam_math(rule, p, g, m, v, c, bc2, step_size, decay, skip, scale, key, start))
 
 
-_COMPILED: Dict[AdamRule, Callable] = {}
+def sgd_math(rule: SGDRule, p: torch.Tensor, g: torch.Tensor, m: Optional[torch.Tensor], c: Optional[torch.Tensor],
+             pending: Optional[torch.Tensor], step: Any, skip: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+             key: Optional[torch.Tensor], start: int) -> Tuple[torch.Tensor, ...]:
+    """The new (param[, momentum buffer][, Kahan buffer]) in ``rule``'s dtypes, out of place: torch's SGD rule
+    (L2 decay and maximize on the gradient, ``buf = momentum * buf + (1 - dampening) * g``, Nesterov) op for op.
+
+    ``m``: the momentum buffer (None: no momentum); ``pending``: 0-d or a row, set where the buffer has not been
+    started (it starts as the gradient, torch's rule; None: started); ``step``: ``-lr`` (a tensor, or a Python
+    float on the eager batches: then the fp32 landing is torch's op, bitwise); the rest as :func:`adam_math`.
+    """
+    f32 = torch.float32
+    g32, p32 = _gradient(g, p, scale, rule.maximize, rule.weight_decay)
+    x = _counters(p, key, start)
+    m_new, d = None, g32
+    if m is not None:
+        m32 = torch.add(m.to(f32) * rule.momentum, g32, alpha=1 - rule.dampening)
+        if pending is not None:
+            m32 = torch.where(pending > 0, g32, m32)
+        m32 = _sr(m32, hash32(x, key) & _LOW16) if rule.moments_sr else _nearest(m32, rule.s_dtype)
+        m_new = m32.to(rule.s_dtype)
+        d = torch.add(g32, m32, alpha=rule.momentum) if rule.nesterov else m32
+    p_new, c_new = _land(rule.mode, p32, c, d, step, None, x, key, rule.p_dtype)
+    return _keep(skip, (p, m, c), (p_new, m_new, c_new))
+
+
+def sgd_inplace(rule: SGDRule, p: torch.Tensor, g: torch.Tensor, m: Optional[torch.Tensor], c: Optional[torch.Tensor],
+                pending: Optional[torch.Tensor], step: torch.Tensor, skip: Optional[torch.Tensor],
+                scale: Optional[torch.Tensor], key: Optional[torch.Tensor], start: int) -> None:
+    """:func:`sgd_math` on one tensor's storage, written back in place (what :func:`compiled_update` compiles)."""
+    m = m if rule.momentum else None  # (a buffer left from a group whose momentum was set to 0: torch ignores it)
+    _write((p, m, c), sgd_math(rule, p, g, m, c, pending, step, skip, scale, key, start))
+
+
+def _write(storage: Tuple[Optional[torch.Tensor], ...], values: Tuple[torch.Tensor, ...]) -> None:
+    for t, new in zip([t for t in storage if t is not None], values):
+        t.copy_(new)
+
+
+#: each rule's in-place update (what is compiled for it)
+_INPLACE: Dict[type, Callable] = {AdamRule: adam_inplace, SGDRule: sgd_inplace}
+
+
+def inplace(rule: Any) -> Callable:
+    """``rule``'s uncompiled in-place update (traced inline under an outer compile; the fallback)."""
+    return functools.partial(_INPLACE[type(rule)], rule)
+
+
+_COMPILED: Dict[Any, Callable] = {}
 #: why compiling failed in this process (then every step runs eager), or None
 _BROKEN: Dict[str, str] = {}
 
@@ -161,11 +247,12 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def compiled_adam(rule: AdamRule) -> Callable:
-    """The compiled :func:`adam_inplace` for ``rule`` (made once per process; dynamic shapes)."""
+def compiled_update(rule: Any) -> Callable:
+    """The compiled in-place update for ``rule`` (:func:`adam_inplace` for an :class:`AdamRule`, :func:`sgd_inplace`
+    for an :class:`SGDRule`; made once per process and rule; dynamic shapes)."""
     fn = _COMPILED.get(rule)
     if fn is None:
-        fn = _COMPILED[rule] = torch.compile(functools.partial(_own_code(adam_inplace), rule), dynamic=True)
+        fn = _COMPILED[rule] = torch.compile(functools.partial(_own_code(_INPLACE[type(rule)]), rule), dynamic=True)
     return fn
 
 

@@ -1,8 +1,14 @@
 """SGD (momentum, Nesterov, L2 weight decay) whose updates survive bf16 weights.
 
-Same rule as torch's foreach SGD, op for op (bitwise equal on fp32 params with
-``compensation=None``); only where the update lands differs. bf16 state per parameter: weight 2 +
-grad 2 + momentum 2 + Kahan buffer 2 = 8 bytes.
+torch's SGD rule, op for op (bitwise equal to torch's foreach SGD on fp32 params with ``compensation=None``,
+tested); only where the update lands differs. bf16 state per parameter: weight 2 + grad 2 + momentum 2 +
+Kahan buffer 2 = 8 bytes.
+
+The update is one elementwise function (:func:`~ampkit.optim.onepass.sgd_math`), as AdamW's: compiled into one
+kernel per tensor that reads and writes each tensor once where a bucket is big enough (``compiled``), else run
+eagerly on flat batches of at most ``bucket_numel`` elements. The momentum update is computed in fp32 and
+rounded once to the buffer's dtype (stochastically for a bf16 buffer with ``moment_rounding="stochastic"``); a
+skipped step (``found_inf``) selects every old bit inside the pass. See ``ampkit.optim.onepass``.
 """
 from __future__ import annotations
 
@@ -11,8 +17,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .base import CompensatedOptimizer, check_moment_rounding, lr_of, scalar
-from .batches import foreach_cast
-from .rounding import stochastic_round_
+from .flat import batch_of
+from .onepass import SGDRule, sgd_math
 from .target import _Target
 
 __all__ = ["SGD"]
@@ -22,14 +28,19 @@ class SGD(CompensatedOptimizer):
     """SGD with the arguments of ``torch.optim.SGD`` plus the compensation options.
 
     compensation, state_dtype, moment_rounding, seed: see
-    :class:`~ampkit.optim.base.CompensatedOptimizer`. The momentum buffer starts as a copy of the
-    first gradient (torch's convention).
+    :class:`~ampkit.optim.base.CompensatedOptimizer`; compiled: as :class:`~ampkit.optim.AdamW`'s (one compiled
+    pass per tensor: None where a bucket holds at least ``COMPILE_MIN`` elements, True always, False never).
+    The momentum buffer starts as a copy of the first gradient (torch's convention).
     """
+
+    #: the update lands nothing on a skipped step itself (a final select): no snapshot of the batch
+    _skips_itself = True
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  compensation: Optional[str] = "kahan", state_dtype: Optional[torch.dtype] = None,
-                 moment_rounding: str = "stochastic", seed: Optional[int] = None) -> None:
+                 moment_rounding: str = "stochastic", seed: Optional[int] = None,
+                 compiled: Optional[bool] = None) -> None:
         check_moment_rounding(moment_rounding)
         if not 0.0 <= scalar(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -41,80 +52,77 @@ class SGD(CompensatedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, moment_rounding=moment_rounding)
-        super().__init__(params, defaults, compensation=compensation, state_dtype=state_dtype, seed=seed)
+        super().__init__(params, defaults, compensation=compensation, state_dtype=state_dtype, seed=seed,
+                         compiled=compiled)
 
     def _init_state(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
         if group["momentum"] != 0:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype_for(p),
                                                         memory_format=torch.preserve_format)
-            # set until a step is taken (cleared in _after_update, masked by the skip: no host read)
+            # set until a step is taken (the pass starts the buffer as the gradient where it is set; cleared in
+            # _after_update, masked by the skip: no host read)
             state["momentum_pending"] = torch.ones((), dtype=torch.float32, device=p.device)
-            state["momentum_fresh"] = True  # host-side, this step only: the buffer is copied from the grad
 
     def _after_update(self, group, states, keep) -> None:
-        for s in states:
-            s.pop("momentum_fresh", None)
         flags = [s["momentum_pending"] for s in states if "momentum_pending" in s]
         if flags and keep is None:  # a taken step has started the buffers
             torch._foreach_zero_(flags)
         elif flags:  # a skipped one leaves them pending
             torch._foreach_mul_(flags, [1.0 - keep] * len(flags))  # (list: no scalar read)
 
+    def _prepare(self, group: Dict[str, Any], device: torch.device, states: List[Dict[str, Any]],
+                 skip: Optional[torch.Tensor], keep: Optional[torch.Tensor]) -> Dict[str, Any]:
+        """Once per step, group and device: ``-lr`` (a Python float for the eager batches where the lr is one:
+        torch's op, bitwise; a float32 tensor for the compiled pass, so a scheduled lr compiles nothing) and the
+        draw's key."""
+        lr = lr_of(group, device)
+        if isinstance(lr, torch.Tensor):
+            step = step_tensor = -lr
+        else:
+            step, step_tensor = -lr, None
+        draws = group["compensation"] == "stochastic" or group["moment_rounding"] == "stochastic"
+        return {"step": step, "step_tensor": step_tensor, "lr": lr, "device": device,
+                "key": self.noise(device).next_key() if draws else None}
+
+    def _rule(self, group: Dict[str, Any], mode: Optional[str], p_dtype: torch.dtype,
+              states: List[Dict[str, Any]]) -> SGDRule:
+        buf = states[0].get("momentum_buffer") if group["momentum"] != 0 else None
+        s_dtype = p_dtype if buf is None else buf.dtype
+        return SGDRule(mode=mode, momentum=group["momentum"], dampening=group["dampening"],
+                       weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
+                       moments_sr=s_dtype == torch.bfloat16 and group["moment_rounding"] == "stochastic",
+                       p_dtype=p_dtype, s_dtype=s_dtype)
+
+    def _pass_tensors(self, s: Dict[str, Any], mode: Optional[str]) -> List[Optional[torch.Tensor]]:
+        return [s.get("momentum_buffer"), s["compensation"] if mode == "kahan" else None]  # (see sgd_inplace)
+
+    def _pass_scalars(self, s: Dict[str, Any], shared: Dict[str, Any]) -> tuple:
+        if shared["step_tensor"] is None:  # (made once per step, where the compiled pass runs)
+            shared["step_tensor"] = torch.tensor(shared["lr"] * -1.0, dtype=torch.float32, device=shared["device"])
+        return s.get("momentum_pending"), shared["step_tensor"]
+
     def _update(self, group: Dict[str, Any], params: List[torch.Tensor], grads: List[torch.Tensor],
                 states: List[Dict[str, Any]], target: _Target) -> None:
-        lr, wd = lr_of(group, params[0].device), group["weight_decay"]
-        momentum, dampening = group["momentum"], group["dampening"]
-        own = False  # whether `grads` is our copy (never write into the model's .grad)
-        if group["maximize"]:
-            grads, own = torch._foreach_neg(grads), True
-        if wd != 0:
-            if own:
-                torch._foreach_add_(grads, params, alpha=wd)
-            else:
-                grads, own = torch._foreach_add(grads, params, alpha=wd), True
-
-        if momentum != 0:
-            # a buffer created for this step (host-known: _init_state) starts as the gradient (torch's rule)
-            fresh = [i for i, s in enumerate(states) if s.get("momentum_fresh")]
-            old = [i for i, s in enumerate(states) if not s.get("momentum_fresh")]
-            if fresh:
-                torch._foreach_copy_([states[i]["momentum_buffer"] for i in fresh], [grads[i] for i in fresh])
-            if old:
-                bufs = [states[i]["momentum_buffer"] for i in old]
-                old_grads = [grads[i] for i in old]
-                if group["moment_rounding"] == "stochastic" and bufs[0].dtype == torch.bfloat16:
-                    # rounded to nearest, a bf16 buffer drifts once (1 - momentum) nears bf16's
-                    # resolution (momentum 0.99 missed the fp32 loss by 37%): fp32 update,
-                    # stochastic rounding, right in expectation
-                    flat, copy = foreach_cast(bufs, torch.float32)
-                    torch._foreach_mul_(copy, momentum)
-                    # fp32-only arithmetic: a mixed-dtype add converts per call (~4x slower)
-                    g32 = (old_grads if old_grads[0].dtype == torch.float32
-                           else foreach_cast(old_grads, torch.float32)[1])
-                    torch._foreach_add_(copy, g32, alpha=1 - dampening)
-                    stochastic_round_(flat, target.noise)
-                    torch._foreach_copy_(bufs, copy)  # exact
-                    del flat, copy, g32
-                else:
-                    torch._foreach_mul_(bufs, momentum)
-                    torch._foreach_add_(bufs, old_grads, alpha=1 - dampening)
-                # a buffer whose first step was skipped (flag set): the next taken step starts it
-                for i in old:
-                    if "momentum_pending" in states[i]:  # (state carried over from torch's SGD has none)
-                        buf = states[i]["momentum_buffer"]
-                        torch.where(states[i]["momentum_pending"] > 0, grads[i].to(buf.dtype), buf, out=buf)
-            bufs = [s["momentum_buffer"] for s in states]
-            if group["nesterov"]:
-                if own:
-                    torch._foreach_add_(grads, bufs, alpha=momentum)
-                else:
-                    grads = torch._foreach_add(grads, bufs, alpha=momentum)
-            else:
-                grads = bufs
-
-        if isinstance(lr, torch.Tensor):
-            torch._foreach_add_(target.tensors, torch._foreach_mul(grads, -lr))
-        else:
-            torch._foreach_add_(target.tensors, grads, alpha=-lr)
-        grads = None  # frees our copy; (`del grads` here made dynamo break the graph: "step_unsupported")
-        target.finish()
+        """One batch, eager: :func:`~ampkit.optim.onepass.sgd_math` on one flat fp32 row (params, grads, momentum
+        buffers, Kahan buffers side by side, :class:`~ampkit.optim.flat.FlatBatch`), a fixed number of ops
+        whatever the batch's tensor count; its results copied into their storage (exact: already rounded)."""
+        mode, shared = target.mode, target.shared
+        rule = self._rule(group, mode, params[0].dtype, states)
+        momentum = group["momentum"] != 0 and "momentum_buffer" in states[0]
+        keys = (("momentum_buffer",) if momentum else ()) + (("compensation",) if mode == "kahan" else ())
+        batch = batch_of(self._flat_cache, target.where, params, states, keys)
+        n, rows = batch.n, batch.rows
+        lists = [rows["param"], grads] + [rows[k] for k in keys]
+        flat = batch.gather(lists)  # [params | grads | (momentum buffers) | (Kahan buffers)]
+        p, g, *rest = flat.split([n] * len(lists), dim=1)
+        m = rest.pop(0) if momentum else None
+        c = rest[0] if rest else None
+        pending = None
+        if momentum and any("momentum_pending" in s for s in states):  # (torch's carried-over state has none)
+            flags = [s.get("momentum_pending") for s in states]
+            flags = [f if f is not None else torch.zeros((), device=p.device) for f in flags]
+            pending = flags[0] if len(flags) == 1 else batch.spread(torch.stack(flags))
+        out = sgd_math(rule, p, g, m, c, pending, shared["step"], target.skip, target.scale, shared["key"],
+                       target.noise.k1 + 2 * target.offset)
+        for key, new in zip(("param",) + keys, out):
+            torch._foreach_copy_(rows[key], batch.chunks(new))  # exact: rounded to the storage's dtype already

@@ -7,6 +7,7 @@ import torch
 from ampkit.optim import Adam, AdamW, RoundingNoise
 from ampkit.optim.noise import hash32
 from optim_helpers import grads as _grads
+from optim_helpers import round_stochastically as _round_stochastically
 from optim_helpers import (assert_same_params_and_state, regression, run,
                            step_with_reference, through_checkpoint, twin_params)
 
@@ -76,13 +77,6 @@ def test_fp32_params_match_torch(cls, kw, compensation):
         assert "compensation" not in tb.state[q]
         assert torch.equal(ta.state[p]["exp_avg"], tb.state[q]["exp_avg"])
         assert torch.equal(ta.state[p]["exp_avg_sq"], tb.state[q]["exp_avg_sq"])
-
-
-def _round_stochastically(x32, r):
-    """fp32 ``x32`` to a bf16 value: the 16-bit ``r`` added below bf16's last mantissa bit, the low bits cut
-    (in int64, unlike the optimizer's int32)."""
-    bits = x32.view(torch.int32).clamp(max=0x7FFF0000).to(torch.int64) + r
-    return (bits & -65536).to(torch.int32).view(torch.float32).bfloat16()
 
 
 def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, gen):

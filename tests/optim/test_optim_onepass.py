@@ -1,9 +1,11 @@
 """bf16-pure's compiled one-pass update (``ampkit.optim.onepass``): one inductor kernel per tensor that reads and
-writes each tensor once, within 1.5x the bytes of torch's fused AdamW; compiled once for every shape and step; the
-same results as the eager batches within bf16 rounding; and the eager update when compiling fails, said once.
+writes each tensor once, within 1.5x the bytes of torch's fused AdamW (fused SGD for SGD); compiled once for every
+shape and step; the same results as the eager batches within bf16 rounding; and the eager update when compiling
+fails, said once.
 
-Every test here steps the same rule (AdamW, Kahan, bf16 params and moments, a device-side skip flag), so the module
-compiles once (inductor's C++: seconds on a CPU); the FX graph cache is off so the kernel's code is generated here.
+Every test here steps one of two rules (AdamW, Kahan, bf16 params and moments; SGD, Nesterov momentum, L2 decay,
+Kahan, bf16 params and momentum; both with a device-side skip flag), so the module compiles twice (inductor's C++:
+seconds on a CPU); the FX graph cache is off so the kernels' code is generated here.
 """
 import copy
 import shutil
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ampkit.optim import AdamW, onepass
+from ampkit.optim import SGD, AdamW, onepass
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -40,8 +42,18 @@ def _model(sizes=(192, 160, 96), seed=0):
     return nn.Sequential(*layers).to(torch.bfloat16)
 
 
-def _opt(model, compiled, seed=7):
+def _opt(model, compiled, seed=7, kind="adamw"):
+    if kind == "sgd":
+        return SGD(model.parameters(), lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, compensation="kahan",
+                   seed=seed, compiled=compiled)
     return AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, compensation="kahan", seed=seed, compiled=compiled)
+
+
+#: each optimizer's state tensors (every one a test compares), and its moments
+_KEYS = {AdamW: ("exp_avg", "exp_avg_sq", "compensation", "step"),
+         SGD: ("momentum_buffer", "compensation", "momentum_pending")}
+_MOMENTS = {AdamW: ("exp_avg", "exp_avg_sq"), SGD: ("momentum_buffer",)}
+_KINDS = pytest.mark.parametrize("kind", ["adamw", "sgd"])
 
 
 def _grads(model, opt, skip=False, seed=0):
@@ -61,7 +73,7 @@ def _step(model, opt, skip=False, seed=0):
 def _state(model, opt):
     out = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
-        out += [opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq", "compensation", "step")]
+        out += [opt.state[p][k].clone() for k in _KEYS[type(opt)]]
     return out
 
 
@@ -81,16 +93,26 @@ class _Bytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.slow  # (the module's one compile: a minute on 2 loaded cores)
-def test_one_kernel_per_tensor_within_1_5x_the_bytes_of_fused_adamw(monkeypatch):
+#: per kind: torch's fused optimizer on the same params, and the bytes per param the compiled kernels' arguments
+#: read at least (AdamW: param, grad, both moments, Kahan buffer: 10; SGD: param, grad, momentum, Kahan buffer: 8)
+_FUSED = {"adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True), 10),
+          "sgd": (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, fused=True),
+                  8)}
+
+
+@pytest.mark.slow  # (one compile per kind for the module: a minute each on 2 loaded cores)
+@_KINDS
+def test_one_kernel_per_tensor_within_1_5x_the_bytes_of_torch_fused(monkeypatch, kind):
     """The compiled pass is one kernel with no buffer of its own (every value lives in registers between one
-    load and one store of each tensor), so a step moves the bytes of its kernels' arguments (param, grad, both
-    moments, Kahan buffer: 10 B/param read) plus the few eager ops around them (bias corrections, the skip
-    flag). torch's fused AdamW on the same bf16 params, counted as the inputs of its ops: 8 B/param."""
+    load and one store of each tensor), so a step moves the bytes of its kernels' arguments (AdamW: param, grad,
+    both moments, Kahan buffer: 10 B/param read; SGD: param, grad, momentum, Kahan buffer: 8) plus the few eager
+    ops around them (bias corrections, the skip flag, SGD's -lr and pending flags). torch's fused AdamW (fused
+    SGD: torch 2.13 has one on a CPU) on the same bf16 params, counted as the inputs of its ops: AdamW 8 B/param,
+    SGD 6."""
     from torch._inductor.utils import run_and_get_code
 
     model = _model()
-    opt = _opt(model, compiled=True)
+    opt = _opt(model, compiled=True, kind=kind)
     _step(model, opt)  # state made (the first step's zeros are not the step)
     _, codes = run_and_get_code(lambda: _step(model, opt, seed=1))
     if codes:  # (compiled by an earlier test of this module: its code was checked there)
@@ -99,14 +121,15 @@ def test_one_kernel_per_tensor_within_1_5x_the_bytes_of_fused_adamw(monkeypatch)
             assert call.count("cpp_fused_") == 1 and "empty_strided" not in call, call
     # the bytes: the compiled kernels' tensor arguments, and the eager ops of the step around them
     seen = []
-    rule_fn = onepass.compiled_adam(opt._rule(opt.param_groups[0], "kahan", torch.bfloat16, torch.bfloat16))
+    rule_fn = onepass.compiled_update(opt._rule(opt.param_groups[0], "kahan", torch.bfloat16,
+                                                 [opt.state[model[0].weight]]))
 
     def record(*args):
         seen.append(sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
         with _disable_current_modes():  # (the kernel itself, not its ops run eagerly under the count)
             return rule_fn(*args)
 
-    monkeypatch.setattr("ampkit.optim.adamw.compiled_adam", lambda rule: record)
+    monkeypatch.setattr(onepass, "compiled_update", lambda rule: record)
     _grads(model, opt, seed=2)
     with _Bytes() as around:
         opt.step()
@@ -116,26 +139,28 @@ def test_one_kernel_per_tensor_within_1_5x_the_bytes_of_fused_adamw(monkeypatch)
     ours = (sum(seen) + around.n) / numel
 
     ref = _model()
-    fused = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    make, least = _FUSED[kind]
+    fused = make(ref.parameters())
     for seed in (0, 1):
         _step(ref, fused, seed=seed)
     _grads(ref, fused, seed=2)
     with _Bytes() as theirs:
         fused.step()
-    assert 10 <= ours <= 1.5 * theirs.n / numel, (ours, theirs.n / numel)
+    assert least <= ours <= 1.5 * theirs.n / numel, (ours, theirs.n / numel)
 
 
-@pytest.mark.slow  # (the module's one compile: a minute on 2 loaded cores)
-def test_compiled_once_for_every_shape_and_step():
+@pytest.mark.slow  # (one compile per kind for the module: a minute each on 2 loaded cores)
+@_KINDS
+def test_compiled_once_for_every_shape_and_step(kind):
     """Dynamic shapes: other widths, another model and more steps run the kernel compiled first."""
     from torch._dynamo.utils import counters
 
     model = _model()
-    opt = _opt(model, compiled=True)
+    opt = _opt(model, compiled=True, kind=kind)
     _step(model, opt)
     before = counters["stats"]["unique_graphs"]
     other = _model((320, 64, 200, 48), seed=1)
-    opt2 = _opt(other, compiled=True, seed=9)
+    opt2 = _opt(other, compiled=True, seed=9, kind=kind)
     for seed in range(3):
         _step(model, opt, seed=seed)
         _step(other, opt2, seed=seed, skip=seed == 1)
@@ -144,16 +169,17 @@ def test_compiled_once_for_every_shape_and_step():
 
 def _weights_and_moments(model, opt):
     """Per param: the weight the Kahan buffer extends it to (p + c: a rounding that flips moves an ulp between
-    them), and both moments."""
+    them), and the moments (AdamW's two, SGD's momentum buffer)."""
     out = []
     for p in model.parameters():
         s = opt.state[p]
-        out += [p.detach().float() + s["compensation"].float(), s["exp_avg"].float(), s["exp_avg_sq"].float()]
+        out += [p.detach().float() + s["compensation"].float()] + [s[k].float() for k in _MOMENTS[type(opt)]]
     return out
 
 
-@pytest.mark.slow  # (the module's one compile: a minute on 2 loaded cores)
-def test_compiled_equals_eager_within_bf16_rounding_and_skips_bitwise():
+@pytest.mark.slow  # (one compile per kind for the module: a minute each on 2 loaded cores)
+@_KINDS
+def test_compiled_equals_eager_within_bf16_rounding_and_skips_bitwise(kind):
     """Same formula, same noise bits (hashed from each element's index in the step): the compiled kernel and the
     eager batches agree to inductor's float rounding, which can flip a bf16 rounding of a moment or a weight
     (an ulp, 2**-8 relative; a few steps carry it on): every element within 2**-6 relative; a skipped step leaves
@@ -161,7 +187,7 @@ def test_compiled_equals_eager_within_bf16_rounding_and_skips_bitwise():
     runs = {}
     for compiled in (True, False):
         model = _model()
-        opt = _opt(model, compiled=compiled)
+        opt = _opt(model, compiled=compiled, kind=kind)
         for seed in range(4):
             _step(model, opt, seed=seed)
         before = _state(model, opt)
@@ -174,11 +200,12 @@ def test_compiled_equals_eager_within_bf16_rounding_and_skips_bitwise():
         torch.testing.assert_close(c, e, rtol=2 ** -6, atol=1e-6)
 
 
-@pytest.mark.slow  # (the module's one compile: a minute on 2 loaded cores)
-def test_compiled_resume_is_bitwise():
+@pytest.mark.slow  # (one compile per kind for the module: a minute each on 2 loaded cores)
+@_KINDS
+def test_compiled_resume_is_bitwise(kind):
     """state_dict + load, compiled: the continued run equals the uninterrupted one bit for bit."""
     model = _model()
-    opt = _opt(model, compiled=True)
+    opt = _opt(model, compiled=True, kind=kind)
     for seed in range(2):
         _step(model, opt, seed=seed)
     saved_params = [p.detach().clone() for p in model.parameters()]
@@ -191,7 +218,7 @@ def test_compiled_resume_is_bitwise():
     with torch.no_grad():
         for p, s in zip(again.parameters(), saved_params):
             p.copy_(s)
-    opt2 = _opt(again, compiled=True, seed=123)
+    opt2 = _opt(again, compiled=True, seed=123, kind=kind)
     opt2.load_state_dict(saved)
     for seed in range(2, 4):
         _step(again, opt2, seed=seed)
@@ -199,7 +226,8 @@ def test_compiled_resume_is_bitwise():
         assert torch.equal(a, b)
 
 
-def test_eager_fallback_when_compiling_fails_says_why_once(monkeypatch):
+@_KINDS
+def test_eager_fallback_when_compiling_fails_says_why_once(monkeypatch, kind):
     """A compile that fails (no compiler, an inductor error) warns once with its reason and the step runs the
     eager update: the same results as compiled=False."""
     def broken(rule):
@@ -207,12 +235,12 @@ def test_eager_fallback_when_compiling_fails_says_why_once(monkeypatch):
             raise RuntimeError("no C++ compiler found")
         return fail
 
-    monkeypatch.setattr("ampkit.optim.adamw.compiled_adam", broken)
+    monkeypatch.setattr(onepass, "compiled_update", broken)
     monkeypatch.setattr(onepass, "_BROKEN", {})
     results = {}
     for compiled in (True, False):
         model = _model()
-        opt = _opt(model, compiled=compiled)
+        opt = _opt(model, compiled=compiled, kind=kind)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for seed in range(3):
