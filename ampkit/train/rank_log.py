@@ -81,7 +81,8 @@ class RankLog:
         os.dup2(self._helper.stdin.fileno(), 2)
         self._helper.stdin.close()  # fd 2 is this process's only write end now
         self._fault_was_on = faulthandler.is_enabled()
-        faulthandler.enable(file=sys.stderr, all_threads=True)  # a fatal signal names itself, with the stacks
+        # fd 2 itself, not sys.stderr: that may be a stream without a descriptor (contextlib.redirect_stderr)
+        faulthandler.enable(file=2, all_threads=True)  # a fatal signal names itself, with the stacks
 
     def finished(self) -> None:
         """The rank ends as it meant to (whatever its exit code): stderr back as it was, the helper told so."""
