@@ -152,8 +152,9 @@ def users_own_error(e: BaseException, user_roots: tuple) -> Optional[BaseExcepti
     for exc in chain if user_roots else ():
         tb = exc.__traceback__
         while tb is not None:
-            path = os.path.realpath(tb.tb_frame.f_code.co_filename)
-            if path.startswith(user_roots) and not path.startswith(not_users):
+            name = tb.tb_frame.f_code.co_filename  # '<string>' (a dataclass's generated __init__): no file of theirs
+            path = os.path.realpath(name)
+            if not name.startswith("<") and path.startswith(user_roots) and not path.startswith(not_users):
                 return next((c for c in chain if not isinstance(c, UsageError)), None)
             tb = tb.tb_next
     return None
