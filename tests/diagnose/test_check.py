@@ -166,7 +166,8 @@ def test_safe_modes_is_the_one_rule_for_check_and_tuning(monkeypatch):
     ok = {"verdict": "ok", "reasons": []}
     modes = lambda v, **kw: [m["mode"] for m in verdict.safe_modes(v, "cpu", **kw)["modes"]]
     assert modes({"bf16-mixed": ok}) == ["bf16-mixed", "bf16-master", "fp32"]
-    assert modes({"bf16-mixed": ok}, grad_accum=4) == ["bf16-mixed", "fp32"]
+    # the master variant stays under accumulation: its gradients accumulate on the fp32 parameters
+    assert modes({"bf16-mixed": ok}, grad_accum=4) == ["bf16-mixed", "bf16-master", "fp32"]
     assert modes({"bf16-mixed": {"verdict": "risky", "reasons": ["x"]}}) == ["fp32"]
     assert modes({}) == ["fp32"] and modes({}, unchecked_ok=True) == ["bf16-mixed", "bf16-master", "fp32"]
     fixed = {"verdict": "risky", "reasons": ["x"], "with_fp32_modules": {"verdict": "ok", "modules": ["head"]}}
