@@ -158,9 +158,11 @@ def resolve(name: str, dialect: str = "ampkit") -> str:
 
 
 def _nearest(key: str) -> str:
-    """': did you mean a, b?' for the names closest to ``key`` (those it begins, else spelled alike), else '.'."""
+    """': did you mean a, b?' for the names closest to ``key`` (those it begins, else spelled alike), else '.'.
+    An alias is offered with the mode it names ('none (= fp32)'), so a suggestion never reads as a mode of its own."""
     import difflib
 
     names = list(MODES) + [AUTO] + [a for a in ALIASES if a not in MODES]
     found = [n for n in MODES if key and n.startswith(key)] or difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-    return f": did you mean {', '.join(found)}?" if found else "."
+    named = [n if n in MODES or n == AUTO else f"{n} (= {ALIASES[n]})" for n in found]
+    return f": did you mean {', '.join(named)}?" if found else "."

@@ -65,6 +65,13 @@ def test_an_unknown_name_offers_the_nearest_ones_not_every_alias():
     assert "mixed_float16" not in text and len(text) < 400  # the modes and a pointer to the alias table
 
 
+def test_a_suggested_alias_names_its_mode():
+    """'nonsense' is spelled like the alias 'none': offered as 'none (= fp32)', never as if 'none' were a mode."""
+    with pytest.raises(ValueError) as e:
+        ampkit.Precision("nonsense", "cpu")
+    assert "did you mean none (= fp32)?" in str(e.value)
+
+
 def test_half_is_float16s_other_name():
     """torch.half is float16; like fp16/float16, a bare dtype name means autocast in it."""
     assert resolve("half") == "fp16-mixed" == resolve("HALF")
