@@ -82,7 +82,7 @@ COMPAT_TESTS ?= tests/precision/test_compile_step.py tests/precision/test_compil
 	tests/precision/test_distributed_scaler.py tests/precision/test_fp8.py tests/precision/test_fp8_modes_of_use.py \
 	tests/precision/test_mxfp8.py tests/precision/test_dcp_state_dict.py tests/train/test_fsdp_modes.py \
 	tests/train/test_sharded_checkpoints.py tests/train/test_resume.py tests/faults/test_bad_checkpoints.py \
-	tests/faults/test_unsafe_checkpoint.py tests/precision/test_deprecations.py
+	tests/faults/test_unsafe_checkpoint.py tests/precision/test_nonfinite_policy.py tests/precision/test_step_without_backward.py
 
 .venv-torch%/.ampkit-installed: pyproject.toml
 	test -x .venv-torch$*/bin/python || $(PYTHON) -m venv .venv-torch$*
