@@ -45,9 +45,12 @@ def pytest_configure(config):
 
 
 def _native_bf16_missing() -> str:
-    """Why this process has no native bf16 (torch's own check, which follows ``ONEDNN_MAX_CPU_ISA``), or ''."""
+    """Why this process has no native bf16, or ''. torch's own check (``_is_mkldnn_bf16_supported``) is also true
+    where oneDNN emulates bf16 (``ONEDNN_MAX_CPU_ISA=AVX512_CORE``, AVX-512 without bf16): ampkit's check, which
+    reads the CPU's flags and oneDNN's cap, decides."""
+    from ampkit.precision.device import onednn_native_bf16
     try:
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported() and onednn_native_bf16():
             return ""
     except (AttributeError, RuntimeError):
         pass

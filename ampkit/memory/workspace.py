@@ -24,7 +24,9 @@ own GEMM (``cpublas``), which accumulates a transposed-first product (``a.t() @ 
 a linear layer, ``grad_out.t() @ input``) in an fp32 copy of the whole output: ``4 * out.numel()`` bytes more
 while ``aten.mm``/``addmm`` runs (measured on an AVX2 EPYC, torch 2.13: 15.9 MiB for a 16384 x 256 bf16
 weight gradient, 16.0 predicted; the other three transposition patterns add nothing there). Where oneDNN
-takes the product (AVX512 with bf16 emulation, AVX512-BF16, AMX) nothing is added.
+takes bf16 but emulates it (AVX-512 without bf16 instructions, or ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``), every
+bf16 product holds that copy (measured on an AMX Xeon capped so, torch 2.13: 4.0 B per output element in all
+four patterns); where it runs bf16 natively (AVX512-BF16, AMX) nothing is added.
 
 Collectives on a CPU process group run on gloo (``ampkit train``'s CPU backend), which emulates two of the
 ops FSDP2 issues (torch's ProcessGroupGloo): ``_reduce_scatter_base_`` clones its whole input and
@@ -35,13 +37,17 @@ output's bytes more). NCCL does both in place: nothing on CUDA.
 from __future__ import annotations
 
 import math
+import platform
 from typing import Any, Sequence
 
 import torch
 
+from ..precision.device import onednn_native_bf16
+
 __all__ = ["workspace_bytes"]
 
 _aten = torch.ops.aten
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _GEMMS = (_aten.mm.default, _aten.addmm.default)
 _GLOO_COPY_OF_ARG = {"c10d::_reduce_scatter_base_": 1, "c10d::_allgather_base_": 0}  # which tensor gloo copies
 
@@ -97,22 +103,25 @@ def _conv(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, transpose
 
 
 def _gemm_accumulator(a: torch.Tensor, b: torch.Tensor) -> int:
-    """The fp32 copy of the output torch's own 16-bit GEMM accumulates ``a @ b`` in, when oneDNN does not
-    take the product on this CPU and ``a`` is a transposed view (column-major) and ``b`` row-major."""
+    """The fp32 copy of the output a 16-bit CPU GEMM accumulates ``a @ b`` in: torch's own GEMM (oneDNN does
+    not take the dtype here) for a transposed ``a`` (column-major) times a row-major ``b``; oneDNN emulating
+    bf16 (it takes the dtype, the CPU or its ISA cap has no bf16 instructions) for every pattern."""
     if a.dim() != 2 or b.dim() != 2 or a.device.type != "cpu" or a.dtype != b.dtype:
         return 0
-    if a.dtype not in (torch.bfloat16, torch.float16) or _onednn_takes(a.dtype):
+    if a.dtype not in (torch.bfloat16, torch.float16):
         return 0
+    copy = 4 * a.shape[0] * b.shape[1]
+    if _onednn_takes(a.dtype):
+        emulated = a.dtype == torch.bfloat16 and _X86 and not onednn_native_bf16()
+        return copy if emulated else 0
     transposed_a = a.stride(0) == 1 and a.stride(1) >= max(1, a.shape[0]) and a.shape[1] > 1
     row_major_b = b.stride(1) == 1 and b.stride(0) >= max(1, b.shape[1])
-    if not (transposed_a and row_major_b):
-        return 0
-    return 4 * a.shape[0] * b.shape[1]
+    return copy if transposed_a and row_major_b else 0
 
 
 def _onednn_takes(dtype: torch.dtype) -> bool:
     """torch's own check (``mkldnn_bf16_device_check`` / ``_fp16_``): does oneDNN run this dtype's matmuls
-    on this CPU? (Off too where oneDNN is disabled or not built.)"""
+    on this CPU, natively or emulated? (Off too where oneDNN is disabled or not built.)"""
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     probe = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else \

@@ -11,7 +11,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 __all__ = ["resolve_device", "cpu_name", "measured_on", "machine_key", "CPU_CAPS_ENV", "CPU_KINDS",
-           "CPU_KIND_SPEED", "forced_cpu_kind", "forced_cpu_caps", "cpu_kind", "cpu_flags"]
+           "CPU_KIND_SPEED", "forced_cpu_kind", "forced_cpu_caps", "cpu_kind", "cpu_flags", "onednn_native_bf16"]
 
 #: Run as another CPU would (CI, tests, "what would ampkit do on an AMX Xeon?"): a CPU kind below, or the
 #: measured ratios themselves (``bf16=0.55,fp16=1.0``). Every decision that depends on what 16-bit math
@@ -121,6 +121,27 @@ def cpu_kind() -> str:
         return "amx"
     kind = next((f for f in ("avx512_fp16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), platform.machine())
     return _KIND_ALIASES.get(kind, kind)
+
+
+#: oneDNN's ISA caps (``ONEDNN_MAX_CPU_ISA``, or its older name ``DNNL_MAX_CPU_ISA``) that keep its bf16 instructions
+_ONEDNN_BF16_CAPS = frozenset({"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX",
+                               "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "ALL", "DEFAULT"})
+
+
+def onednn_native_bf16() -> bool:
+    """Does oneDNN run bf16 in bf16 instructions in this process: the CPU has them (AVX512-BF16, AMX-BF16,
+    AVX-NE-CONVERT) and oneDNN's ISA cap, where set, keeps them? torch's own check
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) is also true where oneDNN *emulates* bf16 (AVX-512 without
+    them, or a cap at ``AVX512_CORE``): there a bf16 matmul holds an fp32 copy of its output (measured, an AMX
+    Xeon capped at AVX512_CORE, torch 2.13: 4 B per output element in every transposition pattern; none uncapped).
+    The real CPU's flags, not a forced kind's: this is about which kernel runs, not what it is worth."""
+    flags = frozenset(_cpuinfo("flags").split())
+    if not flags & {"avx512_bf16", "amx_bf16", "avx_ne_convert"}:
+        return False
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    if cap == "AVX2_VNNI_2":
+        return "avx_ne_convert" in flags
+    return not cap or cap in _ONEDNN_BF16_CAPS
 
 
 def cpu_name() -> str:

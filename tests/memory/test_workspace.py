@@ -177,7 +177,8 @@ def _gemm_row(dtype: str) -> dict:
 def test_native_bf16_weight_gradient_holds_no_fp32_copy():
     """Where oneDNN runs bf16 natively (AVX512-BF16, AMX), a bf16 weight gradient allocates no fp32 copy of its
     output: the plan counts none, and the process adds less than an eighth of the copy (measured on an AMX Xeon,
-    torch 2.13: 4 KiB of the 2 MiB torch's own GEMM holds under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    torch 2.13: 4 KiB of the 2 MiB torch's own GEMM holds under ONEDNN_MAX_CPU_ISA=AVX2, and oneDNN's emulated
+    bf16 under AVX512_CORE)."""
     row = _gemm_row("bfloat16")
     assert row["pred"] == 0 and row["added"] < 4 * 1024 * 512 / 8, row
 
@@ -185,13 +186,14 @@ def test_native_bf16_weight_gradient_holds_no_fp32_copy():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 def test_16bit_gemm_accumulator_matches_the_resident_memory_a_weight_gradient_adds():
     """``g.t() @ x`` in bf16 and fp16 (a fresh process each): torch's own GEMM (where oneDNN does not take the dtype
-    on this CPU) holds an fp32 copy of the whole 1024 x 512 output (2 MiB); oneDNN's path holds none. Predicted
-    from torch's own check, so it holds on every CPU kind: 0 where oneDNN runs the product, the copy where not."""
+    on this CPU), and oneDNN emulating bf16, hold an fp32 copy of the whole 1024 x 512 output (2 MiB); oneDNN's
+    native path holds none. Predicted from torch's check and the CPU's bf16 instructions, so it holds on every CPU
+    kind: 0 where oneDNN runs the product natively, the copy where not."""
     measured = 0
     for dtype in ("bfloat16", "float16"):
         row = _gemm_row(dtype)
         assert row["pred"] in (0, 4 * 1024 * 512), row
-        if row["pred"] == 0:  # oneDNN runs it: its own scratch (per kind, ISA caps included) is not modelled
+        if row["pred"] == 0:  # oneDNN runs it natively: its own scratch is not modelled
             continue
         measured += 1
         assert abs(row["pred"] - row["added"]) <= 0.15 * row["pred"], row
@@ -217,7 +219,28 @@ def test_16bit_gemm_accumulator_law(monkeypatch):
     assert workspace_bytes(mm, (g32.t(), x32), cpu) == 0
     assert workspace_bytes(mm, (g.t(), x), torch.device("cuda")) == 0
     monkeypatch.setattr(workspace, "_onednn_takes", lambda dtype: True)
+    monkeypatch.setattr(workspace, "onednn_native_bf16", lambda: True)
     assert workspace_bytes(mm, (g.t(), x), cpu) == 0
+    monkeypatch.setattr(workspace, "_X86", True)
+    monkeypatch.setattr(workspace, "onednn_native_bf16", lambda: False)  # oneDNN emulating bf16: every pattern
+    assert workspace_bytes(mm, (g.t(), x), cpu) == 4 * 32 * 16
+    assert workspace_bytes(torch.ops.aten.addmm.default, (bias, x, w.t()), cpu) == 4 * 64 * 32
+    assert workspace_bytes(mm, (g, w), cpu) == 4 * 64 * 16
+    assert workspace_bytes(mm, (g32.t(), x32), cpu) == 0
+
+
+@pytest.mark.parametrize("cap,flags,native", [
+    ("", "avx2 avx512f avx512_bf16 amx_bf16", True), ("AVX512_CORE", "avx512f avx512_bf16", False),
+    ("avx512_core_bf16", "avx512f avx512_bf16", True), ("AVX512_CORE_AMX", "avx512f avx512_bf16 amx_bf16", True),
+    ("", "avx2 avx512f avx512bw", False), ("AVX2", "avx512f avx512_bf16", False), ("", "avx2", False)])
+def test_native_bf16_follows_the_cpu_and_onednn_cap(monkeypatch, cap, flags, native):
+    """torch's check is true where oneDNN only emulates bf16 (a cap at AVX512_CORE, AVX-512 without bf16); the
+    native answer needs the CPU's bf16 instructions and a cap, where set, that keeps them."""
+    from ampkit.precision import device
+    monkeypatch.setattr(device, "_cpuinfo", lambda field: flags if field == "flags" else "")
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert device.onednn_native_bf16() is native
 
 
 def test_gloo_copies_in_reduce_scatter_and_all_gather_on_cpu_only():
