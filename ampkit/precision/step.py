@@ -211,11 +211,11 @@ class NonFiniteGuard:
 
     # ------------------------------------------------------------------ the check (2 ops)
     def check_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        """1.0 when the gradient norm (computed for clipping anyway) is inf/NaN, else 0.0: ``norm * 0`` is NaN
-        exactly then."""
-        if type(norm) is not torch.Tensor:  # a DTensor norm (FSDP2)
+        """1.0 when the gradient norm (computed for clipping anyway) is inf/NaN, else 0.0: ``norm - norm`` is NaN
+        exactly then (not ``norm * 0``: inductor folds a product with 0 to 0, and a compiled step never skipped)."""
+        if type(norm) is not torch.Tensor or torch.compiler.is_compiling():  # a DTensor norm (FSDP2); compiled
             return self._reduced(nonfinite_from_norm(norm, norm.device))
-        return self._reduced(torch.mul(norm, 0).nan_to_num_(nan=1.0).float())
+        return self._reduced(torch.sub(norm, norm).nan_to_num_(nan=1.0).float())
 
     def check_grads(self, grads: List[torch.Tensor]) -> torch.Tensor:
         """1.0 when any gradient holds inf/NaN, else 0.0: torch's multi-tensor check (the one GradScaler runs),

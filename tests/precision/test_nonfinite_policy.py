@@ -76,3 +76,16 @@ def test_nonfinite_is_checked_in_one_line():
     with pytest.raises(ValueError, match=r"^precision='fp16-mixed' scales the loss.*drop nonfinite='stop'"):
         ampkit.Precision("fp16-mixed", "cpu", nonfinite="stop")
     assert isinstance(ampkit.Precision("fp16-mixed", "cpu").scaler, LossScaler)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_the_norm_check_flags_inf_and_nan_compiled_too(compiled):
+    """The clip norm doubles as the non-finite check, eager and inside an inductor-compiled step: inductor folds
+    ``norm * 0`` to 0, so a check written that way never skipped a compiled step (a bf16-pure step compiled by
+    inductor applied an inf step: its count was 5 where eager's was 4)."""
+    from ampkit.precision.step import NonFiniteGuard
+
+    guard = NonFiniteGuard("skip", distributed=False)
+    check = torch.compile(guard.check_norm, backend="inductor", fullgraph=True) if compiled else guard.check_norm
+    got = [check(torch.tensor(v)).item() for v in (float("inf"), float("nan"), -float("inf"), 3.5, 0.0)]
+    assert got == [1.0, 1.0, 1.0, 0.0, 0.0]
