@@ -100,13 +100,15 @@ def _ampkit_step_ops(mode, clip):
 
 @pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("mode", ["fp32", "bf16-mixed", "bf16-master", "fp16-mixed"])
-def test_a_training_step_costs_at_most_4_ops_over_the_plain_loop(mode, clip):
-    """Skipping and counting a non-finite step needs the check (2 ops: the clipping norm's ``* 0`` and
-    ``nan_to_num_``, or a zero flag and torch's multi-tensor check), the fused kernel's step-count rollback (1) and
-    the count (1). fp16-mixed is compared with autocast + ``torch.amp.GradScaler``. Measured before the light core:
-    +12 (no clip) / +14 (clip) in fp32, bf16-mixed and bf16-master; now +4 / +4."""
+def test_a_training_step_costs_at_most_5_ops_over_the_plain_loop(mode, clip):
+    """Skipping and counting a non-finite step needs the check (with clipping 2 ops: ``norm - norm`` and
+    ``nan_to_num_``; without, 3: a zero flag, the gradients' norms, torch's multi-tensor check over the norms), the
+    fused kernel's step-count rollback (1) and the count (1). fp16-mixed is compared with autocast +
+    ``torch.amp.GradScaler``. Measured before the light core: +12 (no clip) / +14 (clip) in fp32, bf16-mixed and
+    bf16-master; then +4 / +4 with the multi-tensor check over the gradients themselves, which writes every
+    gradient back and ran ~10x slower than their norms on a CPU: +5 / +4 now, one gradient read fewer."""
     extra = _ampkit_step_ops(mode, clip) - _plain_step_ops(mode, clip)
-    assert extra <= 4, (mode, clip, extra)
+    assert extra <= (4 if clip or mode == "fp16-mixed" else 5), (mode, clip, extra)
 
 
 def test_a_bf16_master_step_is_a_few_calls_in_a_few_files():
