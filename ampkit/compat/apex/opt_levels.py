@@ -55,6 +55,11 @@ class AmpProperties:
         return f"{low}-master" if self.master_weights else f"{low}-pure"
 
     @property
+    def masters(self) -> bool:
+        """A ``*-master`` mode: the model's parameters stay fp32 (the master weights), computed as 16-bit copies."""
+        return self.mode.endswith("-master")
+
+    @property
     def dynamic(self) -> bool:
         return self.loss_scale == "dynamic"
 
