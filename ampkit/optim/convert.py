@@ -14,7 +14,6 @@ from typing import Any, Dict, Optional, Type
 
 import torch
 
-from .master import MasterWeightOptimizer
 from .adamw import Adam, AdamW
 from .base import NOISE_KEY, RNG_KEY, CompensatedOptimizer, check_compensation, check_same_compensation
 from .sgd import SGD
@@ -63,12 +62,6 @@ def compensated_from(optimizer: torch.optim.Optimizer, compensation: Optional[st
             for group in optimizer.param_groups:
                 group["compensation"] = compensation
         return optimizer
-    if isinstance(optimizer, MasterWeightOptimizer):
-        raise TypeError(
-            "precision='bf16-pure' keeps no fp32 master weights, but the optimizer is a "
-            "MasterWeightOptimizer: pass the plain optimizer built over model.parameters() "
-            "(or use precision='bf16-master')."
-        )
     cls = _CONVERSIONS.get(type(optimizer))
     if cls is None:
         raise TypeError(
