@@ -74,7 +74,7 @@ OPT_LEVELS = {
 _LEVEL_BRIEF = {
     "O0": "pure fp32",
     "O1": "autocast (fp32 weights, 16-bit compute where safe)",
-    "O2": "16-bit model with fp32 norms and fp32 master weights",
+    "O2": "fp32 master weights computed as 16-bit copies, norms fp32",
     "O3": "pure 16-bit model",
 }
 
