@@ -9,7 +9,7 @@ import torch
 
 from .state import _AmpState
 
-__all__ = ["_Stash", "_GradView", "_guard_plain_step"]
+__all__ = ["_Stash", "_GradView", "_skip_after_overflow"]
 
 
 class _Stash:
@@ -60,7 +60,7 @@ class _Stash:
         return True
 
 
-def _guard_plain_step(optimizer, stash: _Stash) -> None:
+def _skip_after_overflow(optimizer, stash: _Stash) -> None:
     """Make ``optimizer.step()`` a no-op after an overflow (apex patched ``step`` the same way).
 
     Installed as a bound method so LR schedulers created later can still wrap it.

@@ -11,7 +11,7 @@ from ....precision.scaling.loss_scaler import LossScaler
 from ..fp16_utils import FP16_Optimizer
 from ..opt_levels import describe, resolve_properties
 from .hooks import _AutocastForward, _CastOutput
-from .optimizers import _GradView, _guard_plain_step, _Stash
+from .optimizers import _GradView, _skip_after_overflow, _Stash
 from .state import _AmpState, _LossScalerView
 
 __all__ = ["initialize"]
@@ -117,7 +117,7 @@ def initialize(
                           cast_outputs=cast_model_outputs is None)
     for opt in opt_list:
         opt._amp_stash = _Stash(opt, state)
-        _guard_plain_step(opt, opt._amp_stash)
+        _skip_after_overflow(opt, opt._amp_stash)
 
     for model in model_list:
         precision.setup(model, None)
