@@ -1,7 +1,7 @@
 """`state_bytes`: bytes of training state per parameter, measured from the tensors that hold it.
 
-Training state = everything kept between steps except activations: weights, gradients,
-optimizer state (moments, momentum, step counters), fp32 master weights, compensation buffers.
+Training state = everything kept between steps except activations: weights (the fp32 masters in the
+master modes), gradients, optimizer state (moments, momentum, step counters), compensation buffers.
 ``ampkit bench`` reports it per mode; for AdamW: fp32 16 B/param, bf16-master 18,
 bf16-pure + Kahan 10, bf16-pure + stochastic rounding 8.
 """
@@ -14,7 +14,7 @@ from torch import nn
 
 __all__ = ["state_bytes", "CATEGORIES"]
 
-CATEGORIES = ("params", "grads", "optimizer_state", "masters", "compensation")
+CATEGORIES = ("params", "grads", "optimizer_state", "compensation")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -38,9 +38,6 @@ def state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
       backward will give it, the size and dtype of its parameter.
     * ``optimizer_state``: every tensor in ``optimizer.state`` except compensation buffers
       (moments, momentum buffers, 0-d step counters). Lazily created: measure after a step.
-    * ``masters``: fp32 master weights held beside the model's parameters: 0 in every ampkit mode (the
-      master modes' masters are the model's fp32 parameters, counted in ``params``); kept for the report's
-      columns.
     * ``compensation``: Kahan buffers of the compensated optimizers (state key ``compensation``).
 
     Returns a dict with those keys and ``total`` (bytes), ``num_params`` (elements of the model's
