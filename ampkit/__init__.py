@@ -9,7 +9,6 @@ install_cli_handler()  # the `ampkit` command: a Ctrl-C inside any start-up impo
 try:  # torch imports here (seconds): Ctrl-C meanwhile, as the `ampkit` command, is one line and exit 130
     from .precision import (
         LossScaler,
-        MasterWeightOptimizer,
         NonFiniteGradientsError,
         Precision,
         convert_model,
@@ -39,7 +38,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "LossScaler", "MasterWeightOptimizer", "NonFiniteGradientsError", "Precision",
+    "LossScaler", "NonFiniteGradientsError", "Precision",
     "convert_model", "global_policy", "set_global_policy", "__version__", *_LAZY,
 ]
 

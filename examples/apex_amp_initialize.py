@@ -2,7 +2,7 @@
 
 Only the import changed: ``from apex import amp`` -> ``from ampkit.compat.apex import amp``.
 ``--opt_level`` takes apex's levels: O0 fp32; O1 autocast (fp32 weights) + dynamic loss scale;
-O2 16-bit model with fp32 norms and fp32 master weights + dynamic loss scale; O3 pure 16-bit.
+O2 16-bit compute with the fp32 weights as master weights (norms fp32) + dynamic loss scale; O3 pure 16-bit.
 
 apex needed CUDA; this runs on CPU too. On CPU the 16-bit dtype defaults to bfloat16
 (``dtype=torch.bfloat16``, an ampkit extension; bf16 needs no loss scaling so the scale is a

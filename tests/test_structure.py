@@ -147,8 +147,8 @@ def test_the_cycle_finder_sees_a_module_level_circle(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- mode branches (issue 24)
 # Outside ampkit/precision and ampkit/optim nobody decides for a precision kind: no code builds a
-# MasterWeightOptimizer itself, or branches on a mode row's ``master_weights`` / ``compensated``; they
-# ask the kind (``Precision.master_optimizer``, ``wrap_optimizer``, ``keeps_fp32_masters``...).
+# MasterWeightOptimizer or branches on a mode row's ``master_weights`` /
+# ``compensated``; they ask the kind (``wrap_optimizer``, ``param_dtype``...).
 OWNERS = ("precision", "optim")
 _MODE_FLAGS = ("master_weights", "compensated")
 

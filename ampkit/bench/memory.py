@@ -2,10 +2,9 @@
 
 Peak RSS of a CPU process includes torch's own libraries and allocator slack, so the bench
 also reports the bytes that the precision mode decides: parameters + gradients + optimizer
-state (+ fp32 masters, Kahan buffers), read off the actual tensors after training. Gradients are counted
-as they are held at the optimizer step: on the tensors the optimizer updates (fp32 master
-grads in master-weight modes, where the 16-bit model grads are dropped), with the dtype of
-those tensors.
+state (+ Kahan buffers), read off the actual tensors after training (the master modes' fp32 masters are
+their parameters). Gradients are counted as they are held at the optimizer step, on the tensors the
+optimizer updates, with the dtype of those tensors.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ __all__ = ["state_bytes", "peak_rss_mb", "planned_peak"]
 
 
 def state_bytes(model: nn.Module, optimizer) -> Dict[str, int]:
-    """{"params", "grads", "optimizer", "masters", "compensation", "total"} in bytes.
+    """{"params", "grads", "optimizer", "compensation", "total"} in bytes.
 
     One definition for the whole library: :func:`ampkit.optim.state_bytes`, with its keys
     named as the bench table names them.
@@ -28,7 +27,7 @@ def state_bytes(model: nn.Module, optimizer) -> Dict[str, int]:
     from ..optim import state_bytes as measured
 
     sb = measured(model, optimizer)
-    out = {k: int(sb[k]) for k in ("params", "grads", "masters", "compensation", "total")}
+    out = {k: int(sb[k]) for k in ("params", "grads", "compensation", "total")}
     out["optimizer"] = int(sb["optimizer_state"])
     return out
 

@@ -6,7 +6,7 @@ the live tensors instead of the allocator's free lists. It first runs the same s
 the model (so libraries, kernels and thread pools are loaded), then records the resident size, resets
 the kernel's peak counter (``/proc/self/clear_refs``, value 5) and runs ``steps`` steps of the real
 model, built after the reset. ``(VmHWM - resident before) / parameters`` is what the mode costs at its
-peak: weights, grads, optimizer state, masters, compensation, activations and every temporary.
+peak: weights, grads, optimizer state, compensation, activations and every temporary.
 
 Configurations: ``torch-fp32`` and ``torch-bf16`` (plain loops: fused ``torch.optim.AdamW`` over fp32 or
 bf16 parameters) as references, and any ampkit mode, optionally with ``:<optimizer_state>``

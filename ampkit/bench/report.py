@@ -266,12 +266,12 @@ def markdown(device: Dict, results: List[Dict], settings: Dict, notes: List[str]
     mem = [r for r in results if r.get("state_bytes")]
     if mem:
         lines += ["", "## Training state (bytes per parameter, from the tensors)", "",
-                  "| model | precision | runner | params | grads | optimizer | masters | compensation | total | peak MB "
+                  "| model | precision | runner | params | grads | optimizer | compensation | total | peak MB "
                   "| base RSS MB | peak above base MB | planned MB | plan error |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in mem:
             sb, n = r["state_bytes"], max(1, r["n_params"])
-            cells = " | ".join(f"{sb.get(k, 0) / n:.1f}" for k in ("params", "grads", "optimizer", "masters", "compensation", "total"))
+            cells = " | ".join(f"{sb.get(k, 0) / n:.1f}" for k in ("params", "grads", "optimizer", "compensation", "total"))
             above = measured_step_peak_mb(r)
             err = (r["planned_peak_mb"] - above) / above if above and r.get("planned_peak_mb") is not None else None
             lines.append(f"| {r['model']} | {r['precision']} | {r['runner']} | {cells} | {r['peak_mem_mb']:.0f} "

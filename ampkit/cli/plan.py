@@ -13,7 +13,7 @@ from typing import List
 
 from . import UsageError
 
-_LABELS = {"weights": "weights", "grads": "gradients", "master_weights": "fp32 masters",
+_LABELS = {"weights": "weights", "grads": "gradients",
            "compute_copies": "16-bit compute copies",
            "optimizer_state": "optimizer state", "compensation": "Kahan buffers",
            "unsharded": "all-gathered params", "activations": "activations", "temporaries": "temporaries",

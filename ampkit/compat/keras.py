@@ -41,7 +41,6 @@ import torch
 from .. import precision as core
 from ..precision import Precision
 from ..precision.auto import canonical
-from ..precision.kinds import precision_class
 from ..precision.modes import MODES, resolve, valid_names
 
 __all__ = ["Policy", "DTypePolicy", "set_global_policy", "global_policy", "set_dtype_policy", "dtype_policy",
@@ -92,8 +91,8 @@ class Policy:
 
     @property
     def torch_variable_dtype(self) -> torch.dtype:
-        """Where the trained weights live: fp32 in the master modes (the masters), else the param dtype."""
-        return torch.float32 if precision_class(self.mode).keeps_fp32_masters else MODES[self.mode].param_dtype
+        """Where the trained weights live: the param dtype (fp32 in the master modes: the masters)."""
+        return MODES[self.mode].param_dtype
 
     @property
     def compute_dtype(self) -> str:

@@ -189,7 +189,7 @@ def _has_adapters(model: Any) -> bool:
 
 def _keeps_fp32_weights(precision: Precision) -> bool:
     """Whether the mode's true weights are fp32 (fp32, autocast, master and fp8 modes; not the pure modes)."""
-    return precision.param_dtype == torch.float32 or precision.keeps_fp32_masters
+    return precision.param_dtype == torch.float32
 
 
 class AmpkitTrainerMixin:

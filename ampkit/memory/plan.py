@@ -20,7 +20,7 @@ from .trace import StepTracer
 __all__ = ["MemoryPlan", "BatchChoice", "plan", "auto_batch_size", "ORDER"]
 
 #: breakdown keys in the order tables print them
-ORDER = ("weights", "grads", "master_weights", "compute_copies", "optimizer_state", "compensation", "unsharded",
+ORDER = ("weights", "grads", "compute_copies", "optimizer_state", "compensation", "unsharded",
          "activations", "temporaries", "workspace", "fp8_casts", "comm_buffers", "ddp_buckets", "inputs", "other")
 
 DEFAULT_MARGIN = 0.1
@@ -50,7 +50,7 @@ class MemoryPlan:
     """Peak bytes of one training step of ``model`` on ``batch`` in ``mode``, and where they go.
 
     ``breakdown`` maps categories (``ORDER``) to the bytes live at the peak; they sum to ``peak_bytes``.
-    ``at_rest_bytes`` is what stays between steps (weights, masters, optimizer state).
+    ``at_rest_bytes`` is what stays between steps (weights, optimizer state, Kahan buffers).
     With a ``strategy`` the plan is one rank's of ``world_size``: ``batch_size`` per rank, ``weights``,
     ``grads`` and ``optimizer_state`` this rank's shards under FSDP, ``unsharded`` the parameters FSDP
     all-gathered for the blocks computing at the peak, ``comm_buffers`` the all-gather and reduce-scatter

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ..utils.loss import default_loss
-from ..optim.master import MasterWeightOptimizer
 from ..precision import Precision
 from ..precision.convert import ComputeCopies
 from ..utils.batch import batch_size_of, batch_target, call_model
@@ -352,9 +351,6 @@ def _tag_state(live: LiveBytes, model: nn.Module, opt) -> None:
     model's params are ``weights`` (in the master modes the fp32 masters themselves)."""
     live.track_all(model.parameters(), "weights")
     live.track_all(model.buffers(), "weights")
-    if isinstance(opt, MasterWeightOptimizer):
-        live.track_all(opt.master_params, "master_weights")
-        live.track_all((m.grad for m in opt.master_params if m.grad is not None), "grads")
     live.track_all((p.grad for p in model.parameters() if p.grad is not None), "grads")
     for per_param in (getattr(opt, "state", None) or {}).values():
         if isinstance(per_param, dict):

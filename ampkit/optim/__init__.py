@@ -1,7 +1,5 @@
-"""Optimizers for 16-bit weights: fp32 master weights, or updates that survive 16-bit weights without them.
-
-* :class:`MasterWeightOptimizer`: fp32 master copies around any torch optimizer over a 16-bit model (apex's
-  O2 and ``FP16_Optimizer``; the ``*-master`` modes keep the masters as the model's parameters).
+"""Optimizers for 16-bit weights: updates that survive 16-bit weights without fp32 masters (the ``*-master``
+modes need no optimizer of their own: the model's fp32 parameters are the masters, any torch optimizer steps them).
 
 * :class:`AdamW`, :class:`Adam`, :class:`SGD`: torch's update rules (foreach), with
   ``compensation="kahan"`` (a 16-bit buffer per param, default), ``"stochastic"`` (stochastic
@@ -20,7 +18,6 @@ See docs/BF16_PURE.md for the why and the numbers.
 from .adamw import Adam, AdamW
 from .base import COMPENSATIONS, CompensatedOptimizer
 from .convert import SUPPORTED, compensated_from
-from .master import MasterWeightOptimizer
 from .memory import state_bytes
 from .noise import RoundingNoise
 from .rounding import kahan_add_, stochastic_round, stochastic_round_
@@ -29,6 +26,6 @@ from .state import STATE_PRECISIONS, with_state_precision
 
 __all__ = [
     "AdamW", "Adam", "SGD", "CompensatedOptimizer", "COMPENSATIONS", "SUPPORTED",
-    "MasterWeightOptimizer", "compensated_from", "state_bytes", "stochastic_round", "stochastic_round_", "kahan_add_",
+    "compensated_from", "state_bytes", "stochastic_round", "stochastic_round_", "kahan_add_",
     "RoundingNoise", "STATE_PRECISIONS", "with_state_precision",
 ]

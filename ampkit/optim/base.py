@@ -18,10 +18,7 @@ the same way).
 
 Stochastic rounding's bits come from a :class:`~ampkit.optim.noise.RoundingNoise` per device: a hash of
 the seed and a counter on the device, so the step traces under torch.compile and compiled equals eager.
-``state_dict()`` saves the seed and the counters (first param group, :data:`NOISE_KEY`); a checkpoint
-of an older ampkit holds ``torch.Generator`` states instead (:data:`RNG_KEY`), which no counter can
-continue: it loads, and the stream starts at position 0 of the optimizer's seed (the run stays
-deterministic from there, its rounding noise differs from what the older version would have drawn).
+``state_dict()`` saves the seed and the counters (first param group, :data:`NOISE_KEY`).
 """
 from __future__ import annotations
 
@@ -36,7 +33,7 @@ from .batches import _Undo, pieces
 from .noise import RoundingNoise
 from .target import _Target
 
-__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "NOISE_KEY", "RNG_KEY"]
+__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "NOISE_KEY"]
 
 COMPENSATIONS = ("kahan", "stochastic", None)
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
@@ -44,8 +41,6 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 #: the ``state_dict()`` param-group key holding the stochastic-rounding noise: seed and counters
 NOISE_KEY = "rounding_noise"
-#: where older versions saved their ``torch.Generator`` states (read, and dropped, on load)
-RNG_KEY = "rng_states"
 #: elements per foreach batch on a CPU (the step's fp32 temporaries: 36 B per element at most, 4.5 MiB; a
 #: fixed size keeps an embedding-heavy model's peak near its state's, where activations are small)
 CPU_BATCH = 1 << 17
@@ -399,7 +394,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     def load_noise_state(self, saved: Optional[Dict[str, Any]]) -> None:
         """Restore the seed and counters from ``state_dict()``'s :data:`NOISE_KEY` entry (None: keep
-        this optimizer's own; an older checkpoint's generator states cannot be continued, see module doc)."""
+        this optimizer's own)."""
         if not saved:
             return
         self._noise_seed = int(saved["seed"]) % (1 << 64)
@@ -421,11 +416,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         for saved, group in zip(state_dict.get("param_groups", []), self.param_groups):
             if "compensation" in saved:
                 check_same_compensation(saved["compensation"], group["compensation"])
-        state_dict.pop(RNG_KEY, None)  # generator states, where the oldest versions saved them: not continued
         noise = None
         groups = [dict(g) for g in state_dict.get("param_groups", [])]
         for g in groups:
-            g.pop(RNG_KEY, None)
             noise = g.pop(NOISE_KEY, None) or noise
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)

@@ -14,9 +14,8 @@ from typing import Any, Dict, Optional, Type
 
 import torch
 
-from .master import MasterWeightOptimizer
 from .adamw import Adam, AdamW
-from .base import NOISE_KEY, RNG_KEY, CompensatedOptimizer, check_compensation, check_same_compensation
+from .base import NOISE_KEY, CompensatedOptimizer, check_compensation, check_same_compensation
 from .sgd import SGD
 
 __all__ = ["compensated_from", "SUPPORTED"]
@@ -63,12 +62,6 @@ def compensated_from(optimizer: torch.optim.Optimizer, compensation: Optional[st
             for group in optimizer.param_groups:
                 group["compensation"] = compensation
         return optimizer
-    if isinstance(optimizer, MasterWeightOptimizer):
-        raise TypeError(
-            "precision='bf16-pure' keeps no fp32 master weights, but the optimizer is a "
-            "MasterWeightOptimizer: pass the plain optimizer built over model.parameters() "
-            "(or use precision='bf16-master')."
-        )
     cls = _CONVERSIONS.get(type(optimizer))
     if cls is None:
         raise TypeError(
@@ -91,13 +84,11 @@ def compensated_from(optimizer: torch.optim.Optimizer, compensation: Optional[st
 
     compensation = "kahan" if compensation is _UNSET else compensation
     # a state loaded before setup (nanoGPT's resume order) carries the saved groups' keys: the compensation
-    # must match (as CompensatedOptimizer.load_state_dict checks) and the noise is restored below (an older
-    # version's generator states are dropped: see CompensatedOptimizer)
+    # must match (as CompensatedOptimizer.load_state_dict checks) and the noise is restored below
     noise = None
     for group in optimizer.param_groups:
         if optimizer.state and "compensation" in group:
             check_same_compensation(group["compensation"], compensation)
-        group.pop(RNG_KEY, None)
         noise = group.pop(NOISE_KEY, None) or noise
     defaults = {k: optimizer.defaults[k] for k in _HYPER[cls] if k in optimizer.defaults}
     new = cls(optimizer.param_groups, **defaults, compensation=compensation, state_dtype=state_dtype)

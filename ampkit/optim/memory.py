@@ -1,7 +1,7 @@
 """`state_bytes`: bytes of training state per parameter, measured from the tensors that hold it.
 
-Training state = everything kept between steps except activations: weights, gradients,
-optimizer state (moments, momentum, step counters), fp32 master weights, compensation buffers.
+Training state = everything kept between steps except activations: weights (the fp32 masters in the
+master modes), gradients, optimizer state (moments, momentum, step counters), compensation buffers.
 ``ampkit bench`` reports it per mode; for AdamW: fp32 16 B/param, bf16-master 18,
 bf16-pure + Kahan 10, bf16-pure + stochastic rounding 8.
 """
@@ -12,11 +12,9 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from .master import MasterWeightOptimizer
-
 __all__ = ["state_bytes", "CATEGORIES"]
 
-CATEGORIES = ("params", "grads", "optimizer_state", "masters", "compensation")
+CATEGORIES = ("params", "grads", "optimizer_state", "compensation")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -35,14 +33,11 @@ def state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     """Bytes of training state by category, and per model parameter.
 
     * ``params``: the model's parameters.
-    * ``grads``: the gradients the optimizer step reads: the model params' (requires_grad), or,
-      under a :class:`MasterWeightOptimizer`, the fp32 master grads (the 16-bit model grads are
-      moved into those before the step and dropped). A gradient that is None at the time of the
-      call (after ``zero_grad(set_to_none=True)``) counts at the size backward will give it,
-      the size and dtype of its parameter.
+    * ``grads``: the gradients the optimizer step reads, the model params' (requires_grad). A gradient
+      that is None at the time of the call (after ``zero_grad(set_to_none=True)``) counts at the size
+      backward will give it, the size and dtype of its parameter.
     * ``optimizer_state``: every tensor in ``optimizer.state`` except compensation buffers
       (moments, momentum buffers, 0-d step counters). Lazily created: measure after a step.
-    * ``masters``: fp32 master weights (``MasterWeightOptimizer.master_params``).
     * ``compensation``: Kahan buffers of the compensated optimizers (state key ``compensation``).
 
     Returns a dict with those keys and ``total`` (bytes), ``num_params`` (elements of the model's
@@ -54,11 +49,7 @@ def state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     out = {k: 0 for k in CATEGORIES}
     out["params"] = sum(_nbytes(p) for p in params)
 
-    masters = isinstance(optimizer, MasterWeightOptimizer)
-    grad_owners = optimizer.master_params if masters else [p for p in params if p.requires_grad]
-    out["grads"] = sum(_nbytes(t.grad if t.grad is not None else t) for t in _unique(grad_owners))
-    if masters:
-        out["masters"] = sum(_nbytes(m) for m in _unique(optimizer.master_params))
+    out["grads"] = sum(_nbytes(p.grad if p.grad is not None else p) for p in params if p.requires_grad)
 
     state = getattr(optimizer, "state", None) or {}
     seen = set()

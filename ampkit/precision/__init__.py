@@ -1,11 +1,10 @@
-"""Precision core: mode table, loss scaler, fp32 master weights, model conversion, policies."""
+"""Precision core: mode table, loss scaler, model conversion (fp32 master weights as the model's own), policies."""
 from .compiled import compile_model, compile_step, repeated_blocks, takes_tensor_lr, tensor_lr_
 from .convert import cast_floating, convert_model, is_norm
 from .auto import auto_mode
 from .capability import capability, device_info
 from .device import resolve_device
 from .islands import apply_fp32_islands
-from ..optim.master import MasterWeightOptimizer
 from .modes import ALIASES, MODES, Mode, resolve, valid_names
 from .options import Fp8Config, ModelOptions, OptimizerOptions, PrecisionOptions, ScalerOptions
 from .choice import global_policy, set_global_policy
@@ -19,7 +18,7 @@ from .tuned import Tuned
 __all__ = [
     "ALIASES", "MODES", "Mode", "resolve", "valid_names",
     "LossScaler", "NonFiniteGradientsError", "parse_loss_scale",
-    "MasterWeightOptimizer", "convert_model", "cast_floating", "is_norm", "apply_fp32_islands",
+    "convert_model", "cast_floating", "is_norm", "apply_fp32_islands",
     "Precision", "PrecisionOptions", "ScalerOptions", "ModelOptions", "OptimizerOptions", "Fp8Config",
     "Fp32Precision", "AutocastPrecision", "MasterPrecision", "PurePrecision",
     "Fp8Precision", "precision_class", "Tuned", "set_global_policy", "global_policy",

@@ -17,7 +17,7 @@ at that call, bf16-pure's step has that one break, and ``fullgraph=True`` is ref
 A Python-float learning rate is a constant in the graph: every new value an LR scheduler sets compiles
 a new graph (pytorch#130467). :func:`tensor_lr_` turns each group's lr into a 0-d tensor (torch's
 schedulers then ``fill_`` it) for the optimizers that take one: torch's Adam/AdamW (fused or
-capturable), fused SGD, ``ampkit.optim`` and ``MasterWeightOptimizer`` over any of these.
+capturable), fused SGD and ``ampkit.optim``.
 
     step = ampkit.precision.compile_step(precision, optimizer)    # tensor LRs + torch.compile
     ...
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..optim import CompensatedOptimizer, MasterWeightOptimizer
+from ..optim import CompensatedOptimizer
 from .clients import install_skip_flags
 from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 
@@ -39,9 +39,7 @@ __all__ = ["tensor_lr_", "takes_tensor_lr", "compile_step", "compile_model", "re
 
 def takes_tensor_lr(optimizer: Any) -> bool:
     """Whether ``optimizer`` runs with a tensor lr: ``ampkit.optim``, torch's Adam/AdamW with
-    ``fused``/``capturable``, torch's fused SGD, or a ``MasterWeightOptimizer`` over one of these."""
-    if isinstance(optimizer, MasterWeightOptimizer):
-        return takes_tensor_lr(optimizer.optimizer)
+    ``fused``/``capturable`` or torch's fused SGD."""
     if isinstance(optimizer, CompensatedOptimizer):
         return True
     groups = getattr(optimizer, "param_groups", None) or []

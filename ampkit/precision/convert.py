@@ -197,7 +197,7 @@ class ComputeCopies:
                 shadow[key] = b.to(self._dtype(key))
 
     def _dtype(self, key: str) -> torch.dtype:
-        return torch.float32 if key in getattr(self, "wide", ()) else self.dtype
+        return torch.float32 if key in self.wide else self.dtype
 
 
 class DropComputeCopies:
@@ -245,9 +245,8 @@ class CastOutput:
 
 def gated_off(hook: Any) -> bool:
     """The one gating rule of every cast hook (module docstring): a hook with a ``gate`` (a device type) casts
-    only while autocast is on for that device (a model pickled before hooks had a gate casts always)."""
-    gate = getattr(hook, "gate", None)
-    return gate is not None and not torch.is_autocast_enabled(gate)
+    only while autocast is on for that device."""
+    return hook.gate is not None and not torch.is_autocast_enabled(hook.gate)
 
 
 def hook_io(model: nn.Module, dtype: torch.dtype, cast_outputs: bool = True, gate: Optional[str] = None) -> nn.Module:

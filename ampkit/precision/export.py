@@ -1,10 +1,9 @@
 """``Precision.fp32_state_dict``: a model's full-precision weights, keyed like ``model.state_dict()``.
 
-In fp32, the mixed, master and fp8 modes the model's own parameters are the fp32 weights: they are returned as
-they are. A 16-bit model holds a rounding of what was trained; the better weights live elsewhere:
+In fp32, the mixed, master and fp8 modes the model's own parameters are the fp32 weights (the master modes'
+are the masters): they are returned as they are. A 16-bit model holds a rounding of what was trained; the
+better weights live elsewhere:
 
-* a 16-bit model under a ``MasterWeightOptimizer`` (apex's layout): its fp32 masters (exactly what the
-  optimizer stepped);
 * bf16-pure with Kahan compensation: the bf16 weight plus its compensation buffer, summed in fp32 (the
   buffer holds the part of past updates the bf16 weight could not take yet, so the sum is the better
   estimate of the trained value); stochastic rounding and plain rounding keep no such state: the bf16
@@ -27,9 +26,8 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..optim.master import MasterWeightOptimizer
 
-__all__ = ["fp32_state_dict", "master_weights", "kahan_folded", "has_kahan", "fp8_recipe_keys", "plain_module", "Fp32View"]
+__all__ = ["fp32_state_dict", "kahan_folded", "has_kahan", "fp8_recipe_keys", "plain_module", "Fp32View"]
 
 
 def _narrow(t: torch.Tensor) -> bool:
@@ -66,13 +64,6 @@ def fp32_state_dict(model: nn.Module, exact: Optional[Dict[int, Any]] = None, sk
                 made[id(t)] = v
             out[key] = v
     return out
-
-
-def master_weights(optimizer: Any) -> Dict[int, torch.Tensor]:
-    """id(model param) -> its fp32 master (an alias) under a ``MasterWeightOptimizer``; {} otherwise."""
-    if not isinstance(optimizer, MasterWeightOptimizer):
-        return {}
-    return {id(p): m.detach() for p, m in zip(optimizer.model_params, optimizer.master_params)}
 
 
 def kahan_folded(optimizer: Any) -> Dict[int, Any]:

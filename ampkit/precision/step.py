@@ -50,9 +50,6 @@ def run_step(precision: Any, optimizer: Any, max_norm: Optional[float], norm_typ
         raise ValueError(f"Precision.step(max_norm={max_norm!r}): max_norm must be > 0, or None for no clipping; "
                          "nothing was stepped.")
     precision.check_step_optimizer(optimizer)
-    sync = getattr(optimizer, "sync_grads", None)  # apex's layout: the fp32 master grads from the model's
-    if sync is not None:
-        sync()
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     grads = [p.grad for p in params]
     compiling = torch.compiler.is_compiling()
@@ -266,10 +263,6 @@ class NonFiniteGuard:
     # ------------------------------------------------------------------ telemetry (LossScaler's names)
     def register_names(self, model: torch.nn.Module) -> "NonFiniteGuard":
         self.counters.names.update({id(p): n for n, p in model.named_parameters()})
-        return self
-
-    def register_aliases(self, names: Dict[int, str]) -> "NonFiniteGuard":
-        self.counters.names.update(names)
         return self
 
     skipped_steps = property(lambda self: self.counters.skipped)

@@ -3,7 +3,7 @@
 Format (``FORMAT``/``VERSION`` below; documented in docs/CHECKPOINTS.md)::
 
     {"format": "ampkit-checkpoint", "version": 1,
-     "model": state_dict, "optimizer": state_dict (fp32 masters included), "precision": {...},
+     "model": state_dict, "optimizer": state_dict, "precision": {...},
      "scheduler": state_dict | None,
      "progress": {"epoch", "batch", "global_step", "attempted_steps"},
      "rng": {"torch": ByteTensor, "numpy": {...}, "python": [...]},

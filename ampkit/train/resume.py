@@ -258,8 +258,6 @@ def _same_file(key: str, a: Any, b: Any) -> bool:
 def check_model_signature(ck: Dict[str, Any], mine: list, path: str) -> None:
     """The checkpoint's tensors (names, shapes, dtypes) are this model's."""
     theirs = ck.get("model_signature")
-    if theirs is not None and _master_layout_of_before(ck, theirs, mine):
-        return  # its masters are in the optimizer state: loading it puts them into the model's fp32 params
     if (theirs is not None and [list(x) for x in theirs] != mine
             and [list(x)[:2] for x in theirs] == [x[:2] for x in mine]):  # same tensors, other dtypes: the precision
         was = (ck.get("precision") or {}).get("name") or (ck.get("config") or {}).get("precision") or "another precision"
@@ -289,17 +287,6 @@ def _check_fp8_layout(theirs: list, mine: list, path: str) -> None:
         f"checkpoint {path!r} holds {where}: this run's fp8 filter converts other layers than the checkpoint's run. "
         "Resume with that run's --fp8-filter (auto, the default, converts only layers the roofline says gain; ends "
         "every layer whose dims fit but the first and last; all), or start a new run in another --out.")
-
-
-def _master_layout_of_before(ck: Dict[str, Any], theirs: list, mine: list) -> bool:
-    """A master mode's checkpoint from when the model held the 16-bit roundings (the fp32 masters in the
-    optimizer state, ``"master_weight"``): same tensors, the differing ones 16-bit there and fp32 here."""
-    was = (ck.get("precision") or {}).get("name")
-    if was not in ("bf16-master", "fp16-master") or [list(x)[:2] for x in theirs] != [x[:2] for x in mine]:
-        return False
-    state = (ck.get("optimizer") or {}).get("state") or {}
-    return bool(state) and all("master_weight" in s for s in state.values()) and all(
-        a[2] == b[2] or (a[2] in ("bfloat16", "float16") and b[2] == "float32") for a, b in zip(theirs, mine))
 
 
 def check_checkpoint(ck: Dict[str, Any], path: str, cfg: TrainConfig, world_size: int, signature: list,

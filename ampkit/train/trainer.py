@@ -10,7 +10,7 @@ backward, step) and nothing else.
 
 Exact resume: the data order of each epoch comes from a generator seeded with (seed, epoch),
 so a resumed run regenerates the epoch's order and skips the micro-batches already consumed;
-model, optimizer (fp32 masters included), scaler, scheduler and RNG states come from the
+model (the fp32 masters in the master modes), optimizer, scaler, scheduler and RNG states come from the
 checkpoint. On CPU a stopped-and-resumed run ends bitwise equal to an uninterrupted one.
 """
 from __future__ import annotations

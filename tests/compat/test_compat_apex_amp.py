@@ -88,23 +88,66 @@ def test_O1_autocasts_inside_forward_keeps_fp32_weights_and_scales_dynamically()
     assert not torch.is_autocast_enabled("cpu")  # the context does not leak out of forward
 
 
-def test_O2_casts_model_keeps_norms_fp32_and_owns_fp32_master_weights():
+def _compute_dtypes(m, x=None):
+    """{layer index: the dtype its weight has inside the forward} for one forward of ``m``, and the output."""
+    seen = {}
+    hooks = [layer.register_forward_pre_hook(lambda mod, a, i=i: seen.__setitem__(i, mod.weight.dtype))
+             for i, layer in enumerate(m) if getattr(layer, "weight", None) is not None]
+    out = m(torch.randn(4, 8) if x is None else x)
+    for h in hooks:
+        h.remove()
+    return seen, out
+
+
+def test_O2_computes_in_fp16_keeps_norms_fp32_and_the_model_holds_the_fp32_masters():
     model = _net()
     fp32_weights = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     m, o = amp.initialize(model, opt, opt_level="O2", verbosity=0)
-    assert m[0].weight.dtype == torch.float16 and m[4].weight.dtype == torch.float16
-    for norm in (m[1], m[2]):  # BatchNorm and LayerNorm
-        assert {t.dtype for t in list(norm.parameters()) + list(norm.buffers()) if t.is_floating_point()} == {torch.float32}
-    masters = list(amp.master_params(o))
-    assert len(masters) == len(list(m.parameters()))
-    assert all(t.dtype == torch.float32 for t in masters)
-    assert not {id(t) for t in masters} & {id(p) for p in m.parameters()}
-    for a, b in zip(masters, fp32_weights):  # taken from the fp32 weights, not the fp16 rounding
-        assert torch.equal(a, b)
-    out = m(torch.randn(4, 8))  # fp32 input is cast in, output cast back to fp32
+    assert m is model and o is opt  # ampkit's fp16-master: nothing to wrap
+    seen, out = _compute_dtypes(m)  # fp32 input is cast in, output cast back to fp32
+    assert seen == {0: torch.float16, 1: torch.float32, 2: torch.float32, 4: torch.float16}  # BatchNorm, LayerNorm fp32
     assert out.dtype == torch.float32
+    assert not torch.is_autocast_enabled("cpu")  # the forward's autocast does not leak out
+    masters = list(amp.master_params(o))
+    assert [id(t) for t in masters] == [id(p) for p in m.parameters()]  # the model's parameters are the masters
+    for a, b in zip(masters, fp32_weights):  # fp32, the weights as they were (no fp16 rounding)
+        assert a.dtype == torch.float32 and torch.equal(a, b)
     assert _scaler().is_dynamic and _scaler().get_scale() == 2.0**16
+
+
+def test_O2_equals_ampkit_fp16_master_bit_for_bit():
+    """apex's documented O2 loop and ampkit's own fp16-master loop train the same weights, bit for bit."""
+    import ampkit
+
+    def data(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    for step in range(5):
+        x, y = data(step)
+        opt.zero_grad()
+        with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+        opt.step()
+
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    precision = ampkit.Precision("fp16-master", "cpu", fused_optimizer=False)
+    ref, ref_opt = precision.setup(ref, ref_opt)
+    for step in range(5):
+        x, y = data(step)
+        ref_opt.zero_grad()
+        with precision.autocast():
+            loss = nn.functional.cross_entropy(ref(x), y)
+        precision.backward(loss)
+        precision.step(ref_opt, max_norm=1.0)
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_O3_is_pure_fp16_with_static_scale_one():
@@ -117,15 +160,16 @@ def test_O3_is_pure_fp16_with_static_scale_one():
 @pytest.mark.parametrize(
     "level, kw, check",
     [
-        ("O2", dict(keep_batchnorm_fp32=False), lambda m: m[1].weight.dtype == torch.float16),
-        ("O2", dict(keep_batchnorm_fp32="False"), lambda m: m[1].weight.dtype == torch.float16),
+        ("O2", dict(keep_batchnorm_fp32=False), lambda m: _compute_dtypes(m)[0][1] == torch.float16),
+        ("O2", dict(keep_batchnorm_fp32="False"), lambda m: _compute_dtypes(m)[0][1] == torch.float16),
         ("O3", dict(keep_batchnorm_fp32=True), lambda m: m[1].weight.dtype == torch.float32),
         ("O2", dict(loss_scale=128.0), lambda m: not _scaler().is_dynamic and _scaler().get_scale() == 128.0),
         ("O1", dict(loss_scale="128.0"), lambda m: not _scaler().is_dynamic and _scaler().get_scale() == 128.0),
         ("O3", dict(loss_scale="dynamic"), lambda m: _scaler().is_dynamic),
         ("O1", dict(max_loss_scale=2.0**10), lambda m: _scaler().get_scale() == 1024.0),
         ("O2", dict(dtype=torch.bfloat16),
-         lambda m: m[0].weight.dtype == torch.bfloat16 and not _scaler().is_dynamic and _scaler().get_scale() == 1.0),
+         lambda m: _compute_dtypes(m)[0][0] == torch.bfloat16 and m[0].weight.dtype == torch.float32
+         and not _scaler().is_dynamic and _scaler().get_scale() == 1.0),
         ("O3", dict(cast_model_type=torch.bfloat16), lambda m: m[0].weight.dtype == torch.bfloat16),
         ("O2", dict(master_weights=False), lambda m: amp._amp_state.props.mode == "fp16-pure"),
     ],
@@ -271,7 +315,7 @@ def test_O2_still_trains_if_the_script_ignores_initialize_return_value():
     with amp.scale_loss(_loss(model), opt) as sl:
         sl.backward()
     opt.step()
-    assert model[0].weight.dtype == torch.float16 and not torch.equal(before, model[0].weight)
+    assert not torch.equal(before, model[0].weight)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -287,8 +331,8 @@ def test_lr_scheduler_created_after_initialize(level):
 
 
 def test_fused_adam_under_O2_and_disabled_amp():
-    _, _, m, o = _init("O2", opt_cls=FusedAdam)
-    assert isinstance(o.optimizer, FusedAdam)
+    _, opt, m, o = _init("O2", opt_cls=FusedAdam)
+    assert o is opt and isinstance(o, FusedAdam)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     m2, o2 = amp.initialize(model, opt, enabled=False)

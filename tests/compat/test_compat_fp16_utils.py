@@ -200,6 +200,10 @@ def test_misuse_is_refused():
                        dynamic_loss_args={"scale_windw": 10})
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         FP16_Optimizer(torch.optim.SGD(nn.Linear(2, 2).double().parameters(), lr=0.1))
+    stateful = torch.optim.SGD(_half_net().parameters(), lr=0.1, momentum=0.9)
+    stateful.state[stateful.param_groups[0]["params"][0]] = {"momentum_buffer": None}
+    with pytest.raises(ValueError, match="wrap a fresh optimizer"):
+        FP16_Optimizer(stateful)
     opt.loss_scale = 256
     assert opt.loss_scale == 256
 

@@ -9,7 +9,6 @@ from torch import nn
 L = pytest.importorskip("lightning")
 
 from ampkit.integrations.lightning import AmpkitFabricPrecision, AmpkitPrecision, lightning_precision_name  # noqa: E402
-from ampkit.optim.master import MasterWeightOptimizer  # noqa: E402
 from ampkit.optim.base import CompensatedOptimizer  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
@@ -129,7 +128,6 @@ def test_trainer_trains_and_checkpoints(tmp_path, mode, kwargs):
         assert plugin.loss_scale == 128.0
     assert module.net[0].weight.dtype == plugin.ampkit.param_dtype
     opt = trainer.optimizers[0]
-    assert not isinstance(opt, MasterWeightOptimizer)  # master modes: the module's params are the masters
     assert isinstance(opt, CompensatedOptimizer) == plugin.ampkit.mode.compensated
     assert plugin.prepare_optimizer(opt) is opt  # prepared once, when the Trainer connected it
     ckpt = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)

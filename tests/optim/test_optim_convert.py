@@ -5,7 +5,6 @@ import pytest
 import torch
 from torch import nn
 
-from ampkit import MasterWeightOptimizer
 from ampkit.optim import SGD, Adam, AdamW, compensated_from
 
 
@@ -114,6 +113,3 @@ def test_unsupported_optimizers_are_named():
         compensated_from(torch.optim.AdamW(model.parameters(), amsgrad=True))
     with pytest.raises(ValueError, match="compensation='kahn' is not supported"):
         compensated_from(torch.optim.AdamW(model.parameters()), "kahn")
-    fp32 = nn.Linear(3, 3)
-    with pytest.raises(TypeError, match="MasterWeightOptimizer.*bf16-master"):
-        compensated_from(MasterWeightOptimizer(torch.optim.AdamW(fp32.parameters())))

@@ -36,12 +36,12 @@ STEPS = 4 * 4 / (64 * 64 + 64 + 64 * 10 + 10)
 
 
 @pytest.mark.parametrize("name,kw,expected", [
-    ("fp32", {}, dict(params=4, grads=4, optimizer_state=8, masters=0, compensation=0, total=16)),
-    ("bf16-mixed", {}, dict(params=4, grads=4, optimizer_state=8, masters=0, compensation=0, total=16)),
-    ("bf16-master", {}, dict(params=4, grads=4, optimizer_state=8, masters=0, compensation=0, total=16)),
-    ("bf16-pure", {}, dict(params=2, grads=2, optimizer_state=4, masters=0, compensation=2, total=10)),
+    ("fp32", {}, dict(params=4, grads=4, optimizer_state=8, compensation=0, total=16)),
+    ("bf16-mixed", {}, dict(params=4, grads=4, optimizer_state=8, compensation=0, total=16)),
+    ("bf16-master", {}, dict(params=4, grads=4, optimizer_state=8, compensation=0, total=16)),
+    ("bf16-pure", {}, dict(params=2, grads=2, optimizer_state=4, compensation=2, total=10)),
     ("bf16-pure", {"compensation": "stochastic"},
-     dict(params=2, grads=2, optimizer_state=4, masters=0, compensation=0, total=8)),
+     dict(params=2, grads=2, optimizer_state=4, compensation=0, total=8)),
 ])
 def test_bytes_per_param_for_adamw(name, kw, expected):
     model, opt = _setup_and_step(name, **kw)
@@ -88,5 +88,5 @@ def test_bench_reports_the_same_bytes_with_compensation():
     model, opt = _setup_and_step("bf16-pure")
     mine, bench = state_bytes(model, opt), bench_state_bytes(model, opt)
     assert bench == {"params": mine["params"], "grads": mine["grads"], "optimizer": mine["optimizer_state"],
-                     "masters": 0, "compensation": mine["compensation"], "total": mine["total"]}
+                     "compensation": mine["compensation"], "total": mine["total"]}
     assert bench["compensation"] == bench["params"] and bench["total"] / mine["num_params"] == pytest.approx(10 + STEPS)

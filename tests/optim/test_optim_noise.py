@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ampkit.optim import AdamW, RoundingNoise, compensated_from, stochastic_round_
-from ampkit.optim.base import NOISE_KEY, RNG_KEY
+from ampkit.optim.base import NOISE_KEY
 
 
 def _chi2(values: torch.Tensor, bins: int) -> float:
@@ -107,27 +107,3 @@ def test_state_dict_saves_seed_and_counter():
     assert torch.equal(w, w2)
 
 
-@pytest.mark.parametrize("order", ["setup-then-load", "load-then-setup"])
-def test_older_checkpoint_with_generator_states_loads(order):
-    """An older ampkit saved ``torch.Generator`` states under ``rng_states``: no counter can continue
-    them, so the load drops them and the stream starts at position 0 of the optimizer's seed
-    (documented); the run continues deterministically from there."""
-    w0 = torch.randn(32, 4).bfloat16()
-    sd = _saved(AdamW([w0.clone().requires_grad_()], lr=1e-2, compensation="stochastic", seed=5))
-    del sd["param_groups"][0][NOISE_KEY]
-    sd["param_groups"][0][RNG_KEY] = {"cpu": torch.Generator().manual_seed(5).get_state()}  # the old format
-    runs = []
-    for _ in range(2):
-        w = w0.clone().requires_grad_()
-        if order == "setup-then-load":
-            opt = AdamW([w], lr=1e-2, compensation="stochastic", seed=5)
-            opt.load_state_dict(sd)
-        else:  # nanoGPT's order: torch's AdamW loads it, then precision.setup converts
-            plain = torch.optim.AdamW([w], lr=1e-2)
-            plain.load_state_dict(sd)
-            opt = compensated_from(plain, compensation="stochastic")
-        assert RNG_KEY not in opt.param_groups[0]
-        assert opt.noise(w.device).position.item() == 0
-        _train(opt, w, 3)
-        runs.append(w.detach().clone())
-    assert torch.equal(runs[0], runs[1])

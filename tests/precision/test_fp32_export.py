@@ -103,18 +103,15 @@ def test_bf16_pure_kahan_export_folds_the_compensation():
 
 
 def test_export_takes_the_optimizer_given():
-    """A MasterWeightOptimizer over a user's own 16-bit model (apex's layout): its masters are exported when
-    it is passed."""
-    torch.manual_seed(0)
-    model = _model().to(torch.bfloat16)
-    opt = ampkit.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    x = torch.randint(0, 64, (4, 16))
-    F.cross_entropy(model(x).float().view(-1, 64), x.view(-1)).backward()
-    opt.step()
-    other = ampkit.Precision("bf16-master", "cpu")
-    sd = other.fp32_state_dict(model, opt)
-    assert torch.equal(sd["tok.weight"], opt.master_params[0])
-    assert not torch.equal(other.fp32_state_dict(model)["tok.weight"], opt.master_params[0])  # no optimizer: casts
+    """The optimizer holding the Kahan buffers is the one passed (a precision that did not set it up folds
+    them when given it, and only casts without it)."""
+    prec, model, opt = _trained("bf16-pure", "kahan")
+    other = ampkit.Precision("bf16-pure", "cpu")
+    given, mine = other.fp32_state_dict(model, opt), prec.fp32_state_dict(model)
+    assert all(torch.equal(given[k], mine[k]) for k in mine)
+    cast = other.fp32_state_dict(model)  # no optimizer: the bf16 weights cast
+    assert not torch.equal(cast["tok.weight"], given["tok.weight"])
+    assert torch.equal(cast["tok.weight"], model.tok.weight.float())
 
 
 @pytest.mark.parametrize("mode", ["bf16-master", "fp16-master"])

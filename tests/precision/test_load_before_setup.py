@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 import ampkit
 from ampkit.models import GPT
-from ampkit.optim import CompensatedOptimizer, MasterWeightOptimizer
+from ampkit.optim import CompensatedOptimizer
 from precision_helpers import fp8_ends
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,10 +53,9 @@ def _steps(prec, model, opt, first, count):
 
 
 def _weights(model, opt):
-    """What the run continues from: the model's weights, the masters, the optimizer state (Kahan buffers)."""
+    """What the run continues from: the model's weights (the masters in the master modes), the optimizer state
+    (Kahan buffers)."""
     out = [p.detach().clone() for p in model.parameters()]
-    if isinstance(opt, MasterWeightOptimizer):
-        out += [m.detach().clone() for m in opt.master_params]
     for st in opt.state.values():
         out += [v.detach().clone() for v in st.values() if isinstance(v, torch.Tensor)]
     return out
@@ -103,7 +102,6 @@ def test_load_before_setup_continues_exactly(mode, compensation):
     runs = {}
     for order in ("documented", "nanogpt"):
         p, m, o = _resume(mode, compensation, ck, order)
-        assert not isinstance(o, MasterWeightOptimizer)  # master modes: the model's params are the masters
         assert all(t.dtype == torch.float32 for t in m.parameters()) == (p.mode.param_dtype == torch.float32)
         assert isinstance(o, CompensatedOptimizer) == p.mode.compensated
         assert o._step_supports_amp_scaling  # the fused kernel takes the skip flag: still no host sync per step
@@ -114,50 +112,18 @@ def test_load_before_setup_continues_exactly(mode, compensation):
         assert all(torch.equal(a, b) for a, b in zip(got, uninterrupted)), order
 
 
-def _old_layout(ck):
-    """The checkpoint as a master mode wrote it while the masters lived in the optimizer wrapper: the model's
-    weights their 16-bit rounding (norms fp32), each fp32 master in its parameter's optimizer entry."""
-    params = [k for k in ck["model"] if not k.endswith(("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
-                                                         "ln_f.weight", "ln_f.bias"))]
-    model = {k: (v.to(torch.bfloat16) if k in params else v) for k, v in ck["model"].items()}
-    names = [n for n, _ in _model().named_parameters()]
-    sd = ck["optimizer"]
-    state = {i: {**sd["state"][i], "master_weight": ck["model"][n].clone()} for i, n in enumerate(names)}
-    return {"model": model, "optimizer": {**sd, "state": state}, "precision": ck["precision"]}
-
-
 @pytest.mark.parametrize("mode", ["fp16-master", "bf16-master"])
-def test_master_state_is_the_optimizer_layout(mode):
-    """The optimizer's state dict is torch's own over the fp32 params (the masters are the model's weights);
-    checkpoints of the earlier layouts (masters inside the optimizer state, or ``{"optimizer", "master_params"}``)
-    still resume exactly (the first also loaded before setup, the second through ``setup``'s optimizer)."""
+def test_master_checkpoint_is_torchs_own_layout(mode):
+    """A master mode's checkpoint is what an fp32 run writes: the model's state dict holds the fp32 masters and
+    the optimizer's is torch's own over them (no masters inside), so a plain fp32 optimizer loads it."""
     ck = _checkpoint(mode, None, steps=2)
     assert all("master_weight" not in s for s in ck["optimizer"]["state"].values())
     assert all(v.dtype == torch.float32 for v in ck["model"].values())
-    prec, ref, ref_opt = _resume(mode, None, ck, "documented")
-    _steps(prec, ref, ref_opt, 2, 2)
-    old = _old_layout(ck)
-    sd = old["optimizer"]
-    earliest = {"optimizer": {**sd, "state": {i: {k: v for k, v in s.items() if k != "master_weight"}
-                                              for i, s in sd["state"].items()}},
-                "master_params": [sd["state"][i]["master_weight"] for i in range(len(sd["state"]))]}
-    for optimizer_state, order in ((sd, "documented"), (sd, "nanogpt"), (earliest, "documented")):
-        p, m, o = _resume(mode, None, {**old, "optimizer": optimizer_state}, order)
-        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), _resume(mode, None, ck, order)[1].parameters()))
-        assert all("master_weight" not in s for s in o.state.values())
-        _steps(p, m, o, 2, 2)
-        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters())), order
-
-
-def test_master_state_of_another_model_refused_in_one_line():
-    ck = _checkpoint("bf16-master", None, steps=1)
-    old = _old_layout(ck)
-    old["optimizer"]["state"][0]["master_weight"] = torch.zeros(3)
-    prec = _precision("bf16-master", None)
-    model = _model()
-    model, opt = prec.setup(model, _optimizer(model))
-    with pytest.raises(ValueError, match="the checkpoint is from another model"):
-        opt.load_state_dict(old["optimizer"])
+    plain = _model()
+    plain.load_state_dict(ck["model"])
+    opt = _optimizer(plain)
+    opt.load_state_dict(ck["optimizer"])
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
 
 
 def test_plain_state_loads_after_setup_too():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit import MasterWeightOptimizer, Precision
+from ampkit import Precision
 from ampkit.precision import convert_model, modes, resolve
 from precision_helpers import data as _data
 from precision_helpers import net as _net
@@ -44,7 +44,7 @@ def test_param_dtypes_and_norms_fp32(name, dtype):
     assert model[0].weight.dtype == stored and model[3].weight.dtype == stored
     assert model[1].weight.dtype == torch.float32  # LayerNorm kept fp32
     if "master" in name:
-        assert not isinstance(opt, MasterWeightOptimizer) and isinstance(opt, torch.optim.AdamW)
+        assert type(opt) is torch.optim.AdamW  # the user's optimizer steps the fp32 params: no wrapper
         assert all(m.dtype == torch.float32 for g in opt.param_groups for m in g["params"])
     seen, handle = _weight_dtype_in_forward(model[0], None)
     with p.autocast():  # the master modes make their compute copies inside it only
@@ -59,7 +59,7 @@ def test_mixed_modes_keep_fp32_params():
     for name in ("fp16-mixed", "bf16-mixed"):
         p, model, opt, _ = _train(name, steps=1)
         assert all(t.dtype == torch.float32 for t in model.parameters())
-        assert not isinstance(opt, MasterWeightOptimizer)
+        assert type(opt) is torch.optim.AdamW
 
 
 @pytest.mark.parametrize("name", ["fp16-master", "bf16-master"])
@@ -90,28 +90,6 @@ def test_master_checkpoint_roundtrip_exact(name):
     assert all(t.dtype == torch.float32 for t in ref_params)  # the params are the masters
     for a, b in zip(ref_params, new_params):
         assert torch.equal(a, b)
-
-
-def test_master_wrapper_behaves_like_optimizer():
-    model = _net().to(torch.bfloat16)
-    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    opt = MasterWeightOptimizer(inner)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    x, y = _data()
-    loss = nn.functional.cross_entropy(model(x.bfloat16()).float(), y)
-    loss.backward()
-    opt.step()
-    sched.step()
-    assert opt.param_groups[0]["lr"] == 0.25
-    opt.zero_grad(set_to_none=True)
-    assert all(p.grad is None for p in model.parameters())
-    # fp32 masters moved; model weights equal their rounding
-    for p, m in zip(opt.model_params, opt.master_params):
-        assert torch.equal(p, m.to(p.dtype))
-    with pytest.raises(ValueError, match="already wrapped"):
-        MasterWeightOptimizer(opt)
-    with pytest.raises(ValueError, match="no fp32 master weights"):
-        opt.load_state_dict(inner.state_dict())
 
 
 def test_master_grads_are_fp32_on_the_params_once():

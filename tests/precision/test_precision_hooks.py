@@ -1,5 +1,5 @@
 """The kinds answer for themselves when a caller sets up in two halves (Lightning's plugin: the module
-first, the optimizer later; apex's initialize; the FSDP path): ``convert_module``, ``master_optimizer``,
+first, the optimizer later; apex's initialize; the FSDP path): ``convert_module``,
 ``wrap_optimizer``, ``fsdp_policy``/``prepare_fsdp`` (ampkit/precision/kinds/)."""
 import warnings
 
@@ -9,7 +9,6 @@ from torch import nn
 
 from ampkit import Precision
 from ampkit.optim import AdamW as CompensatedAdamW
-from ampkit.optim import MasterWeightOptimizer
 
 
 def _precision(name, **kw):
@@ -52,16 +51,17 @@ def test_two_halves_match_setup_bitwise(name):
     assert all(torch.equal(a, b) for a, b in zip(_train(model, opt, prec), ref))
 
 
-def test_masters_are_the_kinds_decision():
-    model = _mlp()
+@pytest.mark.parametrize("name", ["bf16-master", "fp16-master"])
+def test_the_master_modes_step_the_users_optimizer_over_the_fp32_masters(name):
+    """The masters are the model's fp32 parameters: the optimizer built on them is stepped as it is."""
+    prec = _precision(name, fused_optimizer=False)
+    model = prec.convert_module(_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for name in ("fp32", "bf16-mixed", "bf16-pure", "fp16-pure", "fp8-tensorwise"):
-        prec = _precision(name)
-        assert not prec.keeps_fp32_masters and prec.master_optimizer(opt) is None
-    master = _precision("bf16-master")
-    made = master.master_optimizer(opt)
-    assert master.keeps_fp32_masters and isinstance(made, MasterWeightOptimizer)
-    assert master.master_optimizer(made) is made  # already the one stepped: not wrapped twice
+    assert prec.wrap_optimizer(opt) is opt and type(opt) is torch.optim.SGD
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_pure_modes_get_the_compensated_optimizer():
     assert isinstance(_precision("bf16-pure").wrap_optimizer(torch.optim.AdamW(_mlp().parameters())),
                       CompensatedAdamW)
 

@@ -5,7 +5,6 @@ import pickle
 import pytest
 import torch
 
-from ampkit.optim import MasterWeightOptimizer
 from torch import nn
 
 import ampkit
@@ -90,25 +89,3 @@ def test_one_explicit_table_covers_every_kind_of_the_mode_table():
     assert [c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)] == ["Precision"]  # one class, no mixin
 
 
-def test_the_base_class_asks_the_kind_instead_of_testing_for_masters():
-    """The shared code (Precision, its hook defaults, the step) never tests for a MasterWeightOptimizer: the
-    master kind's ``sync_grads``/``has_grads`` do, so unscale_ then clip works on the fp32 master grads."""
-    import ast
-
-    from ampkit.precision.kinds import base
-
-    for module in (base,):  # code, not docstrings
-        names = {n.id for n in ast.walk(ast.parse(open(module.__file__).read())) if isinstance(n, ast.Name)}
-        assert "MasterWeightOptimizer" not in names, module.__name__
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = Precision("bf16-master", "cpu")
-    opt = MasterWeightOptimizer(torch.optim.SGD(model.to(torch.bfloat16).parameters(), lr=0.1))  # apex-style
-    p.backward(model(torch.randn(3, 4, dtype=torch.bfloat16)).float().square().mean())
-    assert all(m.grad is None for m in opt.master_params) and p.has_grads(opt)  # the model's grads count
-    p.unscale_(opt)  # torch's documented pattern: unscale_, then clip what the step applies
-    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in opt.master_params)
-    assert p.step(opt)

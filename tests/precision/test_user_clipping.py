@@ -16,7 +16,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit.models import GPT
-from ampkit.optim import MasterWeightOptimizer
 from precision_helpers import fp8_ends
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,14 +56,10 @@ def _setup(mode, compensation, optimizer="sgd", model=None):
     return prec, model, opt
 
 
-def _innermost(opt):
-    return opt.optimizer if isinstance(opt, MasterWeightOptimizer) else opt
-
-
 def _record_applied(opt):
-    """The grads the optimizer's own step reads (fp32 master grads under MasterWeightOptimizer), fp32 copies."""
+    """The grads the optimizer's own step reads, fp32 copies."""
     seen = []
-    _innermost(opt).register_step_pre_hook(lambda o, *_: seen.append(
+    opt.register_step_pre_hook(lambda o, *_: seen.append(
         [p.grad.float().clone() for g in o.param_groups for p in g["params"] if p.grad is not None]))
     return seen
 
@@ -117,7 +112,7 @@ def test_applied_update_is_the_clipped_one(mode, compensation):
     prec, model, opt = _setup(mode, compensation)
     if mode.endswith("pure"):
         pytest.skip("16-bit weights: the update lands rounded (compensated); the applied grads are checked above")
-    holders = [m for m in _innermost(opt).param_groups[0]["params"]]
+    holders = [m for m in opt.param_groups[0]["params"]]
     before = [h.detach().clone() for h in holders]
     with prec.autocast():
         loss = _loss(model)
@@ -157,7 +152,7 @@ def test_step_max_norm_and_manual_order_agree(mode, compensation):
             else:
                 prec.step(opt, max_norm=MAX_NORM)
             opt.zero_grad(set_to_none=True)
-        runs.append([p.detach().float().clone() for g in _innermost(opt).param_groups for p in g["params"]])
+        runs.append([p.detach().float().clone() for g in opt.param_groups for p in g["params"]])
     if master:  # AdamW moved each master by ~lr = 1e-2
         for a, b in zip(*runs):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * 1e-2)

@@ -119,38 +119,6 @@ def test_stop_by_signal_and_resume_is_bitwise_exact(tmp_path, precision, accum):
     assert steps == sorted(set(steps))  # no duplicated steps after resume
 
 
-def test_master_checkpoint_of_the_earlier_layout_resumes_exactly(tmp_path):
-    """A bf16-master checkpoint written while the model held the bf16 roundings and the optimizer state the fp32
-    masters (``"master_weight"``) resumes: the masters land in the model's fp32 params, bitwise the run resumed
-    from the checkpoint as it is written now."""
-    kw = dict(precision="bf16-master", batch_size=8, epochs=2, **{**BASE, "optimizer": "adamw", "lr": 1e-2})
-    out = str(tmp_path / "run")
-    first = Trainer(_model(), _data(), out=out, loss_fn=_kill_at(9), **kw)
-    with pytest.raises(TrainingInterrupted) as ei:
-        first.fit()
-    ck = load_checkpoint(ei.value.path)
-    assert all(v.dtype == torch.float32 for v in ck["model"].values())  # the masters are the model's weights
-    runs = []
-    for layout in ("now", "earlier"):
-        if layout == "earlier":
-            names = {id(p): n for n, p in first.raw_model.named_parameters()}  # the optimizer's own order
-            params = [names[id(p)] for g in first.optimizer.param_groups for p in g["params"]]
-            norm = ("net.1.weight", "net.1.bias")
-            old = dict(ck)
-            old["model"] = {k: v if k in norm else v.to(torch.bfloat16) for k, v in ck["model"].items()}
-            old["model_signature"] = [[k, list(v.shape), str(v.dtype).replace("torch.", "")]
-                                      for k, v in old["model"].items()]
-            state = ck["optimizer"]["state"]
-            old["optimizer"] = {**ck["optimizer"], "state": {
-                i: {**state[i], "master_weight": ck["model"][n].clone()} for i, n in enumerate(params)}}
-            torch.save(old, ei.value.path)
-        # each from the interrupted checkpoint into a run directory of its own (the first goes on past it)
-        resumed = Trainer(_model(seed=5), _data(), out=str(tmp_path / layout), resume=ei.value.path, **kw)
-        resumed.fit()
-        runs.append([p.detach().clone() for p in resumed.raw_model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
 def test_run_directory_contents(tmp_path):
     out = str(tmp_path / "run")
     t = Trainer(_model(), _data(), _data(30, seed=1), out=out, precision="bf16-mixed", batch_size=16, epochs=2,

@@ -18,9 +18,11 @@ How apex's behaviour maps onto ampkit:
 * O1 runs each model's forward under ``torch.autocast`` (apex patched torch functions
   globally instead); the outputs come back fp32 so the loss is computed in fp32, as apex's
   fp32 function lists did;
-* O2 returns the optimizer wrapped in ampkit's :class:`~ampkit.MasterWeightOptimizer`: fp32
-  masters, taken from the fp32 weights *before* the cast (apex copied the already-rounded fp16
-  weights);
+* O2 is ampkit's ``fp16-master``: the model's parameters stay fp32 and are the master weights
+  (``amp.master_params(optimizer)`` yields them; apex copied the already-rounded fp16 weights into
+  masters of its own), each forward runs under the mode's autocast with fp16 copies of them (norm
+  layers fp32), and the optimizer is returned as given: it steps the fp32 parameters directly. What a
+  script sees differently from apex: ``model.parameters()`` and ``model.state_dict()`` are fp32;
 * each loss id has its own :class:`~ampkit.LossScaler` (apex: init 2**16, x2 after 2000 clean
   steps, /2 on overflow, floor ``min_loss_scale``, cap ``max_loss_scale``). Leaving
   ``scale_loss`` unscales the new gradients, adds the ones earlier backward passes of this

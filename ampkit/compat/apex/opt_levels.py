@@ -55,6 +55,11 @@ class AmpProperties:
         return f"{low}-master" if self.master_weights else f"{low}-pure"
 
     @property
+    def masters(self) -> bool:
+        """A ``*-master`` mode: the model's parameters stay fp32 (the master weights), computed as 16-bit copies."""
+        return self.mode.endswith("-master")
+
+    @property
     def dynamic(self) -> bool:
         return self.loss_scale == "dynamic"
 
@@ -69,7 +74,7 @@ OPT_LEVELS = {
 _LEVEL_BRIEF = {
     "O0": "pure fp32",
     "O1": "autocast (fp32 weights, 16-bit compute where safe)",
-    "O2": "16-bit model with fp32 norms and fp32 master weights",
+    "O2": "fp32 master weights computed as 16-bit copies, norms fp32",
     "O3": "pure 16-bit model",
 }
 

@@ -69,7 +69,7 @@ class FusedAdam(torch.optim.Optimizer):
         if master_weights:
             raise ValueError(
                 "FusedAdam(master_weights=True) is not supported here: keep fp32 master weights with "
-                "amp.initialize(opt_level='O2'), FP16_Optimizer or ampkit.MasterWeightOptimizer."
+                "amp.initialize(opt_level='O2'), FP16_Optimizer or ampkit.Precision('fp16-master')."
             )
         _check_range("learning rate", lr, 0.0)
         _check_range("epsilon", eps, 0.0)

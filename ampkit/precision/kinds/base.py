@@ -9,7 +9,7 @@ Every mode guards the step: a step whose gradients hold inf/NaN is skipped (and 
 applies a non-finite update, in bf16 and fp32 too (there without a loss scaler: ``ampkit.precision.step``'s
 ``NonFiniteGuard``, whose check rides on the clipping norm or torch's multi-tensor check; ``nonfinite="stop"``
 stops the run instead, ``"off"`` checks nothing). The step path reads top to bottom in ``precision/step.py``. With an optimizer that takes ``found_inf`` into its kernel (torch's
-fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host sync: ``step`` returns a
+fused AdamW/Adam/SGD) a step makes no host sync: ``step`` returns a
 ``StepResult`` that reads the skip flag only if asked.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..capability import device_info
 from ..choice import choose_mode
 from ..clients import (accelerate_accumulation_steps, engine_wrapper, install_skip_flags, log, mark_skipped,
                        unwrapped)
-from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
+from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
 from ..options import PrecisionOptions
@@ -135,9 +135,6 @@ class Precision:
     kind = ""
     #: the fp8 plan (fp8 modes only)
     fp8 = None
-    #: whether fp32 master copies own the update (``MasterPrecision``)
-    keeps_fp32_masters = False
-
     def __new__(cls, name: Optional[str] = None, device: Any = None, *, tuned: Optional[Tuned] = None,
                 options: Optional[PrecisionOptions] = None, **kwargs: Any):
         """``Precision(...)`` builds the class of the chosen mode's kind (``KINDS``); a kind's own class builds
@@ -201,7 +198,7 @@ class Precision:
             init_scale=static if static is not None else 2.0**16 if o.init_scale is None else o.init_scale,
             dynamic=static is None, growth_interval=o.growth_interval, min_scale=o.min_scale, max_scale=o.max_scale,
             hysteresis=o.hysteresis, max_consecutive_skips=o.max_consecutive_skips,
-            allow_fp16_grads=not self.keeps_fp32_masters, distributed=distributed)
+            allow_fp16_grads=not self.mode.master_weights, distributed=distributed)
 
     # ------------------------------------------------------------------ construction
     def options(self) -> Dict[str, Any]:
@@ -279,8 +276,8 @@ class Precision:
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer this kind steps for one built over the converted model (``convert_module``): its moments
-        in ``optimizer_state``, the kind's own treatment (:meth:`_convert_optimizer`: fused kernel, masters
-        adopted, bf16-pure's compensated optimizer), the Adam ``eps`` check. An engine's wrapper (accelerate,
+        in ``optimizer_state``, the kind's own treatment (:meth:`_convert_optimizer`: fused kernel,
+        bf16-pure's compensated optimizer), the Adam ``eps`` check. An engine's wrapper (accelerate,
         Lightning) keeps its place: the optimizer inside is made this kind's."""
         holder, attr = engine_wrapper(optimizer)
         if holder is not None:
@@ -293,8 +290,7 @@ class Precision:
         optimizer = self._wrap_optimizer(optimizer)
         if optimizer is not given:
             optimizer = self._adopt(given, optimizer)
-        self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
-        self._name_optimizer(optimizer)
+        self._optimizer = optimizer  # where fp32_state_dict finds the Kahan buffers
         return install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: clients.py)
 
     def uses_channels_last(self, model: nn.Module) -> bool:
@@ -339,10 +335,6 @@ class Precision:
         wrappers and ``load_state_dict`` keep driving the object that steps."""
         return become(given, made)
 
-    def _name_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Tell the scaler the names of the tensors the optimizer steps that are not the model's (its errors
-        name tensors by them): none here, the optimizer holds the model's parameters."""
-
     def _details(self) -> List[str]:
         """``describe``'s clauses after the mode summary."""
         extra = []
@@ -383,24 +375,8 @@ class Precision:
         """Raise a too-small Adam ``eps`` to ``min_adam_eps`` (fp16 optimizer state), with one warning."""
         checks.check_eps(optimizer, self.name, self.min_adam_eps)
 
-    def sync_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the grads the optimizer steps from the model's (before unscale and clip): nothing here, the
-        optimizer holds the model's parameters; a master kind fills its fp32 master grads."""
-
     def check_step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse (one line) an optimizer this kind cannot step as it is (``step``): none here."""
-
-    def has_grads(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Did a backward reach the parameters the optimizer updates? On the Python side only, no host
-        sync; it stops at the first parameter with a grad."""
-        return any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
-
-    @classmethod
-    def master_optimizer(cls, optimizer: torch.optim.Optimizer, master_class: Optional[type] = None):
-        """The fp32-master optimizer stepped for ``optimizer`` (``master_class``, a ``MasterWeightOptimizer``
-        subclass, else that class), or None where this kind keeps no masters. Asked of the class too
-        (apex's ``FP16_Optimizer`` has no precision object): ``precision_class("fp16-master").master_optimizer``."""
-        return None
 
     def fsdp_policy(self):
         """FSDP2's ``MixedPrecisionPolicy`` for this kind: shards stay fp32 (they are the master weights),
@@ -459,17 +435,14 @@ class Precision:
     def unscale_(self, optimizer: torch.optim.Optimizer, _norm: Optional[torch.Tensor] = None) -> None:
         """Make the optimizer's grads real (unscaled) and record the non-finite check (once per step), as
         ``GradScaler.unscale_``: then ``clip_grad_norm_`` over ``model.parameters()`` or the optimizer's params
-        clips what the step applies, in every mode (a ``MasterWeightOptimizer``'s unscaled master grads are
-        written back into the model's). Unscaled modes only check: ``_norm`` (a norm computed anyway) or torch's
+        clips what the step applies, in every mode. Unscaled modes only check: ``_norm`` (a norm computed anyway) or torch's
         multi-tensor check at inverse scale 1 (the values stay as they are)."""
-        self._unscale(optimizer, _norm, to_model=True)
+        self._unscale(optimizer, _norm)
 
-    def _unscale(self, optimizer, norm: Optional[torch.Tensor] = None, to_model: bool = False) -> None:
-        """Make the optimizer's grads real and record the step's non-finite check (once per step); ``to_model``
-        also writes unscaled master grads back into the model's (``unscale_``)."""
+    def _unscale(self, optimizer, norm: Optional[torch.Tensor] = None) -> None:
+        """Make the optimizer's grads real and record the step's non-finite check (once per step)."""
         scaler = self.scaler
         if not self.scales_loss:  # the guard: check once per step (the step takes this flag)
-            self.sync_grads(optimizer)
             if scaler.is_enabled() and id(optimizer) not in scaler.checked:
                 scaler.ensure_initialized(self.device)  # backward() may not have come through us
                 grads = [p.grad for p in grads_params(optimizer)]
@@ -477,17 +450,16 @@ class Precision:
                     scaler.checked[id(optimizer)] = (scaler.check_norm(norm) if norm is not None
                                                      else scaler.check_grads(grads))
             return
-        self.sync_grads(optimizer)  # also takes the model grads changed since an earlier unscale_
         if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
             return
         scaler.ensure_initialized(self.device)  # backward() may not have come through us
         if self._backward_unscale.found and self._backward_unscale.covers(optimizer):
             scaler.record_unscaled(optimizer, self._backward_unscale.take())  # backward unscaled them
         else:
-            scaler.unscale_(optimizer, to_model=to_model)
+            scaler.unscale_(optimizer)
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Unscale (once) and clip the optimizer's grads (the fp32 master grads where the mode has them);
+        """Unscale (once) and clip the optimizer's grads (fp32 in every mode but the pure ones);
         returns the total norm (no sync). In the unscaled modes the norm is also the step's non-finite check."""
         if self.scales_loss or id(optimizer) in self.scaler.checked:
             self._unscale(optimizer)
@@ -515,12 +487,12 @@ class Precision:
     def fp32_state_dict(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **how) -> Dict[str, Any]:
         """The model's full-precision weights, keyed like ``model.state_dict()``, loadable into the fp32 model
         (strict; ``ampkit.precision.export``): the model's own fp32 params where it has them (the master modes'
-        are the masters), a ``MasterWeightOptimizer``'s masters, bf16-pure's weight + Kahan buffer in fp32,
+        are the masters), bf16-pure's weight + Kahan buffer in fp32,
         fp32 casts of 16-bit tensors otherwise; buffers included, tied weights one tensor. ``optimizer``: the
-        one holding masters or buffers (default: the last one ``wrap_optimizer`` returned). Uncast tensors alias
+        one holding Kahan buffers (default: the last one ``wrap_optimizer`` returned). Uncast tensors alias
         the live ones. ``how``: ``cast_frozen=False``, ``device="cpu"`` (``export.fp32_state_dict``: PEFT saves)."""
         opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
-        return fp32_state_dict(model, {**kahan_folded(opt), **master_weights(opt)}, fp8_recipe_keys(model), **how)
+        return fp32_state_dict(model, kahan_folded(opt), fp8_recipe_keys(model), **how)
 
     def export(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         """A plain fp32 copy of ``model`` with no ampkit in it (no hooks, fp32 weights from :meth:`fp32_state_dict`:
@@ -536,7 +508,7 @@ class Precision:
 
     def state_dict(self) -> Dict[str, Any]:
         """The precision's part of a checkpoint: the mode's name, the scaler's state (loss scale, skip counters,
-        hysteresis; docs/CHECKPOINTS.md) and ``optimizer_state``; the fp32 masters are in the optimizer's."""
+        hysteresis; docs/CHECKPOINTS.md) and ``optimizer_state``; the fp32 masters are the model's parameters."""
         return {"name": self.name, "scaler": self.scaler.state_dict(), "optimizer_state": self.optimizer_state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -30,7 +30,6 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState
 
-from ...optim.master import MasterWeightOptimizer
 from ..loss_scale import check_scaler_ranges, parse_loss_scale
 from .counters import SkipCounters
 from .fused import DYNAMO_SETS_OPTIMIZER_ATTRS, step_outside_graph, takes_grad_scaler, warn_grad_scaler_kwarg
@@ -92,11 +91,6 @@ class LossScaler(TraceableGradScaler):
     def register_names(self, model: torch.nn.Module) -> "LossScaler":
         """Remember parameter names so errors can say which gradients went non-finite."""
         self.counters.names.update({id(p): n for n, p in model.named_parameters()})
-        return self
-
-    def register_aliases(self, names: Dict[int, str]) -> "LossScaler":
-        """Name more tensors by ``id`` (e.g. fp32 master weights by their model parameter's name)."""
-        self.counters.names.update(names)
         return self
 
     def ensure_initialized(self, device: Union[str, torch.device]) -> None:
@@ -209,18 +203,6 @@ class LossScaler(TraceableGradScaler):
         self.counters.check_limit_now(optimizer, self.get_scale)
 
     # ------------------------------------------------------------------ unscale
-    def unscale_(self, optimizer: torch.optim.Optimizer, *, to_model: bool = True) -> None:
-        """torch's ``unscale_``. With fp32 master weights (:class:`~ampkit.MasterWeightOptimizer`) the model's
-        grads move to the masters first (what the step applies) and, with ``to_model``, the unscaled values
-        are written back into the model's grads: ``clip_grad_norm_(model.parameters(), ...)`` then clips
-        what the step applies (the step takes the changes made there)."""
-        master = isinstance(optimizer, MasterWeightOptimizer)
-        if master:
-            optimizer.sync_grads()
-        super().unscale_(optimizer)
-        if master and to_model and self._enabled:
-            optimizer.expose_grads()
-
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """torch's, plus: bf16 grads on CUDA, DTensor grads through their shards, fp16 grads allowed
         where the mode has no master copy, and found-inf all-reduced across ranks (``unscale.py``)."""

@@ -7,27 +7,23 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ....optim.master import MasterWeightOptimizer
 from .state import _AmpState
 
-__all__ = ["_Stash", "_AmpMasterOptimizer", "_GradView", "_guard_plain_step", "_route_inner_step"]
+__all__ = ["_Stash", "_GradView", "_skip_after_overflow"]
 
 
 class _Stash:
     """One optimizer's amp bookkeeping: grads kept across backward passes, a pending skip."""
 
-    def __init__(self, optimizer, master: Optional["_AmpMasterOptimizer"], state: _AmpState) -> None:
+    def __init__(self, optimizer, state: _AmpState) -> None:
         self.optimizer = optimizer
         self.state = state
-        self.master = master
         self.params_have_scaled_gradients = False
         self.stashed: Optional[List[Optional[torch.Tensor]]] = None
         self.skip_next: Optional[str] = None  # the message to print when the step is skipped
 
     def grad_holders(self) -> List[torch.Tensor]:
-        """The tensors whose ``.grad`` the optimizer consumes (fp32 masters under O2)."""
-        if self.master is not None:
-            return self.master.master_params
+        """The tensors whose ``.grad`` the optimizer consumes (under O2 the model's fp32 params: the masters)."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def prepare(self) -> None:
@@ -37,15 +33,6 @@ class _Stash:
         self.stashed = stashed if any(s is not None for s in stashed) else None
         for h in holders:
             h.grad = None
-        if self.master is not None:
-            for p in self.master.model_params:
-                p.grad = None
-
-    def collect(self) -> None:
-        """After a backward pass: under O2, move the new 16-bit grads into fresh master grads."""
-        if self.master is not None:
-            self.master.invalidate_grads()  # the masters' grads were stashed: copy anew
-            self.master.sync_grads()
 
     def combine(self) -> None:
         """After unscaling: add the stashed grads back (one foreach add)."""
@@ -70,23 +57,10 @@ class _Stash:
             return False
         self.state.print(self.skip_next)
         self.skip_next = None
-        if self.master is not None:
-            self.master.zero_grad(set_to_none=True)  # as apex: drop the non-finite master grads
         return True
 
 
-class _AmpMasterOptimizer(MasterWeightOptimizer):
-    """O2's optimizer: fp32 masters (ampkit), plus apex's skip-after-overflow."""
-
-    _amp_stash: _Stash
-
-    def step(self, closure=None):
-        if self._amp_stash.consume_skip():
-            return None
-        return super().step(closure)
-
-
-def _guard_plain_step(optimizer, stash: _Stash) -> None:
+def _skip_after_overflow(optimizer, stash: _Stash) -> None:
     """Make ``optimizer.step()`` a no-op after an overflow (apex patched ``step`` the same way).
 
     Installed as a bound method so LR schedulers created later can still wrap it.
@@ -97,22 +71,6 @@ def _guard_plain_step(optimizer, stash: _Stash) -> None:
         if stash.consume_skip():
             return None
         return original(*args, **kwargs)
-
-    optimizer.step = types.MethodType(step, optimizer)
-
-
-def _route_inner_step(optimizer, master: _AmpMasterOptimizer) -> None:
-    """The optimizer passed to O2's initialize still works if the script kept using it.
-
-    Called by the master wrapper it steps the fp32 masters; called directly (the script
-    ignored initialize's return value, legal in apex) it runs the whole master-weight step.
-    """
-    original = optimizer.step
-
-    def step(self, *args, **kwargs):
-        if master.in_step:
-            return original(*args, **kwargs)
-        return master.step(*args, **kwargs)
 
     optimizer.step = types.MethodType(step, optimizer)
 

@@ -23,11 +23,7 @@ def _stash_of(optimizer) -> _Stash:
 
 def _short_circuit(_amp_state: _AmpState, loss_id: int) -> bool:
     """apex's fast path: no master weights and a static scale of 1 -> nothing to unscale or check."""
-    scaler = _amp_state.scalers[loss_id]
-    return (
-        not _amp_state.precision.keeps_fp32_masters
-        and scaler.static_scale == 1.0
-    )
+    return not _amp_state.props.masters and _amp_state.scalers[loss_id].static_scale == 1.0
 
 
 @contextlib.contextmanager
@@ -66,8 +62,6 @@ def scale_loss(_amp_state: _AmpState, loss, optimizers, loss_id: int = 0, model=
             st.params_have_scaled_gradients = True
         return
     view = _amp_state.views[loss_id]
-    for st in stashes:
-        st.collect()
     view.param_groups = [{"params": st.grad_holders()} for st in stashes]
     stepped = scaler.step(view)  # unscale + inf/NaN check (one sync); view.step() only if finite
     scaler.update()
@@ -85,7 +79,7 @@ def scale_loss(_amp_state: _AmpState, loss, optimizers, loss_id: int = 0, model=
 
 
 def master_params(optimizer):
-    """Yield the tensors the optimizer updates: fp32 masters under O2, the params otherwise."""
+    """Yield the tensors the optimizer updates: the model's parameters (fp32 under O2: the masters)."""
     for group in optimizer.param_groups:
         yield from group["params"]
 

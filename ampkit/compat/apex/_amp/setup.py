@@ -6,23 +6,15 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from ....optim.master import MasterWeightOptimizer
-from ....precision import MasterPrecision, Precision, precision_class
+from ....precision import Precision
 from ....precision.scaling.loss_scaler import LossScaler
 from ..fp16_utils import FP16_Optimizer
 from ..opt_levels import describe, resolve_properties
 from .hooks import _AutocastForward, _CastOutput
-from .optimizers import _AmpMasterOptimizer, _GradView, _guard_plain_step, _route_inner_step, _Stash
+from .optimizers import _GradView, _skip_after_overflow, _Stash
 from .state import _AmpState, _LossScalerView
 
 __all__ = ["initialize"]
-
-
-class _O2Precision(MasterPrecision):
-    """apex O2's documented layout: the model's parameters cast to 16 bits in place, the fp32 masters inside
-    the optimizer wrapper ``master_optimizer`` builds (ampkit's master modes keep them in the model)."""
-
-    model_holds_masters = False
 
 
 def _as_list(value, what: str, kinds) -> tuple:
@@ -57,7 +49,7 @@ def _check_optimizers(optimizers) -> None:
                 "amp.initialize got an FP16_Optimizer: pass the bare torch (or FusedAdam) optimizer; "
                 "amp.initialize adds master weights and loss scaling itself."
             )
-        if getattr(opt, "_amp_stash", None) is not None or isinstance(opt, MasterWeightOptimizer):
+        if getattr(opt, "_amp_stash", None) is not None:
             raise ValueError(
                 "This optimizer already went through amp.initialize: call amp.initialize once, "
                 "with every model and optimizer, and use what it returns."
@@ -119,37 +111,25 @@ def initialize(
     _check_models(model_list)
 
     device = _device_of(model_list)
-    mode = props.mode
-    # apex's O2: the model cast to 16 bits, fp32 masters in the optimizer (_O2Precision)
-    kind = _O2Precision if precision_class(mode).keeps_fp32_masters else Precision
-    precision = kind(mode, device, keep_norm_fp32=bool(props.keep_batchnorm_fp32),
-                     cast_outputs=cast_model_outputs is None)
-
-    # masters are taken from the fp32 weights, so wrap before the models are cast
-    returned, masters = [], []
+    # O2 is ampkit's fp16-master: the model's parameters stay fp32 (the masters, so the optimizer steps them as it
+    # is), each forward computes with 16-bit copies of them under autocast
+    precision = Precision(props.mode, device, keep_norm_fp32=bool(props.keep_batchnorm_fp32),
+                          cast_outputs=cast_model_outputs is None)
     for opt in opt_list:
-        master = precision.master_optimizer(opt, _AmpMasterOptimizer)  # None: the kind keeps no masters
-        masters.append(master)
-        stash = _Stash(master if master is not None else opt, master, state)
-        if master is not None:
-            master._amp_stash = stash
-            _route_inner_step(opt, master)
-        else:
-            _guard_plain_step(opt, stash)
-        opt._amp_stash = stash
-        returned.append(master if master is not None else opt)
+        opt._amp_stash = _Stash(opt, state)
+        _skip_after_overflow(opt, opt._amp_stash)
 
     for model in model_list:
         precision.setup(model, None)
-        if props.patch_torch_functions:
-            hooks = _AutocastForward(precision, cast_model_outputs or torch.float32)
-            model.register_forward_pre_hook(hooks.enter)
+        if props.patch_torch_functions or props.masters:  # the forward under the mode's autocast, entered
+            output = (cast_model_outputs or torch.float32) if props.patch_torch_functions else cast_model_outputs
+            hooks = _AutocastForward(precision, output)  # before the model's input casts (prepend)
+            model.register_forward_pre_hook(hooks.enter, prepend=True)
             model.register_forward_hook(hooks.leave, always_call=True)
         elif cast_model_outputs is not None:
             model.register_forward_hook(_CastOutput(cast_model_outputs))
-    for opt, master in zip(opt_list, masters):  # O3: the optimizer's state is fp16 like the weights;
-        if master is None:  # an eps fp16 cannot hold is raised
-            precision.check_optimizer_eps(opt)
+    for opt in opt_list:  # O3: the optimizer's state is fp16 like the weights; an eps fp16 cannot hold is raised
+        precision.check_optimizer_eps(opt)
 
     dynamic = props.dynamic
     for _ in range(num_losses):
@@ -160,7 +140,7 @@ def initialize(
             dynamic=dynamic,
             min_scale=min_loss_scale if dynamic else None,
             max_scale=max_loss_scale if dynamic else None,
-            allow_fp16_grads=not precision.keeps_fp32_masters,
+            allow_fp16_grads=not props.masters,
         )
         scaler.register_names(model_list[0])
         _amp_state.scalers.append(scaler)
@@ -174,4 +154,4 @@ def initialize(
     out_models = model_list if models_was_list else model_list[0]
     if optimizers is None:
         return out_models
-    return out_models, (returned if opts_was_list else returned[0])
+    return out_models, (opt_list if opts_was_list else opt_list[0])

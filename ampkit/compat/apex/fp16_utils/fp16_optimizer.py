@@ -1,4 +1,4 @@
-"""``FP16_Optimizer`` (apex.fp16_utils / apex.optimizers) on ampkit's master weights and scaler.
+"""``FP16_Optimizer`` (apex.fp16_utils / apex.optimizers) on ampkit's loss scaler.
 
 The script keeps its shape::
 
@@ -11,16 +11,23 @@ The script keeps its shape::
     optimizer.step()
     optimizer.zero_grad()
 
-Inside: :class:`~ampkit.MasterWeightOptimizer` holds fp32 masters of the model's params and
-gives them to the wrapped optimizer; a :class:`~ampkit.LossScaler` scales the loss, unscales
-the master grads with torch's fused kernel and decides skip-or-step with one host sync.
+Inside, apex's own layout, which its scripts read (``fp16_groups``, ``fp32_from_fp16_groups``,
+``param_groups`` holding the masters): the wrapped optimizer's param groups hold an fp32 master of each
+16-bit parameter (an fp32 parameter is its own master, as in apex), the model's grads are copied into the
+master grads and the masters back into the model with apex's ``fp16util`` helpers (batched foreach copies),
+and a :class:`~ampkit.LossScaler` scales the loss, unscales the master grads with torch's fused kernel and
+decides skip-or-step with one host sync. This is the one place ampkit keeps masters outside the model:
+``FP16_Optimizer`` is handed the optimizer of a model already cast to 16 bits, never the model, so it cannot
+make the model's parameters the masters as ``amp.initialize(opt_level="O2")`` and ``Precision("fp16-master")``
+do.
 
 apex's defaults are kept: static scale 1.0 unless told otherwise; dynamic scaling starts at
 2**32, halves on overflow (never below 1) and doubles after 1000 clean steps
 (``dynamic_loss_args`` keys ``init_scale``, ``scale_window``, ``scale_factor``). Differences,
 all on the safe side: master grads are produced when first needed (``step``,
 ``clip_master_grads`` or ``update_master_grads``) rather than inside ``backward`` (same
-numbers; several ``backward`` calls per step still accumulate); a static scale also skips
+numbers; several ``backward`` calls per step still accumulate); the model's 16-bit grads are dropped
+when the step has taken them (the optimizer step runs without both copies); a static scale also skips
 steps with inf/NaN gradients; ``clip_master_grads`` returns the norm as a tensor (non-finite on
 overflow; apex returned -1) to avoid a second sync; closures are not supported.
 """
@@ -30,9 +37,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ....optim.master import MasterWeightOptimizer, foreach_copy, delegated
-from ....precision import precision_class
 from ....precision.scaling.loss_scaler import LossScaler
+from .fp16util import master_params_to_model_params, model_grads_to_master_grads
 
 __all__ = ["FP16_Optimizer"]
 
@@ -51,7 +57,7 @@ class FP16_Optimizer:
         dynamic_loss_args: Optional[Dict[str, Any]] = None,
         verbose: bool = True,
     ) -> None:
-        if isinstance(init_optimizer, (FP16_Optimizer, MasterWeightOptimizer)):
+        if isinstance(init_optimizer, FP16_Optimizer):
             raise ValueError("FP16_Optimizer got an optimizer that already has master weights: wrap the bare optimizer once.")
         params = [p for g in init_optimizer.param_groups for p in g["params"]]
         if not params:
@@ -62,6 +68,9 @@ class FP16_Optimizer:
                     f"Wrapped parameters must be float16, bfloat16 or float32 tensors, got {p.dtype}: "
                     "build the optimizer over model.half() parameters."
                 )
+        if init_optimizer.state:
+            raise ValueError("FP16_Optimizer got an optimizer that already holds state: wrap a fresh optimizer, "
+                             "then restore a checkpoint with FP16_Optimizer.load_state_dict.")
         self.verbose = verbose
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         device = params[0].device
@@ -92,36 +101,39 @@ class FP16_Optimizer:
                 )
             self.scaler = LossScaler(device.type, init_scale=float(static_loss_scale), dynamic=False)
 
-        # which params were 16-bit, per group, before the masters replace them
-        low = [[p.dtype != torch.float32 for p in g["params"]] for g in init_optimizer.param_groups]
-        # the master kind builds the fp32-master optimizer (bf16-master's for a bf16 model, else fp16-master's)
-        master_mode = "bf16-master" if any(p.dtype == torch.bfloat16 for p in params) else "fp16-master"
-        self._master = precision_class(master_mode).master_optimizer(init_optimizer)
-        self.optimizer = init_optimizer  # its param groups now hold the fp32 masters
+        # apex's layout: each group's 16-bit params replaced by fp32 masters (taken before any step), an fp32
+        # param its own master
+        self.optimizer = init_optimizer
         self.fp16_groups: List[List[torch.Tensor]] = []
         self.fp32_from_fp16_groups: List[List[torch.Tensor]] = []
         self.fp32_from_fp32_groups: List[List[torch.Tensor]] = []
-        i = 0
-        for flags in low:
-            f16, f32_16, f32_32 = [], [], []
-            for is_low in flags:
-                model_p, master_p = self._master.model_params[i], self._master.master_params[i]
-                if is_low:
-                    f16.append(model_p)
-                    f32_16.append(master_p)
-                else:
-                    f32_32.append(master_p)
-                i += 1
-            self.fp16_groups.append(f16)
-            self.fp32_from_fp16_groups.append(f32_16)
-            self.fp32_from_fp32_groups.append(f32_32)
+        with torch.no_grad():
+            for group in init_optimizer.param_groups:
+                low = [p for p in group["params"] if p.dtype != torch.float32]
+                masters = {id(p): p.detach().float().requires_grad_(p.requires_grad) for p in low}
+                self.fp16_groups.append(low)
+                self.fp32_from_fp16_groups.append([masters[id(p)] for p in low])
+                self.fp32_from_fp32_groups.append([p for p in group["params"] if p.dtype == torch.float32])
+                group["params"] = [masters.get(id(p), p) for p in group["params"]]
+        self._model_params = [p for g in self.fp16_groups for p in g]
+        self._masters = [m for g in self.fp32_from_fp16_groups for m in g]
         self.overflow = False
         self.first_closure_call_this_step = True
         self._master_grads_ready = False
 
     # ------------------------------------------------------------------ delegation
-    param_groups = delegated("param_groups")
-    state = delegated("state")
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The wrapped optimizer's groups (holding the masters): LR schedulers read and set them here."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Dict[Any, Any]:
+        return self.optimizer.state
 
     @property
     def loss_scale(self) -> float:
@@ -139,10 +151,19 @@ class FP16_Optimizer:
         kind = "dynamic" if self.dynamic_loss_scale else "static"
         return f"FP16_Optimizer({self.optimizer.__class__.__name__}, {kind} loss scale)"
 
+    def _stepped_params(self) -> List[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
     # ------------------------------------------------------------------ the step
     def zero_grad(self, set_grads_to_None: bool = False) -> None:
-        """Clear the model's and the masters' grads."""
-        self._master.zero_grad(set_to_none=set_grads_to_None)
+        """Clear the model's and the masters' grads (zeroed in place, or set to None)."""
+        for p in (*self._model_params, *self._stepped_params()):
+            if p.grad is None:
+                continue
+            if set_grads_to_None:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
         self._master_grads_ready = False
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
@@ -158,14 +179,14 @@ class FP16_Optimizer:
         """Copy the model's grads into the fp32 master grads and unscale them (records overflow)."""
         if self._master_grads_ready:
             return
-        self._master.sync_grads()
-        self.scaler.unscale_(self._master)
+        model_grads_to_master_grads(self._model_params, self._masters)
+        self.scaler.unscale_(self.optimizer)
         self._master_grads_ready = True
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the fp32 master grads to ``max_norm``; returns their total norm (non-finite on overflow)."""
         self.update_master_grads()
-        return torch.nn.utils.clip_grad_norm_(self._master.master_params, max_norm, norm_type=norm_type, foreach=True)
+        return torch.nn.utils.clip_grad_norm_(self._stepped_params(), max_norm, norm_type=norm_type, foreach=True)
 
     def step(self, closure=None):
         """Update the masters and copy them into the model, or skip the step if grads overflowed."""
@@ -174,16 +195,21 @@ class FP16_Optimizer:
                 "ampkit's FP16_Optimizer does not take a closure: call optimizer.backward(loss), then optimizer.step()."
             )
         self.update_master_grads()
+        for p in self._model_params:  # taken by the masters: the step runs without both copies
+            p.grad = None
         attempted = self.scaler.scale_tensor.clone() if self.verbose and self.dynamic_loss_scale else None
-        stepped = self.scaler.step(self._master)  # the one host sync: step or skip
+        stepped = self.scaler.step(self.optimizer)  # the one host sync: step or skip
         self.scaler.update()
         self._master_grads_ready = False
         self.overflow = not stepped
         if self.overflow:
-            self._master.zero_grad(set_to_none=True)
+            for m in self._stepped_params():  # as apex: the non-finite master grads are dropped
+                m.grad = None
             if self.verbose:
                 before = float(attempted) if attempted is not None else self.loss_scale
                 print(f"OVERFLOW! Skipping step. Attempted loss scale: {before:g}, reducing to {self.loss_scale:g}")
+        else:
+            master_params_to_model_params(self._model_params, self._masters)
         return None
 
     def inspect_master_grad_data(self) -> Optional[List[List[Optional[torch.Tensor]]]]:
@@ -206,7 +232,8 @@ class FP16_Optimizer:
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore scaler, optimizer state and fp32 masters. Load the model's state_dict first (as in apex)."""
+        """Restore scaler, optimizer state and fp32 masters (the model's 16-bit params become their rounding).
+        Load the model's state_dict first (as in apex): its fp32 params are their own masters."""
         scaler_state = state_dict["loss_scaler"]
         if not isinstance(scaler_state, dict):
             raise ValueError(
@@ -223,14 +250,8 @@ class FP16_Optimizer:
         self.dynamic_loss_scale = bool(state_dict.get("dynamic_loss_scale", self.dynamic_loss_scale))
         self.overflow = bool(state_dict.get("overflow", False))
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
-        with torch.no_grad():
-            dst = [m for g in self.fp32_from_fp16_groups for m in g]
-            src = [s.to(m.device) for s, m in zip([s for g in saved for s in g], dst)]
-            foreach_copy(dst, src)
-            # fp32 params are their own masters in apex: refresh their copies from the model
-            f32_model = [p for p, m in zip(self._master.model_params, self._master.master_params)
-                         if p.dtype == torch.float32]
-            f32_master = [m for p, m in zip(self._master.model_params, self._master.master_params)
-                          if p.dtype == torch.float32]
-            foreach_copy(f32_master, f32_model)
-            self._master.copy_masters_to_model()
+        flat = [s for g in saved for s in g]
+        if flat:
+            with torch.no_grad():
+                torch._foreach_copy_(self._masters, [s.to(m.device) for s, m in zip(flat, self._masters)])
+        master_params_to_model_params(self._model_params, self._masters)

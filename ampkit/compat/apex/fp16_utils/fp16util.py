@@ -18,13 +18,13 @@ is an ampkit extension wherever apex hard-coded half.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ....precision.convert import cast_floating
-from ....optim.master import foreach_copy
 
 __all__ = [
     "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network", "FP16Model",
@@ -33,6 +33,17 @@ __all__ = [
 ]
 
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
+
+
+def foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i: one foreach copy per (device, dst dtype, src dtype)."""
+    groups: Dict[tuple, tuple] = defaultdict(lambda: ([], []))
+    for d, s in zip(dst, src):
+        key = (d.device, d.dtype, s.dtype)
+        groups[key][0].append(d)
+        groups[key][1].append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
 
 
 class tofp16(nn.Module):
