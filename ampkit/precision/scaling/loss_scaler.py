@@ -167,8 +167,8 @@ def fresh_state() -> Dict[str, Any]:
     """One optimizer's state for an iteration (the default factory of ``_per_optimizer_states``), torch's
     ``_refresh_per_optimizer_state`` written here: torch's lives in ``torch/amp/grad_scaler.py``, which Dynamo
     skips, and a compiled step creates each iteration's state. With torch's, a compiled fp16 step loses the state
-    it recorded before ``update()`` on torch 2.13 ("No inf checks were recorded") and a compiled fp16-pure step
-    breaks once more on torch 2.11 (``test_compile_step.py``'s
+    it recorded before ``update()`` on torch 2.13 and 2.14 ("No inf checks were recorded") and a compiled fp16-pure
+    step breaks once more on torch 2.11 (``test_compile_step.py``'s
     ``test_each_copy_of_torchs_scaler_code_is_still_needed``)."""
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
@@ -393,7 +393,7 @@ class LossScaler(torch.amp.GradScaler):
         """torch's ``GradScaler.unscale_``, the same arithmetic (the fp64 reciprocal of the scale included), written
         here because Dynamo skips every function of ``torch/amp/grad_scaler.py``: a call into torch's is a graph
         break of ampkit's own in a compiled fp16-pure step (its fp16 grads are unscaled at the step), measured on
-        torch 2.11 and 2.13 (``test_compile_step.py``'s ``test_each_copy_of_torchs_scaler_code_is_still_needed``)."""
+        torch 2.11, 2.13 and 2.14 (``test_compile_step.py``'s ``test_each_copy_of_torchs_scaler_code_is_still_needed``)."""
         if not self._enabled:
             return
         if self._scale is None or self._growth_tracker is None:
@@ -475,22 +475,6 @@ class LossScaler(torch.amp.GradScaler):
             result = StepResult(found, stepped)
         state["stage"] = OptState.STEPPED
         return result if retval is None else retval
-
-    def record_found_inf(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-        """Record this iteration's non-finite flag for ``optimizer`` from a check made elsewhere (e.g.
-        the gradient norm clipping computes anyway), instead of ``unscale_``'s pass over the grads. The
-        grads count as unscaled: use it only when the scale is 1 (a check-only scaler)."""
-        if not self._enabled:
-            return
-        self._check_scale_growth_tracker("record_found_inf")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not OptState.READY:
-            raise RuntimeError("record_found_inf() must come before unscale_()/step() in an iteration.")
-        found = found_inf.to(device=self._scale.device, dtype=torch.float32).reshape(())
-        if distributed_active(self._distributed):
-            all_reduce_max(found)
-        state["found_inf_per_device"] = {found.device: found}
-        state["stage"] = OptState.UNSCALED
 
     def record_unscaled(self, optimizer: torch.optim.Optimizer, found_per_device: Dict[torch.device, torch.Tensor]) -> None:
         """Record ``optimizer``'s grads as unscaled already (``precision.backward`` unscaled them) with the inf/NaN
