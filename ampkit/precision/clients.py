@@ -8,12 +8,11 @@ import sys
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from .scaling.step_result import SkipFlag, StepResult
 
 __all__ = ["engine_wrapper", "unwrapped", "accelerate_accumulation_steps", "install_skip_flags", "mark_skipped",
-           "check_second_scaler", "check_scaled_backward", "stepped_object", "log"]
+           "check_second_scaler", "stepped_object", "log"]
 
 log = logging.getLogger("ampkit.precision")
 
@@ -123,24 +122,3 @@ def stepped_object(optimizer: Any) -> Any:
     kernels read must land on the torch optimizer itself); accelerate's and Lightning's wrappers are kept (their
     ``step`` does their own bookkeeping and delegates)."""
     return unwrapped(optimizer) if type(optimizer).__module__.split(".")[0] == "fastai" else optimizer
-
-
-def check_scaled_backward(name: str, scaler, unscale, optimizer) -> None:
-    """The scaled modes: refuse (one line) a step whose gradients no scaled loss made (the client's own
-    ``loss.backward()``/``accelerator.backward``: the step would divide true gradients by the loss scale, and
-    the weights move 65536x too little, silently), a second scaler on the loss (accelerate's fp16 one), and
-    gradients of parameters that no set-up model holds beside ones ``backward`` unscaled."""
-    check_second_scaler(optimizer, scaler)
-    if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
-        return
-    if unscale.found:
-        if not unscale.covers(optimizer):
-            raise RuntimeError(
-                "Precision.step(): the optimizer steps parameters of a model precision.setup() never saw, beside "
-                "ones precision.backward() unscaled: pass every model through precision.setup(model).")
-    elif not getattr(scaler, "loss_scaled", True):
-        raise RuntimeError(
-            f"Precision.step() found gradients no scaled loss made: precision={name!r} scales the loss in "
-            "precision.backward(loss), and without it the step divides true gradients by the loss scale "
-            "(weights move 65536x too little): call precision.backward(loss) instead of loss.backward() "
-            "or accelerator.backward(loss).")

@@ -1,9 +1,10 @@
 """A compiled optimizer step: ``precision.step`` under ``torch.compile`` without breaks or recompiles of its own.
 
 ``precision.step(optimizer, max_norm=...)`` (unscale, clip, non-finite check, step or skip, scale update,
-counters) traces whole in every mode: the scaler's step path is traceable (``scaling/traceable.py``), the loss
-scale and its growth tracker are device tensors updated by ``torch._amp_update_scale_``, and the skip
-decision stays on the device (fused kernels take ``found_inf``). What is left is the optimizer's:
+counters) traces whole in every mode: the scaler's step path calls none of torch's GradScaler methods (Dynamo
+skips them; ``scaling/loss_scaler.py``), the loss scale and its growth tracker are device tensors updated by
+``torch._amp_update_scale_``, and the skip decision stays on the device (fused kernels take ``found_inf``). What
+is left is the optimizer's:
 
 * torch's ``Optimizer.step`` wrapper breaks the graph around the update on purpose, and its fused
   kernels are ``torch.compiler.disable``-d (they run as the fused kernel, eagerly);

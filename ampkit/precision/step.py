@@ -4,9 +4,10 @@
 
     refuse         a max_norm that clips nothing, an optimizer the kind cannot step, a step no backward reached
                    (no gradients, or the very gradients an earlier step applied: no host sync, a version check)
-    fp16 modes     the loss scale (LossScaler, torch's GradScaler machinery):
-                     unscale (precision.backward did it where grads land in fp32) -> clip -> scaler.step (skips in
-                     the fused kernel) -> scaler.update (scale and counts)
+    fp16 modes     the loss scale (LossScaler, torch's GradScaler machinery, ``scaling/loss_scaler.py``):
+                     refuse grads no scaled loss made, a second scaler (an engine wrapper's), parameters no set-up
+                     model holds -> unscale (precision.backward did it where grads land in fp32: its flag is taken)
+                     -> clip -> scaler.step (skips in the fused kernel) -> scaler.update (scale and counts)
     other modes    no scaler (NonFiniteGuard): nonfinite="skip" (default)
                      clip (its norm is the check: 2 ops) or the grads' norms' check (3 ops) -> optimizer.step with
                      found_inf (the fused kernel skips and rolls its step count back) -> count (1 op)
@@ -16,8 +17,10 @@
     remember       the gradients stepped (a second step on them is refused)
 
 No host sync with an optimizer that takes ``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD); one read of
-the flag with any other, as in torch. A training step in the unscaled modes dispatches at most 4 aten ops more than
-the plain loop with the same fused optimizer with clipping, 5 without (``tests/precision/test_step_overhead.py``).
+the flag with any other, as in torch. A training step dispatches at most 4 aten ops more than the plain loop with the
+same fused optimizer (in fp16-mixed: than autocast + ``torch.amp.GradScaler``), 5 in the unscaled modes without
+clipping (the gradients' norms' check); ``step(optimizer, max_norm=1.0)`` is at most 12 ampkit calls in 3 files in
+bf16-master, 20 in 4 in fp16-mixed (``tests/precision/test_step_overhead.py``).
 """
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
-from .clients import check_scaled_backward, mark_skipped, unwrapped
+from .clients import check_second_scaler, mark_skipped, unwrapped
 from .scaling.counters import CONSECUTIVE, ITERATIONS, SKIPPED, SkipCounters
-from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS, step_outside_graph
+from .scaling.fused import step_outside_graph, steps_outside_graph
 from .scaling.nonfinite import all_reduce_max, nonfinite_flag, nonfinite_from_norm
 from .scaling.step_result import HostCopy, StepResult
 
@@ -69,11 +73,26 @@ def run_step(precision: Any, optimizer: Any, max_norm: Optional[float], norm_typ
 
     if precision.scales_loss:  # ---------------------------------------------------------------- fp16: the scaler
         scaler = precision.scaler
-        check_scaled_backward(precision.name, scaler, precision._backward_unscale, optimizer)
+        if not type(optimizer).__module__.startswith("torch."):  # an engine's wrapper may scale the loss too
+            check_second_scaler(optimizer, scaler)
+        if scaler.stage(optimizer) is OptState.READY and scaler._enabled:  # not unscaled by the caller yet
+            unscaled = precision._backward_unscale  # the grads precision.backward unscaled, and their flags
+            if unscaled.found:
+                if not unscaled.covers(optimizer):
+                    raise RuntimeError(
+                        "Precision.step(): the optimizer steps parameters of a model precision.setup() never saw, "
+                        "beside ones precision.backward() unscaled: pass every model through precision.setup(model).")
+                scaler.record_unscaled(optimizer, unscaled.take())
+            elif not scaler.loss_scaled:
+                raise RuntimeError(
+                    f"Precision.step() found gradients no scaled loss made: precision={precision.name!r} scales the "
+                    "loss in precision.backward(loss), and without it the step divides true gradients by the loss "
+                    "scale (weights move 65536x too little): call precision.backward(loss) instead of "
+                    "loss.backward() or accelerator.backward(loss).")
+            else:
+                scaler.unscale_(optimizer, to_model=False)  # fp16-pure: its fp16 grads stayed scaled until now
         if max_norm is not None:
-            precision.clip_grad_norm_(optimizer, max_norm, norm_type)  # unscales first (once)
-        else:
-            precision._unscale(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
         result = scaler.step(optimizer)
         if not isinstance(result, StepResult):  # the optimizer returned something: keep the flag anyway
             found = scaler.found_inf(optimizer)
@@ -95,10 +114,7 @@ def run_step(precision: Any, optimizer: Any, max_norm: Optional[float], norm_typ
         elif getattr(optimizer, "_step_supports_amp_scaling", False):  # the kernel skips (and rolls back its count)
             if guard.counters.limit is not None:
                 guard.check_skip_limit(optimizer)  # the last step's count, copied to the host without waiting
-            if compiling and (not DYNAMO_SETS_OPTIMIZER_ATTRS or type(optimizer).__module__.startswith("torch.")
-                              or hasattr(optimizer.step, "_wrapped_by_lr_sched")):
-                # torch's optimizers (and an LR scheduler's wrapper) break the graph at the step anyway, and Dynamo
-                # drops an attribute set before a break in an inlined frame: found_inf handed over outside the graph
+            if compiling and steps_outside_graph(optimizer):  # found_inf handed over outside the graph (fused.py)
                 step_outside_graph(optimizer, None, found, (), {})
             else:  # ampkit's compensated optimizers trace whole (fullgraph)
                 optimizer.found_inf = found

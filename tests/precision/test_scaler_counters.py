@@ -9,6 +9,7 @@ from torch import nn
 
 from ampkit import LossScaler, NonFiniteGradientsError
 from ampkit.precision.scaling.counters import STATE_KEYS, SkipCounters
+from ampkit.precision.scaling.loss_scaler import ScalerCounts
 from ampkit.precision.scaling.hysteresis import Hysteresis
 
 # a LossScaler(hysteresis=2, max_consecutive_skips=2) state dict as the pre-split scaler wrote it into a
@@ -69,7 +70,7 @@ def test_resumed_run_continues_its_hysteresis_counters_and_skip_limit(fused):
 
 
 def test_counters_count_on_the_device_and_read_when_asked():
-    c = SkipCounters(limit=None)
+    c = ScalerCounts(limit=None)
     assert c.read() == [0, 0, -1, 0] and c.tensor is None
     c.place(torch.device("cpu"))
     for found in (0.0, 1.0, 1.0, 0.0):

@@ -33,8 +33,7 @@ from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, p
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
 from ..options import PrecisionOptions
-from ..scaling.backward_unscale import BackwardUnscale
-from ..scaling.loss_scaler import LossScaler
+from ..scaling.loss_scaler import BackwardUnscale, LossScaler
 from ..scaling.step_result import StepResult
 from ..step import NonFiniteGuard, run_step
 from ..tuned import Tuned
@@ -408,7 +407,8 @@ class Precision:
 
     # ------------------------------------------------------------------ the loop
     #: whether ``backward`` unscales the gradients it made (the scaled modes whose gradients land in fp32
-    #: parameters: ``scaling/backward_unscale.py``); fp16-pure's fp16 gradients stay scaled until the step
+    #: parameters: ``scaling/loss_scaler.py``'s ``BackwardUnscale``); fp16-pure's fp16 gradients stay scaled until
+    #: the step
     unscales_in_backward = True
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:

@@ -1,5 +1,6 @@
-"""The loss scaler's skip telemetry, owned by it (``scaler.counters``): counted on the device (no sync
-inside step/update) and read when asked; the skip limit, checked one step late from a host copy started
+"""The skip telemetry of the loss scaler and of the unscaled modes' guard (``scaler.counters``): counted on the
+device (no sync inside step/update; each owner's ``count`` rule lives beside its step: ``loss_scaler.ScalerCounts``,
+``ampkit.precision.step``'s guard) and read when asked; the skip limit, checked one step late from a host copy started
 without waiting; and the parameter names the limit's error gives (which gradients went non-finite).
 
 The counters are ``[skipped, consecutive skips, last skipped iteration (-1: none), iterations]``: a
@@ -24,16 +25,6 @@ STATE_KEYS = ("optimizer_steps", "skipped_steps", "consecutive_skips", "last_ski
 SKIPPED, CONSECUTIVE, LAST_SKIP, ITERATIONS = range(4)
 
 
-def _count_rules(device: torch.device) -> tuple:
-    """The constants of ``SkipCounters.count``: where each counter reads from and what it adds when the
-    iteration is skipped, what it keeps and adds when it steps."""
-    gather = torch.tensor([SKIPPED, CONSECUTIVE, ITERATIONS, ITERATIONS], device=device)
-    skip_add = torch.tensor([1, 1, 0, 1], dtype=torch.int64, device=device)
-    keep = torch.tensor([1, 0, 1, 1], dtype=torch.int64, device=device)
-    step_add = torch.tensor([0, 0, 0, 1], dtype=torch.int64, device=device)
-    return gather, skip_add, keep, step_add
-
-
 @torch.compiler.disable
 def _check_outside_graph(counters: "SkipCounters", optimizer, scale_now: Callable[[], float]) -> None:
     """The skip limit inside a user's ``torch.compile``: the host copy is read outside the graph."""
@@ -56,7 +47,6 @@ class SkipCounters:
         self._device: Optional[torch.Tensor] = None
         self._host = [0, 0, -1, 0]
         self._pending: Optional[HostCopy] = None
-        self._rules: Optional[tuple] = None  # count()'s constant index/add/keep tensors, on the counters' device
 
     # ------------------------------------------------------------------ where the counts live
     def place(self, device: torch.device) -> None:
@@ -95,26 +85,10 @@ class SkipCounters:
         c = self.read()
         return c[ITERATIONS] - c[SKIPPED]
 
-    # ------------------------------------------------------------------ counting
+    # ------------------------------------------------------------------ counting (``count``: the owner's subclass)
     def count_unscaled(self) -> None:
         """An iteration of a disabled scaler (always steps; counted on the host)."""
         self._host[ITERATIONS] += 1
-
-    def count(self, found: torch.Tensor) -> None:
-        """Count an iteration on the device (no sync): skipped when ``found`` > 0 (any optimizer's grads
-        were non-finite). Starts the host copy of the consecutive count that the limit reads.
-
-        One ``where`` between the two outcomes, each built from the counters in one op, so an iteration
-        costs five small kernels (a launch-bound step on a GPU pays per kernel):
-        skipped -> [skipped + 1, consecutive + 1, iterations, iterations + 1];
-        stepped -> [skipped, 0, last skip, iterations + 1]."""
-        c = self._device
-        if self._rules is None or self._rules[0].device != c.device:
-            self._rules = _count_rules(c.device)
-        gather, skip_add, keep, step_add = self._rules
-        torch.where(found > 0, c[gather] + skip_add, torch.addcmul(step_add, c, keep), out=c)
-        if not torch.compiler.is_compiling():  # compiled: ``start_copy`` after the compiled call
-            self.start_copy()
 
     # ------------------------------------------------------------------ the skip limit
     def start_copy(self) -> None:
