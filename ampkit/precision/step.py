@@ -90,7 +90,7 @@ def run_step(precision: Any, optimizer: Any, max_norm: Optional[float], norm_typ
                     "scale (weights move 65536x too little): call precision.backward(loss) instead of "
                     "loss.backward() or accelerator.backward(loss).")
             else:
-                scaler.unscale_(optimizer, to_model=False)  # fp16-pure: its fp16 grads stayed scaled until now
+                scaler.unscale_(optimizer)  # fp16-pure: its fp16 grads stayed scaled until now
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
         result = scaler.step(optimizer)
