@@ -33,7 +33,7 @@ from ampkit.train.trainer import build_optimizer
 def _unguarded(spec: str, mode: str, batch_size: int, device: torch.device):
     w = build_workload(spec, batch_size, 4, 0, device)
     prec = Precision(mode, device, nonfinite="off", channels_last=False)
-    opt = build_optimizer(w.model, "adamw", 1e-3, 0.01, device, eps=prec.min_adam_eps)
+    opt = build_optimizer(w.model, "adamw", 1e-3, 0.01, device, eps=prec._min_adam_eps)
     model, opt = prec.setup(w.model, opt)
 
     def step(inputs, targets):

@@ -212,3 +212,51 @@ def test_the_counter_sees_the_old_mode_branches(tmp_path):
 # Guidance for reviews, not a test (issue 47: a line limit shaped the code instead of the design): a function's
 # body that does one thing fits a screen (about 60 lines); a module far longer than a few hundred lines likely
 # holds more than one job. Split by responsibility, never to win lines.
+
+
+# ---------------------------------------------------------------- the user API fits on one screen (issue 47)
+#: going away with MasterWeightOptimizer (issue 47, the one-master-design change): not counted
+_LEAVING = {"master_optimizer", "keeps_fp32_masters", "model_holds_masters"}
+_LOOP = ("Precision(", ".setup(model, optimizer)", "with precision.autocast():", "precision.backward(loss)",
+         "precision.step(optimizer, max_norm=1.0)", "optimizer.zero_grad(", "precision.describe()")
+
+
+def _public(cls):
+    return {n for n in dir(cls) if not n.startswith("_")} - _LEAVING
+
+
+def test_precision_has_at_most_25_public_names_each_named_in_its_docstring():
+    """What a user sees of ``Precision`` (``dir``, ``help``) is the loop's API; the integrations' hooks are the
+    private protocol (docs/ARCHITECTURE.md, "The integration protocol"). Each public name is in the class docstring,
+    so ``help(ampkit.Precision)`` is the whole API in one read."""
+    import ampkit
+
+    public = _public(ampkit.Precision)
+    assert len(public) <= 25, sorted(public)
+    doc = ampkit.Precision.__doc__
+    assert [n for n in sorted(public) if f"{n}" not in doc] == []
+    from ampkit.precision.kinds import KINDS
+
+    for kind in KINDS.values():
+        assert _public(kind) == public, kind  # a kind adds no public name of its own
+
+
+def test_precision_docstring_opens_with_the_readme_loop():
+    """``help(ampkit.Precision)`` reads as README.md's loop: its first lines are the loop, in order, before the
+    constructor's arguments."""
+    import ampkit
+
+    doc = ampkit.Precision.__doc__
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    loop_at = [doc.find(line) for line in _LOOP]
+    assert -1 not in loop_at and loop_at == sorted(loop_at), dict(zip(_LOOP, loop_at))
+    assert loop_at[-1] < doc.index("Args:") and doc.index("::") < 120  # the loop comes first
+    assert all(line in readme for line in _LOOP)
+
+
+def test_the_api_counter_sees_a_public_hook(monkeypatch):
+    """The count is of what a user sees: a hook without its underscore counts (and is missing from the docs)."""
+    import ampkit
+
+    monkeypatch.setattr(ampkit.Precision, "sync_grads", lambda self, optimizer: None, raising=False)
+    assert "sync_grads" in _public(ampkit.Precision) and "sync_grads" not in ampkit.Precision.__doc__

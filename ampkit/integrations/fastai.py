@@ -86,7 +86,7 @@ class AmpkitCallback(Callback):
                 raise ValueError(f"fastai's {kind} (to_fp16/to_bf16) scales the loss and enters autocast beside "
                                  "AmpkitCallback, which owns the precision: remove it (learn.remove_cb(MixedPrecision), "
                                  "or build the Learner without to_fp16()).")
-            if kind == "GradientClip" and self.precision.scales_loss and not self.precision.unscales_in_backward:
+            if kind == "GradientClip" and self.precision.scales_loss and not self.precision._unscales_in_backward:
                 raise ValueError(f"fastai's GradientClip would clip precision={self.precision.name!r}'s scaled fp16 "
                                  "gradients: drop it and pass AmpkitCallback(..., max_norm=...) instead.")
         opt = unwrapped(self.learn.opt)

@@ -49,7 +49,7 @@ def run_step(precision: Any, optimizer: Any, max_norm: Optional[float], norm_typ
     if isinstance(max_norm, (int, float)) and not max_norm > 0:  # 0, a negative or NaN would clip nothing, silently
         raise ValueError(f"Precision.step(max_norm={max_norm!r}): max_norm must be > 0, or None for no clipping; "
                          "nothing was stepped.")
-    precision.check_step_optimizer(optimizer)
+    precision._check_step_optimizer(optimizer)
     sync = getattr(optimizer, "sync_grads", None)  # apex's layout: the fp32 master grads from the model's
     if sync is not None:
         sync()

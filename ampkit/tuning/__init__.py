@@ -65,7 +65,7 @@ def tune(precision: Precision, model: nn.Module, inputs: Any, target: Any, loss_
         else:
             tuned = dataclasses.replace(tuned, mode=result["mode"], mode_reason=result["reason"],
                                         mode_ms=dict(result["ms"]))
-            precision = precision.retuned(tuned)  # the layout and kernels are measured in the chosen mode
+            precision = precision._retuned(tuned)  # the layout and kernels are measured in the chosen mode
     if precision.channels_last is None and has_conv2d(model):
         layout = _layout(precision, model, inputs, target, loss_fn, log, refresh)
         if layout is not None:
@@ -76,12 +76,12 @@ def tune(precision: Precision, model: nn.Module, inputs: Any, target: Any, loss_
             calls = attention_calls(precision, model, inputs)
         if calls:
             tuned = dataclasses.replace(tuned, attention={**tuned.attention, **kernel_verdicts(calls, log=log)})
-    return precision if tuned == precision.tuned else precision.retuned(tuned)
+    return precision if tuned == precision.tuned else precision._retuned(tuned)
 
 
 def _kernels_open(precision: Precision) -> bool:
     """Attention kernels are tuned for CPU 16-bit autocast, unless switched off or forced."""
-    return precision.op_policy_applies and forced_kernel() is None
+    return precision._op_policy_applies and forced_kernel() is None
 
 
 def _layout(precision: Precision, model, inputs, target, loss_fn, log, refresh=False):

@@ -51,7 +51,7 @@ def test_bf16_pure_scheduler_built_before_setup_drives_the_stepping_optimizer_af
     acc, prec, model, opt, sched = _setup("bf16-pure")
     for x, y in _data(3):
         with prec.autocast():
-            loss = nn.functional.cross_entropy(model(prec.convert_input(x)).float(), y)
+            loss = nn.functional.cross_entropy(model(prec._convert_input(x)).float(), y)
         prec.backward(loss)
         prec.step(opt)
         opt.zero_grad()

@@ -88,9 +88,9 @@ def test_auto_mode_and_channels_last_rule_without_a_batch(any_cpu_kind):
     p = ampkit.Precision("auto", "cpu")
     p.setup(model)
     assert p.name == ("bf16-mixed" if any_cpu_kind in FAST else "fp32")
-    assert p.uses_channels_last(model) == (any_cpu_kind in FAST)
+    assert p._uses_channels_last(model) == (any_cpu_kind in FAST)
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last) == (any_cpu_kind in FAST)
-    assert p.op_policy_applies == (any_cpu_kind in FAST)  # the attention policy works inside 16-bit autocast only
+    assert p._op_policy_applies == (any_cpu_kind in FAST)  # the attention policy works inside 16-bit autocast only
 
 
 def test_check_verdicts_and_auto_candidates(any_cpu_kind):

@@ -28,12 +28,12 @@ def test_every_mode_builds_its_kind():
         assert type(p) is cls and isinstance(p, Precision) and isinstance(p, ampkit.Precision)
         assert p.name == name and precision_class(name) is cls
     assert type(Precision("O2", "cpu")) is MasterPrecision  # aliases go through the same table
-    assert type(Precision("bf16-mixed", "cpu").retuned(Tuned())) is AutocastPrecision
+    assert type(Precision("bf16-mixed", "cpu")._retuned(Tuned())) is AutocastPrecision
 
 
 def test_auto_lands_on_the_tuned_kind_as_a_new_object():
     p = Precision("auto", "cpu")
-    q = p.retuned(Tuned(mode="bf16-pure", mode_reason="measured"))
+    q = p._retuned(Tuned(mode="bf16-pure", mode_reason="measured"))
     assert type(q) is PurePrecision and q is not p and q.requested == "auto"
     assert q.describe().startswith("auto -> bf16-pure (measured)")
     assert p.name != "bf16-pure"  # the first object is left as it was
@@ -92,7 +92,7 @@ def test_one_explicit_table_covers_every_kind_of_the_mode_table():
 
 def test_the_base_class_asks_the_kind_instead_of_testing_for_masters():
     """The shared code (Precision, its hook defaults, the step) never tests for a MasterWeightOptimizer: the
-    master kind's ``sync_grads``/``has_grads`` do, so unscale_ then clip works on the fp32 master grads."""
+    master kind's ``sync_grads``/``_has_grads`` do, so unscale_ then clip works on the fp32 master grads."""
     import ast
 
     from ampkit.precision.kinds import base
@@ -108,7 +108,7 @@ def test_the_base_class_asks_the_kind_instead_of_testing_for_masters():
         p = Precision("bf16-master", "cpu")
     opt = MasterWeightOptimizer(torch.optim.SGD(model.to(torch.bfloat16).parameters(), lr=0.1))  # apex-style
     p.backward(model(torch.randn(3, 4, dtype=torch.bfloat16)).float().square().mean())
-    assert all(m.grad is None for m in opt.master_params) and p.has_grads(opt)  # the model's grads count
+    assert all(m.grad is None for m in opt.master_params) and p._has_grads(opt)  # the model's grads count
     p.unscale_(opt)  # torch's documented pattern: unscale_, then clip what the step applies
     assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in opt.master_params)
     assert p.step(opt)

@@ -104,7 +104,7 @@ def test_tuned_verdicts_reach_the_policy(monkeypatch):
     monkeypatch.setattr(opspeed, "measure_sdpa", lambda *a, **k: {"choice": "split"})
     calls = _count_split(monkeypatch)
     untuned = Precision("bf16-mixed", "cpu")
-    assert untuned.attention_policy() is None  # nothing measured: torch's kernel, no mode pushed
+    assert untuned._attention_policy() is None  # nothing measured: torch's kernel, no mode pushed
     tuned = ampkit.tune(untuned, _Causal(), torch.randn(2, 16, 32), None, None)
     assert set(tuned.tuned.attention.values()) == {"split"} and calls["n"] == 0  # the survey ran torch's kernel
     _transformer_step(tuned)

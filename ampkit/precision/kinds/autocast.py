@@ -22,16 +22,16 @@ class AutocastPrecision(Precision):
         """``torch.autocast`` in the compute dtype; with the attention policy, an :class:`AutocastContext`
         (both entered afresh on every ``with``: build it once, enter it every micro-step, nest it, share
         it between threads or use it as a decorator, as a ``torch.autocast`` object)."""
-        policy = self.attention_policy()
+        policy = self._attention_policy()
         if policy is None:  # torch's own object: torch.compile traces it without a graph break
             return torch.autocast(device_type=self.device.type, dtype=self.mode.autocast_dtype)
         return AutocastContext(self.device.type, self.mode.autocast_dtype, policy)
 
-    def attention_policy(self) -> Optional[AttentionPolicy]:
+    def _attention_policy(self) -> Optional[AttentionPolicy]:
         """The scoped attention policy ``autocast()`` enters, or None where every call runs torch's kernel:
         a device other than CPU, ``op_policy=False``, ``AMPKIT_OP_POLICY=off``, or no tuned shape whose
         fastest kernel differs from torch's (then no mode is pushed at all)."""
-        if not self.op_policy_applies:
+        if not self._op_policy_applies:
             return None
         forced = forced_kernel()
         if forced == "native":
@@ -45,7 +45,7 @@ class AutocastPrecision(Precision):
         return cached
 
     @property
-    def op_policy_applies(self) -> bool:
+    def _op_policy_applies(self) -> bool:
         if self.op_policy is False or (self.op_policy is None and self.device.type != "cpu"):
             return False
         return policy_setting() != "off"

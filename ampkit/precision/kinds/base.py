@@ -56,25 +56,32 @@ def _options(device: Any, options: Optional[PrecisionOptions], kwargs: Dict[str,
 
 
 class Precision:
-    """One object per run that owns every precision decision: ``Precision(name=None, device=None, **options)``.
+    """One object per run that owns every precision decision. The loop (README.md)::
+
+        precision = ampkit.Precision("auto")                 # or "bf16-mixed", "fp16-master", "O2", ...
+        model, optimizer = precision.setup(model, optimizer)
+        for x, y in loader:
+            x, y = x.to(precision.device), y.to(precision.device)
+            with precision.autocast():                       # torch.autocast in the mode's compute dtype
+                loss = loss_fn(model(x), y)
+            precision.backward(loss)                         # scales the loss where the mode needs it
+            precision.step(optimizer, max_norm=1.0)          # unscale -> clip -> inf/NaN check -> step or skip
+            optimizer.zero_grad(set_to_none=True)
+        print(precision.describe(), "| skipped steps:", precision.skipped_steps)
+
+    The rest of the API, by what it is for:
+
+    - clip yourself: ``unscale_(optimizer)`` then your clipping, or ``clip_grad_norm_(optimizer, max_norm)``;
+    - checkpoint: ``state_dict()`` / ``load_state_dict(state)`` (loss scale, skip counts);
+    - export: ``fp32_state_dict(model)``, ``export(model)`` (a plain fp32 module), ``fp32_view(model)`` (for an EMA);
+    - read: ``skipped_steps``, ``optimizer_steps``, ``loss_scale``, ``kept_fp32``, ``is_setup``, ``kind``,
+      ``param_dtype``, ``compute_dtype``, ``fp8`` (the fp8 plan), ``options()``, ``with_options(**changes)``;
+    - set up in two halves (Lightning, Fabric, FSDP, apex): ``convert_module(model)`` then
+      ``wrap_optimizer(optimizer)``, exactly what ``setup`` does.
 
     ``name`` is a mode or an alias (``"auto"``, ``"bf16-mixed"``, ``"fp16-master"``, ``"O2"``, ``"16-mixed"``...:
-    docs/MODES.md); the object built is the class of the mode's kind (``ampkit.precision.kinds``). A loop::
-
-        precision = ampkit.Precision("bf16-master", max_consecutive_skips=100)
-        model, optimizer = precision.setup(model, optimizer)  # casts, fp32 masters or compensation, layout
-        for x, y in loader:
-            with precision.autocast():                       # build it once and re-enter it, or not
-                loss = loss_fn(model(x), y)
-            precision.backward(loss)                         # the loss scaled where the mode scales
-            precision.step(optimizer, max_norm=1.0)          # unscale, clip, inf/NaN check, step or skip
-            optimizer.zero_grad(set_to_none=True)
-        checkpoint = {"precision": precision.state_dict(), "model": ..., "optimizer": ...}  # load_state_dict
-
-    Also: ``unscale_(optimizer)`` (to clip yourself before ``step``), ``fp32_state_dict(model)`` (export),
-    ``describe()``, ``skipped_steps``, ``optimizer_steps``, ``loss_scale``. Integrations that set up in two
-    halves (Lightning, Fabric, FSDP, apex compat) call ``convert_module`` then ``wrap_optimizer`` (exactly what
-    ``setup`` does) and the other hooks in docs/api.md; a loop needs none.
+    docs/MODES.md); the object built is the class of the mode's kind (``ampkit.precision.kinds``). The hooks the
+    integrations call are private (``_``-prefixed: the integration protocol, docs/ARCHITECTURE.md).
 
     Args:
         name: canonical name or alias (``fp32``, ``fp16-mixed``, ``bf16-mixed``, ``fp16-master``,
@@ -213,11 +220,11 @@ class Precision:
         (:meth:`PrecisionOptions.replace` on :attr:`settings`, checked again); this one is left as it is."""
         return Precision(self.requested, options=self.settings.replace(**changes), tuned=self.tuned)
 
-    def retuned(self, tuned: Tuned) -> "Precision":
+    def _retuned(self, tuned: Tuned) -> "Precision":
         """A new precision with the same request and options and these measured decisions
         (what ``ampkit.tune`` returns; auto may land on another kind); this one is left as it is."""
         if self._setup_done:
-            raise RuntimeError("retuned() after setup(): tune before setting the model up.")
+            raise RuntimeError("_retuned() after setup(): tune before setting the model up.")
         return Precision(self.requested, options=self.settings, tuned=tuned)
 
     @property
@@ -268,12 +275,12 @@ class Precision:
         checks.mark_set_up(model, self.name, self.kind)
         if self.fp32_modules:
             apply_fp32_islands(model, self.fp32_modules)
-        if self.uses_channels_last(model):
+        if self._uses_channels_last(model):
             model.to(memory_format=torch.channels_last)
         self.scaler.register_names(model)
         self.model = model
         self._setup_done = True
-        if self.scales_loss and self.unscales_in_backward:  # the gradients backward unscales: every set-up model's
+        if self.scales_loss and self._unscales_in_backward:  # the gradients backward unscales: every set-up model's
             self._backward_unscale.add(model)
         return model
 
@@ -289,7 +296,7 @@ class Precision:
         checks.check_torch_optimizer(optimizer, self.name)
         given = optimizer
         optimizer = self._convert_optimizer(self._with_state(optimizer))
-        self.check_optimizer_eps(optimizer)
+        self._check_optimizer_eps(optimizer)
         optimizer = self._wrap_optimizer(optimizer)
         if optimizer is not given:
             optimizer = self._adopt(given, optimizer)
@@ -297,7 +304,7 @@ class Precision:
         self._name_optimizer(optimizer)
         return install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: clients.py)
 
-    def uses_channels_last(self, model: nn.Module) -> bool:
+    def _uses_channels_last(self, model: nn.Module) -> bool:
         """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
         (CPU, bf16 compute, 2-D convolutions)."""
         if self.channels_last is not None:
@@ -361,36 +368,36 @@ class Precision:
         """Context for forward + loss: torch.autocast in the mode's compute dtype (or nothing)."""
         return contextlib.nullcontext()
 
-    def attention_policy(self):
+    def _attention_policy(self):
         """The scoped attention policy ``autocast()`` enters, or None (always, without autocast)."""
         return None
 
     @property
-    def op_policy_applies(self) -> bool:
+    def _op_policy_applies(self) -> bool:
         """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
         return False
 
-    def convert_input(self, batch: Any) -> Any:
+    def _convert_input(self, batch: Any) -> Any:
         """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
         return batch
 
     @property
-    def min_adam_eps(self) -> Optional[float]:
+    def _min_adam_eps(self) -> Optional[float]:
         """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
         return None
 
-    def check_optimizer_eps(self, optimizer: Any) -> None:
-        """Raise a too-small Adam ``eps`` to ``min_adam_eps`` (fp16 optimizer state), with one warning."""
-        checks.check_eps(optimizer, self.name, self.min_adam_eps)
+    def _check_optimizer_eps(self, optimizer: Any) -> None:
+        """Raise a too-small Adam ``eps`` to ``_min_adam_eps`` (fp16 optimizer state), with one warning."""
+        checks.check_eps(optimizer, self.name, self._min_adam_eps)
 
-    def sync_grads(self, optimizer: torch.optim.Optimizer) -> None:
+    def _sync_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the grads the optimizer steps from the model's (before unscale and clip): nothing here, the
         optimizer holds the model's parameters; a master kind fills its fp32 master grads."""
 
-    def check_step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _check_step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse (one line) an optimizer this kind cannot step as it is (``step``): none here."""
 
-    def has_grads(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _has_grads(self, optimizer: torch.optim.Optimizer) -> bool:
         """Did a backward reach the parameters the optimizer updates? On the Python side only, no host
         sync; it stops at the first parameter with a grad."""
         return any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
@@ -402,7 +409,7 @@ class Precision:
         (apex's ``FP16_Optimizer`` has no precision object): ``precision_class("fp16-master").master_optimizer``."""
         return None
 
-    def fsdp_policy(self):
+    def _fsdp_policy(self):
         """FSDP2's ``MixedPrecisionPolicy`` for this kind: shards stay fp32 (they are the master weights),
         parameters all-gathered in the compute dtype, gradients reduced in fp32. A kind FSDP cannot run
         (16-bit parameters, fp8) raises a ValueError naming what to use instead."""
@@ -411,7 +418,7 @@ class Precision:
         low = self.mode.autocast_dtype
         return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
 
-    def fp32_policy(self):
+    def _fp32_policy(self):
         """FSDP2's policy for the modules kept fp32 (norms, ``fp32_modules``): gathered, computed and reduced in
         fp32, sharded as groups of their own so their block's 16-bit policy never casts them
         (``ampkit.precision.sharding``)."""
@@ -419,10 +426,10 @@ class Precision:
 
         return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
-    def prepare_fsdp(self):
-        """The ``fsdp_policy`` (the check). Built with ``strategy="fsdp"`` there is nothing else to do; built
+    def _prepare_fsdp(self):
+        """The ``_fsdp_policy`` (the check). Built with ``strategy="fsdp"`` there is nothing else to do; built
         without it (not yet set up), contiguous parameters only: ``channels_last`` off (asked for, an error)."""
-        policy = self.fsdp_policy()
+        policy = self._fsdp_policy()
         if self.strategy != "fsdp":
             if self.channels_last:
                 raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
@@ -433,7 +440,7 @@ class Precision:
     # ------------------------------------------------------------------ the loop
     #: whether ``backward`` unscales the gradients it made (the scaled modes whose gradients land in fp32
     #: parameters: ``scaling/backward_unscale.py``); fp16-pure's fp16 gradients stay scaled until the step
-    unscales_in_backward = True
+    _unscales_in_backward = True
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """loss.backward(), with the loss scaled first in the scaled modes and, where the gradients land in fp32
@@ -447,7 +454,7 @@ class Precision:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
             return
-        params = self._backward_unscale.params if self.unscales_in_backward and self.scaler.is_enabled() else None
+        params = self._backward_unscale.params if self._unscales_in_backward and self.scaler.is_enabled() else None
         if not params:
             self.scaler.scale(loss).backward(**kwargs)
             return
@@ -469,7 +476,7 @@ class Precision:
         also writes unscaled master grads back into the model's (``unscale_``)."""
         scaler = self.scaler
         if not self.scales_loss:  # the guard: check once per step (the step takes this flag)
-            self.sync_grads(optimizer)
+            self._sync_grads(optimizer)
             if scaler.is_enabled() and id(optimizer) not in scaler.checked:
                 scaler.ensure_initialized(self.device)  # backward() may not have come through us
                 grads = [p.grad for p in grads_params(optimizer)]
@@ -477,7 +484,7 @@ class Precision:
                     scaler.checked[id(optimizer)] = (scaler.check_norm(norm) if norm is not None
                                                      else scaler.check_grads(grads))
             return
-        self.sync_grads(optimizer)  # also takes the model grads changed since an earlier unscale_
+        self._sync_grads(optimizer)  # also takes the model grads changed since an earlier unscale_
         if scaler.stage(optimizer) is not OptState.READY or not scaler.is_enabled():
             return
         scaler.ensure_initialized(self.device)  # backward() may not have come through us

@@ -66,7 +66,7 @@ class MasterPrecision(CastParams):
     model_holds_masters = True
 
     @property
-    def unscales_in_backward(self) -> bool:
+    def _unscales_in_backward(self) -> bool:
         """The model's fp32 parameters take unscaled gradients; apex's layout (16-bit parameters) keeps them scaled."""
         return self.model_holds_masters
 
@@ -95,12 +95,12 @@ class MasterPrecision(CastParams):
             extra.insert(0, "16-bit params, fp32 masters in the optimizer (apex O2 layout)")
         return extra
 
-    def sync_grads(self, optimizer) -> None:
+    def _sync_grads(self, optimizer) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()  # the fp32 master grads from the model's (and any change made there)
 
-    def has_grads(self, optimizer) -> bool:  # a MasterWeightOptimizer: the model's params get the grads
-        return super().has_grads(optimizer) or (isinstance(optimizer, MasterWeightOptimizer) and
+    def _has_grads(self, optimizer) -> bool:  # a MasterWeightOptimizer: the model's params get the grads
+        return super()._has_grads(optimizer) or (isinstance(optimizer, MasterWeightOptimizer) and
                                                  any(p.grad is not None for p in optimizer.model_params))
 
     @classmethod

@@ -149,7 +149,7 @@ def initialize(
             model.register_forward_hook(_CastOutput(cast_model_outputs))
     for opt, master in zip(opt_list, masters):  # O3: the optimizer's state is fp16 like the weights;
         if master is None:  # an eps fp16 cannot hold is raised
-            precision.check_optimizer_eps(opt)
+            precision._check_optimizer_eps(opt)
 
     dynamic = props.dynamic
     for _ in range(num_losses):
