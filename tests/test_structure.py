@@ -260,3 +260,39 @@ def test_the_api_counter_sees_a_public_hook(monkeypatch):
 
     monkeypatch.setattr(ampkit.Precision, "sync_grads", lambda self, optimizer: None, raising=False)
     assert "sync_grads" in _public(ampkit.Precision) and "sync_grads" not in ampkit.Precision.__doc__
+
+
+# ---------------------------------------------------------------- clients' quirks live with the clients (issue 47)
+_CLIENTS = ("accelerate", "fastai", "lightning", "pytorch_lightning", "lightning_fabric", "ignite")
+
+
+def _client_names_in_code(root):
+    """(file, line, text) for each string constant in code (docstrings aside) under ``root`` that names a client
+    library or its modules: a module-name check, a ``sys.modules`` look-up, an attribute read by name."""
+    found = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            tree = ast.parse(open(path, encoding="utf-8").read(), path)
+            docs = {id(n.body[0].value) for n in ast.walk(tree)
+                    if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                    and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs \
+                        and n.value.split(".")[0] in _CLIENTS:
+                    found.append((os.path.relpath(path, ROOT), n.lineno, n.value))
+    return found
+
+
+def test_the_precision_core_reads_no_client_library():
+    """Accelerate's accumulation divisor and wrapper, fastai's and Lightning's wrappers, schedulers' skip flags:
+    ``ampkit/integrations/`` handles them; ``ampkit/precision/`` names none of those libraries in its code."""
+    assert _client_names_in_code(os.path.join(PKG, "precision")) == []
+
+
+def test_the_client_counter_sees_a_module_name_check(tmp_path):
+    (tmp_path / "m.py").write_text('"""accelerate in a docstring is fine."""\n'
+                                   'ENGINES = ("accelerate", "fastai")\nstate = "accelerate.state"\n')
+    assert sorted(v for _, _, v in _client_names_in_code(str(tmp_path))) == ["accelerate", "accelerate.state", "fastai"]

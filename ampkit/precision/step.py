@@ -2,7 +2,8 @@
 
 ::
 
-    refuse         a max_norm that clips nothing, an optimizer the kind cannot step, a step no backward reached
+    refuse         a max_norm that clips nothing, an optimizer the kind cannot step (or an engine's wrapper around
+                   one: ``ampkit.integrations`` step the torch optimizer inside), a step no backward reached
                    (no gradients, or the very gradients an earlier step applied: no host sync, a version check)
     fp16 modes     the loss scale (LossScaler, torch's GradScaler machinery):
                      unscale (precision.backward did it where grads land in fp32) -> clip -> scaler.step (skips in
@@ -12,7 +13,7 @@
                      found_inf (the fused kernel skips and rolls its step count back) -> count (1 op)
                    nonfinite="stop": the check, then torch._assert_async naming the step (no host sync)
                    nonfinite="off": optimizer.step as it is
-    tell           the skip flag where schedulers read it (``step_was_skipped``, accelerate's ``_is_overflow``)
+    tell           the skip flag where schedulers read it (``optimizer.step_was_skipped``)
     remember       the gradients stepped (a second step on them is refused)
 
 No host sync with an optimizer that takes ``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD); one read of
@@ -26,7 +27,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .clients import check_scaled_backward, mark_skipped, unwrapped
+from .checks import check_scaled_backward
+from .skip_flags import mark_skipped
 from .scaling.counters import CONSECUTIVE, ITERATIONS, SKIPPED, SkipCounters
 from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS, step_outside_graph
 from .scaling.nonfinite import all_reduce_max, nonfinite_flag, nonfinite_from_norm
@@ -41,11 +43,6 @@ _MARK = "_ampkit_stepped"  # a gradient's ``_version`` when a step applied it (s
 
 def run_step(precision: Any, optimizer: Any, max_norm: Optional[float], norm_type: float) -> StepResult:
     """``Precision.step``: see the module docstring."""
-    if type(optimizer).__module__.startswith("fastai"):  # its OptimWrapper: the fused kernel reads torch's optimizer
-        optimizer = unwrapped(optimizer)
-    gradient_state = getattr(optimizer, "gradient_state", None)  # accelerate's, inside ``accelerator.accumulate``
-    if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
-        return StepResult(stepped=False)
     if isinstance(max_norm, (int, float)) and not max_norm > 0:  # 0, a negative or NaN would clip nothing, silently
         raise ValueError(f"Precision.step(max_norm={max_norm!r}): max_norm must be > 0, or None for no clipping; "
                          "nothing was stepped.")

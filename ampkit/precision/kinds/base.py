@@ -15,6 +15,7 @@ fused AdamW/Adam/SGD; ``MasterWeightOptimizer`` over one) a step makes no host s
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -27,8 +28,7 @@ from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
-from ..clients import (accelerate_accumulation_steps, engine_wrapper, install_skip_flags, log, mark_skipped,
-                       unwrapped)
+from ..skip_flags import install_skip_flags
 from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, master_weights, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
@@ -39,7 +39,9 @@ from ..scaling.step_result import StepResult
 from ..step import NonFiniteGuard, run_step
 from ..tuned import Tuned
 
-__all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params", "accelerate_accumulation_steps", "mark_skipped"]
+__all__ = ["Precision", "grads_params"]
+
+log = logging.getLogger("ampkit.precision")
 
 def grads_params(optimizer) -> List[torch.Tensor]:
     """The optimizer's parameters that hold a gradient."""
@@ -287,12 +289,9 @@ class Precision:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer this kind steps for one built over the converted model (``convert_module``): its moments
         in ``optimizer_state``, the kind's own treatment (:meth:`_convert_optimizer`: fused kernel, masters
-        adopted, bf16-pure's compensated optimizer), the Adam ``eps`` check. An engine's wrapper (accelerate,
-        Lightning) keeps its place: the optimizer inside is made this kind's."""
-        holder, attr = engine_wrapper(optimizer)
-        if holder is not None:
-            setattr(holder, attr, self.wrap_optimizer(getattr(holder, attr)))
-            return install_skip_flags(holder)
+        adopted, bf16-pure's compensated optimizer), the Adam ``eps`` check. The torch optimizer itself: an
+        engine's wrapper around one is refused (set up first, then let the engine wrap it: docs/INTEGRATIONS.md)."""
+        checks.check_not_wrapped(optimizer, "wrap_optimizer")
         checks.check_torch_optimizer(optimizer, self.name)
         given = optimizer
         optimizer = self._convert_optimizer(self._with_state(optimizer))
@@ -302,7 +301,7 @@ class Precision:
             optimizer = self._adopt(given, optimizer)
         self._optimizer = optimizer  # where fp32_state_dict finds the masters / Kahan buffers
         self._name_optimizer(optimizer)
-        return install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: clients.py)
+        return install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: skip_flags.py)
 
     def _uses_channels_last(self, model: nn.Module) -> bool:
         """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
@@ -395,7 +394,10 @@ class Precision:
         optimizer holds the model's parameters; a master kind fills its fp32 master grads."""
 
     def _check_step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse (one line) an optimizer this kind cannot step as it is (``step``): none here."""
+        """Refuse (one line) an optimizer this kind cannot step as it is (``step``): here an engine's wrapper (the
+        integrations step the torch optimizer inside, ``ampkit.integrations``)."""
+        if not hasattr(optimizer, "_ampkit_skip_flags"):  # one wrap_optimizer never saw (set up ones pass: no call)
+            checks.check_not_wrapped(optimizer, "step")
 
     def _has_grads(self, optimizer: torch.optim.Optimizer) -> bool:
         """Did a backward reach the parameters the optimizer updates? On the Python side only, no host
@@ -445,11 +447,8 @@ class Precision:
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """loss.backward(), with the loss scaled first in the scaled modes and, where the gradients land in fp32
         parameters (fp16-mixed, fp16-master), unscaled (and checked for inf/NaN, on the device) before it returns:
-        nothing after ``backward`` sees scaled gradients. Under an ``accelerate.Accelerator`` built with
-        ``gradient_accumulation_steps=N`` the loss is divided by N first, as ``accelerator.backward`` does."""
-        steps = accelerate_accumulation_steps()
-        if steps > 1:
-            loss = loss / steps
+        nothing after ``backward`` sees scaled gradients. Under accumulation, divide the loss by the window yourself
+        (``ampkit.integrations.accelerate.backward`` does, as ``accelerator.backward``)."""
         if not self.scales_loss:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
@@ -538,7 +537,7 @@ class Precision:
     def fp32_view(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Fp32View:
         """An fp32 copy of the model's weights that follows it (``ampkit.precision.export.Fp32View``): give
         ``view.module`` to an EMA and call ``view.refresh()`` after each step (docs/INTEGRATIONS.md, "EMA")."""
-        opt = unwrapped(optimizer if optimizer is not None else getattr(self, "_optimizer", None))
+        opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
         return Fp32View(model, opt, self.fp32_state_dict(model, opt))
 
     def state_dict(self) -> Dict[str, Any]:

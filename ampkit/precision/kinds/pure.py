@@ -9,7 +9,6 @@ import torch
 from ...optim import CompensatedOptimizer, compensated_from
 from ...optim.state import with_state_precision
 from ..checks import FP16_STATE_MIN_EPS
-from .base import unwrapped
 from .cast import CastParams
 
 __all__ = ["PurePrecision"]
@@ -89,11 +88,11 @@ class PurePrecision(CastParams):
         """bf16-pure: the optimizer stepped must be the compensated one (``setup(model, optimizer)`` or
         ``wrap_optimizer`` made it): a plain one would round every update away unseen. fp16-pure: an optimizer
         built after ``setup(model)`` gets the Adam ``eps`` check ``setup`` would have made (once: it raises eps)."""
+        super()._check_step_optimizer(optimizer)
         if not self.mode.compensated:
             if not torch.compiler.is_compiling():
                 self._check_optimizer_eps(optimizer)
             return
-        optimizer = unwrapped(optimizer)
         if not isinstance(optimizer, CompensatedOptimizer) \
                 and not getattr(optimizer, "_ampkit_compensated", False):
             raise TypeError(
