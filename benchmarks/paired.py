@@ -46,6 +46,21 @@ def _unguarded(spec: str, mode: str, batch_size: int, device: torch.device):
     return step, w
 
 
+def alternate(variants, rounds: int):
+    """Each variant's step times, the variants run in turn (A B C | C B A | ...), the first 2 rounds untimed."""
+    names = list(variants)
+    times = {k: [] for k in names}
+    for i in range(rounds):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            fn, w = variants[k]
+            x, y = w.batches[i % len(w.batches)]
+            t0 = time.perf_counter()
+            fn(x, y)
+            if i >= 2:
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="cnn | resnet | gpt | mlp")
@@ -69,15 +84,7 @@ def main() -> None:
         step(*w.batches[1])
         variants["ampkit-compiled"] = (step, w)
     names = list(variants)
-    times = {k: [] for k in names}
-    for i in range(args.rounds):
-        for k in (names if i % 2 == 0 else names[::-1]):
-            fn, w = variants[k]
-            x, y = w.batches[i % len(w.batches)]
-            t0 = time.perf_counter()
-            fn(x, y)
-            if i >= 2:
-                times[k].append(time.perf_counter() - t0)
+    times = alternate(variants, args.rounds)
     loop = times["torch-loop"]
     print(f"{args.model} {args.precision} batch {bs}, {len(loop)} paired steps; ratio > 1: faster than the plain loop")
     for k in names:

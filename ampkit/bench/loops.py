@@ -24,6 +24,7 @@ from torch import nn
 from ..precision import Precision, compile_model, compile_step
 from ..train.trainer import build_optimizer
 from ..tuning import tune
+from ..tuning.attention import policy_applies, policy_for
 from ..utils.batch import call_model
 from .workload import Workload
 
@@ -79,8 +80,8 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float,
         return loss.detach()
 
     policy = ""
-    if precision._op_policy_applies:
-        kernels = precision._attention_policy()
+    if policy_applies(precision):
+        kernels = policy_for(precision)
         policy = ", attention kernels " + (
             "torch's" if kernels is None else
             (f"forced {kernels.forced}" if kernels.forced else ", ".join(sorted(set(kernels.kernels.values())))))

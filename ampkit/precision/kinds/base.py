@@ -110,9 +110,10 @@ class Precision:
             layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
             CPU 16-bit compute with conv layers.
         frozen: the pure modes: ``"cast"`` (default) or ``"keep"`` frozen params in their dtype (docs/BF16_PURE.md).
-        op_policy: speed-aware per-op kernel choice inside ``autocast()`` (``ampkit.precision.attention``:
-            e.g. attention backward in fp32 where this CPU runs it faster), with the verdicts
-            ``ampkit.tune`` measured; None = on for CPU 16-bit compute unless ``AMPKIT_OP_POLICY=off``.
+        op_policy: the CPU attention kernels ``ampkit.tune`` measures per shape and switches on for the model
+            it tuned (``ampkit.tuning.attention``: e.g. GEMM attention where this CPU runs it faster than torch's
+            flash kernel), in the autocast modes; None = on for CPU 16-bit autocast unless
+            ``AMPKIT_OP_POLICY=off``; False: torch's kernels, nothing measured.
         compensation: bf16-pure only: how updates land in the bf16 weights, ``"kahan"`` (default,
             a bf16 buffer per param), ``"stochastic"`` (stochastic rounding, no buffer) or
             ``"none"`` (plain rounding; small updates are lost). ``setup`` swaps a torch
@@ -366,15 +367,6 @@ class Precision:
     def autocast(self):
         """Context for forward + loss: torch.autocast in the mode's compute dtype (or nothing)."""
         return contextlib.nullcontext()
-
-    def _attention_policy(self):
-        """The scoped attention policy ``autocast()`` enters, or None (always, without autocast)."""
-        return None
-
-    @property
-    def _op_policy_applies(self) -> bool:
-        """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
-        return False
 
     def _convert_input(self, batch: Any) -> Any:
         """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
