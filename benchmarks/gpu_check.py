@@ -147,7 +147,7 @@ def sync_free_steps(device: str, steps: int = 3) -> str:
 
         def one():
             with p.autocast():
-                loss = model(p.convert_input(x)).float().pow(2).mean()
+                loss = model(p._convert_input(x)).float().pow(2).mean()
             p.backward(loss)
             p.step(opt, max_norm=1.0)
             opt.zero_grad(set_to_none=True)
@@ -248,7 +248,7 @@ def fsdp_modes(device: str, steps: int = 4) -> str:
         for _ in range(steps):
             x, y = torch.randn(16, 32, generator=g).to(device), torch.randint(0, 16, (16,), generator=g).to(device)
             with prec.autocast():
-                loss = nn.functional.cross_entropy(model(prec.convert_input(x)).float(), y)
+                loss = nn.functional.cross_entropy(model(prec._convert_input(x)).float(), y)
             prec.backward(loss)
             prec.step(opt, max_norm=1.0)
             opt.zero_grad(set_to_none=True)
@@ -275,7 +275,7 @@ def fsdp_modes(device: str, steps: int = 4) -> str:
             kw = {"fused_optimizer": False}
             try:
                 prec = ampkit.Precision(mode, device, **kw)
-                prec.prepare_fsdp()
+                prec._prepare_fsdp()
             except Exception as e:
                 refused.append(f"{mode} ({str(e).splitlines()[0][:70]})")
                 continue
@@ -293,7 +293,7 @@ def fsdp_modes(device: str, steps: int = 4) -> str:
                 path = os.path.join(tmp, "ck")
                 sharded.save_sharded(model, opt, {"precision": prec.state_dict()}, path)
                 prec2 = ampkit.Precision(mode, device, **kw)
-                prec2.prepare_fsdp()
+                prec2._prepare_fsdp()
                 fresh = shard_fsdp(prec2.setup(net())[0], prec2)
                 opt2 = prec2.wrap_optimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-3))
                 sharded.load_model_and_optimizer(fresh, opt2, sharded.read_sharded(path), fsdp=True)

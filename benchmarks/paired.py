@@ -33,7 +33,7 @@ from ampkit.train.trainer import build_optimizer
 def _unguarded(spec: str, mode: str, batch_size: int, device: torch.device):
     w = build_workload(spec, batch_size, 4, 0, device)
     prec = Precision(mode, device, nonfinite="off", channels_last=False)
-    opt = build_optimizer(w.model, "adamw", 1e-3, 0.01, device, eps=prec.min_adam_eps)
+    opt = build_optimizer(w.model, "adamw", 1e-3, 0.01, device, eps=prec._min_adam_eps)
     model, opt = prec.setup(w.model, opt)
 
     def step(inputs, targets):
@@ -44,6 +44,21 @@ def _unguarded(spec: str, mode: str, batch_size: int, device: torch.device):
         opt.zero_grad(set_to_none=True)
 
     return step, w
+
+
+def alternate(variants, rounds: int):
+    """Each variant's step times, the variants run in turn (A B C | C B A | ...), the first 2 rounds untimed."""
+    names = list(variants)
+    times = {k: [] for k in names}
+    for i in range(rounds):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            fn, w = variants[k]
+            x, y = w.batches[i % len(w.batches)]
+            t0 = time.perf_counter()
+            fn(x, y)
+            if i >= 2:
+                times[k].append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
@@ -69,15 +84,7 @@ def main() -> None:
         step(*w.batches[1])
         variants["ampkit-compiled"] = (step, w)
     names = list(variants)
-    times = {k: [] for k in names}
-    for i in range(args.rounds):
-        for k in (names if i % 2 == 0 else names[::-1]):
-            fn, w = variants[k]
-            x, y = w.batches[i % len(w.batches)]
-            t0 = time.perf_counter()
-            fn(x, y)
-            if i >= 2:
-                times[k].append(time.perf_counter() - t0)
+    times = alternate(variants, args.rounds)
     loop = times["torch-loop"]
     print(f"{args.model} {args.precision} batch {bs}, {len(loop)} paired steps; ratio > 1: faster than the plain loop")
     for k in names:

@@ -212,3 +212,85 @@ def test_the_counter_sees_the_old_mode_branches(tmp_path):
 # Guidance for reviews, not a test (issue 47: a line limit shaped the code instead of the design): a function's
 # body that does one thing fits a screen (about 60 lines); a module far longer than a few hundred lines likely
 # holds more than one job. Split by responsibility, never to win lines.
+
+
+# ---------------------------------------------------------------- the user API fits on one screen (issue 47)
+_LOOP = ("Precision(", ".setup(model, optimizer)", "with precision.autocast():", "precision.backward(loss)",
+         "precision.step(optimizer, max_norm=1.0)", "optimizer.zero_grad(", "precision.describe()")
+
+
+def _public(cls):
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+def test_precision_has_at_most_25_public_names_each_named_in_its_docstring():
+    """What a user sees of ``Precision`` (``dir``, ``help``) is the loop's API; the integrations' hooks are the
+    private protocol (docs/ARCHITECTURE.md, "The integration protocol"). Each public name is in the class docstring,
+    so ``help(ampkit.Precision)`` is the whole API in one read."""
+    import ampkit
+
+    public = _public(ampkit.Precision)
+    assert len(public) <= 25, sorted(public)
+    doc = ampkit.Precision.__doc__
+    assert [n for n in sorted(public) if f"{n}" not in doc] == []
+    from ampkit.precision.kinds import KINDS
+
+    for kind in KINDS.values():
+        assert _public(kind) == public, kind  # a kind adds no public name of its own
+
+
+def test_precision_docstring_opens_with_the_readme_loop():
+    """``help(ampkit.Precision)`` reads as README.md's loop: its first lines are the loop, in order, before the
+    constructor's arguments."""
+    import ampkit
+
+    doc = ampkit.Precision.__doc__
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    loop_at = [doc.find(line) for line in _LOOP]
+    assert -1 not in loop_at and loop_at == sorted(loop_at), dict(zip(_LOOP, loop_at))
+    assert loop_at[-1] < doc.index("Args:") and doc.index("::") < 120  # the loop comes first
+    assert all(line in readme for line in _LOOP)
+
+
+def test_the_api_counter_sees_a_public_hook(monkeypatch):
+    """The count is of what a user sees: a hook without its underscore counts (and is missing from the docs)."""
+    import ampkit
+
+    monkeypatch.setattr(ampkit.Precision, "sync_grads", lambda self, optimizer: None, raising=False)
+    assert "sync_grads" in _public(ampkit.Precision) and "sync_grads" not in ampkit.Precision.__doc__
+
+
+# ---------------------------------------------------------------- clients' quirks live with the clients (issue 47)
+_CLIENTS = ("accelerate", "fastai", "lightning", "pytorch_lightning", "lightning_fabric", "ignite")
+
+
+def _client_names_in_code(root):
+    """(file, line, text) for each string constant in code (docstrings aside) under ``root`` that names a client
+    library or its modules: a module-name check, a ``sys.modules`` look-up, an attribute read by name."""
+    found = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            tree = ast.parse(open(path, encoding="utf-8").read(), path)
+            docs = {id(n.body[0].value) for n in ast.walk(tree)
+                    if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                    and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs \
+                        and n.value.split(".")[0] in _CLIENTS:
+                    found.append((os.path.relpath(path, ROOT), n.lineno, n.value))
+    return found
+
+
+def test_the_precision_core_reads_no_client_library():
+    """Accelerate's accumulation divisor and wrapper, fastai's and Lightning's wrappers, schedulers' skip flags:
+    ``ampkit/integrations/`` handles them; ``ampkit/precision/`` names none of those libraries in its code."""
+    assert _client_names_in_code(os.path.join(PKG, "precision")) == []
+
+
+def test_the_client_counter_sees_a_module_name_check(tmp_path):
+    (tmp_path / "m.py").write_text('"""accelerate in a docstring is fine."""\n'
+                                   'ENGINES = ("accelerate", "fastai")\nstate = "accelerate.state"\n')
+    assert sorted(v for _, _, v in _client_names_in_code(str(tmp_path))) == ["accelerate", "accelerate.state", "fastai"]

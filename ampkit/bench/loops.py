@@ -24,6 +24,7 @@ from torch import nn
 from ..precision import Precision, compile_model, compile_step
 from ..train.trainer import build_optimizer
 from ..tuning import tune
+from ..tuning.attention import policy_applies, policy_for
 from ..utils.batch import call_model
 from .workload import Workload
 
@@ -66,7 +67,7 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float,
     inputs, targets = workload.batches[0]
     precision = Precision(mode, device, **({"fp8_filter": fp8_filter} if fp8_filter else {}))
     precision = tune(precision, workload.model, inputs, targets, workload.loss_fn)
-    optimizer = build_optimizer(workload.model, "adamw", lr, 0.01, device, eps=precision.min_adam_eps)
+    optimizer = build_optimizer(workload.model, "adamw", lr, 0.01, device, eps=precision._min_adam_eps)
     model, optimizer = precision.setup(workload.model, optimizer)
     loss_fn = workload.loss_fn
 
@@ -79,12 +80,12 @@ def _ampkit_step(workload: Workload, mode: str, device: torch.device, lr: float,
         return loss.detach()
 
     policy = ""
-    if precision.op_policy_applies:
-        kernels = precision.attention_policy()
+    if policy_applies(precision):
+        kernels = policy_for(precision)
         policy = ", attention kernels " + (
             "torch's" if kernels is None else
             (f"forced {kernels.forced}" if kernels.forced else ", ".join(sorted(set(kernels.kernels.values())))))
-    if precision.uses_channels_last(model):
+    if precision._uses_channels_last(model):
         policy += ", channels_last"
     if precision.fp8 is not None:
         policy += f", {precision.fp8.describe()}"

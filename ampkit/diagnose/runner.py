@@ -104,8 +104,8 @@ def prepare(model: nn.Module, name: str, device: torch.device, fp32_modules: Seq
     clone.train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 'fp16 on CPU is slow': known, the check runs anyway
-        # untuned: torch's attention kernels (AMPKIT_OP_POLICY=split|math forces ampkit's, which training
-        # uses only where ampkit.tune measured them faster)
+        # untuned: torch's attention kernels (training uses ampkit's only where ampkit.tune measured them faster
+        # and switched them on for the model: ampkit.tuning.attention)
         prec = Precision(name, device, fp32_modules=tuple(fp32_modules), channels_last=False, **options)
     clone, _ = prec.setup(clone, None)
     return clone, prec

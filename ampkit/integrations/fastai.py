@@ -37,7 +37,6 @@ except ImportError as e:  # pragma: no cover - exercised only without fastai
                       "in ampkit's checkout pip install '.[clients]' (its core's dependencies, without torchvision).") from e
 
 from ..precision import Precision
-from ..precision.kinds.base import unwrapped
 from ..utils.tree import cast_floating
 
 __all__ = ["AmpkitCallback", "torch_opt_func"]
@@ -86,15 +85,21 @@ class AmpkitCallback(Callback):
                 raise ValueError(f"fastai's {kind} (to_fp16/to_bf16) scales the loss and enters autocast beside "
                                  "AmpkitCallback, which owns the precision: remove it (learn.remove_cb(MixedPrecision), "
                                  "or build the Learner without to_fp16()).")
-            if kind == "GradientClip" and self.precision.scales_loss and not self.precision.unscales_in_backward:
+            if kind == "GradientClip" and self.precision.scales_loss and not self.precision._unscales_in_backward:
                 raise ValueError(f"fastai's GradientClip would clip precision={self.precision.name!r}'s scaled fp16 "
                                  "gradients: drop it and pass AmpkitCallback(..., max_norm=...) instead.")
-        opt = unwrapped(self.learn.opt)
+        opt = getattr(self.learn.opt, "opt", self.learn.opt)  # the torch optimizer inside fastai's OptimWrapper
+        if not isinstance(opt, torch.optim.Optimizer):  # fastai's own Optimizer: its state in its own layout
+            raise TypeError(f"AmpkitCallback sets up a torch.optim.Optimizer, got fastai's {type(opt).__name__}: build "
+                            "the Learner with opt_func=partial(OptimWrapper, opt=torch.optim.AdamW) (fastai's wrapper "
+                            "around a torch optimizer; ampkit.integrations.fastai.torch_opt_func does this).")
         if opt is not self._opt:  # a new optimizer (the first fit, or reset_opt): set it up; the model once
             if not self.precision.is_setup:
                 self.learn.model = self.precision.convert_module(self.learn.model)
-            self.precision.wrap_optimizer(self.learn.opt)  # in place: fastai's OptimWrapper keeps its object
-            self._opt = opt
+            stepped = self.precision.wrap_optimizer(opt)  # in place: fastai's OptimWrapper keeps its object
+            if stepped is not opt:  # (apex's layout only: the wrapper drives the one ampkit steps)
+                self.learn.opt.opt = stepped
+            self._opt = stepped
 
     def before_batch(self) -> None:
         self._ctx = self.precision.autocast()

@@ -128,7 +128,7 @@ class _Core:
 
         from ..precision.sharding import shard_units
 
-        self.ampkit.prepare_fsdp()  # the kind's FSDP check, contiguous parameters
+        self.ampkit._prepare_fsdp()  # the kind's FSDP check, contiguous parameters
         if id(module) not in self._converted:
             module = _Core.convert_module(self, module)
         elif any(not p.is_contiguous() for p in module.parameters()):  # Fabric converted it first
@@ -155,7 +155,7 @@ class _Core:
         return self.ampkit.autocast()
 
     def convert_input(self, data: Any) -> Any:
-        return self.ampkit.convert_input(data)
+        return self.ampkit._convert_input(data)
 
     def convert_output(self, data: Any) -> Any:
         """Floating outputs in ``torch.get_default_dtype()`` (fp32) in every 16-bit mode, autocast ones included,

@@ -211,7 +211,7 @@ class StepTracer:
 
 def _trace_fsdp(fmodel, fbatch, prec: Precision, tracer: StepTracer, live: LiveBytes, mode) -> int:
     """The FSDP rank's steps under a fake process group; the bytes at rest after them."""
-    prec.fsdp_policy()  # the kind refuses what FSDP cannot shard (built with strategy="fsdp": contiguous)
+    prec._fsdp_policy()  # the kind refuses what FSDP cannot shard (built with strategy="fsdp": contiguous)
     with fake_group(tracer.world_size) as group:
         from torch.distributed.device_mesh import DeviceMesh
 

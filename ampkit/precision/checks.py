@@ -11,13 +11,14 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import OptState
 
 from ..utils.warn import user_stacklevel
 from .capability import FAST, SLOW, DeviceInfo, capability
 from .modes import Mode
 
-__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_torch_optimizer", "check_eps", "use_fused_kernel", "channels_last_rule",
-           "fused_sgd_on_dtensors"]
+__all__ = ["FP16_STATE_MIN_EPS", "check_hardware", "check_torch_optimizer", "check_not_wrapped",
+           "check_eps", "use_fused_kernel", "channels_last_rule", "fused_sgd_on_dtensors"]
 
 # Adam's eps where the optimizer state is fp16 (fp16-pure): the second moment v is stored in fp16,
 # whose smallest subnormal is 6e-8, so sqrt(v) is either 0 or >= 2.4e-4. With eps=1e-8 a gradient
@@ -52,15 +53,32 @@ def check_hardware(mode: Mode, device: torch.device, info: DeviceInfo) -> None:
 
 
 def check_torch_optimizer(optimizer: Any, name: str) -> None:
-    """Refuse, in one line naming the fix, an optimizer that is not a ``torch.optim.Optimizer`` (fastai's own
-    ``Optimizer`` keeps its state in its own layout: no ``defaults``, ``state_dict`` or hooks ampkit can drive)."""
+    """Refuse, in one line naming the fix, an optimizer that is not a ``torch.optim.Optimizer`` (another library's
+    own optimizer keeps its state in its own layout: no ``defaults``, ``state_dict`` or hooks ampkit can drive)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return
     cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    fix = ("build the Learner with opt_func=partial(OptimWrapper, opt=torch.optim.AdamW) (fastai's wrapper around a "
-           "torch optimizer; ampkit.integrations.fastai.torch_opt_func does this)" if cls.startswith("fastai.")
-           else "build a torch optimizer (torch.optim.AdamW...) over model.parameters()")
-    raise TypeError(f"precision={name!r} sets up a torch.optim.Optimizer, got {cls}: {fix}.")
+    raise TypeError(f"precision={name!r} sets up a torch.optim.Optimizer, got {cls}: build a torch optimizer "
+                    "(torch.optim.AdamW...) over model.parameters().")
+
+
+#: where an engine's optimizer wrapper keeps the torch optimizer it drives (accelerate's ``AcceleratedOptimizer``:
+#: ``optimizer``, Lightning's ``LightningOptimizer``: ``_optimizer``, fastai's ``OptimWrapper``: ``opt``)
+_WRAPPED_IN = ("optimizer", "_optimizer", "opt")
+
+
+def check_not_wrapped(optimizer: Any, call: str) -> None:
+    """Refuse (one line) another object's wrapper around a torch optimizer: ``Precision`` sets up and steps the torch
+    optimizer itself; the wrappers' bookkeeping (accumulation windows, schedulers' skip flags) is the integrations'
+    (``ampkit.integrations``). Duck-typed: no client is imported or named; ampkit's own wrappers pass."""
+    for attr in _WRAPPED_IN:
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer \
+                and not type(optimizer).__module__.startswith("ampkit."):
+            raise TypeError(
+                f"Precision.{call}() takes the torch optimizer itself, got a {type(optimizer).__name__} wrapping one: "
+                f"pass its .{attr} (accelerate: precision.setup before accelerator.prepare, then "
+                "ampkit.integrations.accelerate.step; docs/INTEGRATIONS.md).")
 
 
 def check_eps(optimizer: Any, name: str, low: Optional[float]) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..optim import CompensatedOptimizer
-from .clients import install_skip_flags
+from .skip_flags import install_skip_flags
 from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 
 __all__ = ["tensor_lr_", "takes_tensor_lr", "compile_step", "compile_model", "repeated_blocks"]
@@ -86,7 +86,7 @@ def compile_step(precision: Any, optimizer: Any = None, *, backend: Union[str, C
                          "hand the loss scale to the optimizer inside a graph; drop fullgraph=True (one graph break "
                          "there) or upgrade torch.")
     if optimizer is not None:
-        install_skip_flags(optimizer)  # the step updates them in place (clients.py): no setattr in the graph
+        install_skip_flags(optimizer)  # the step updates them in place (skip_flags.py): no setattr in the graph
         if tensor_lr:
             tensor_lr_(optimizer)
 

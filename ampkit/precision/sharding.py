@@ -8,7 +8,20 @@ from typing import Dict, List
 
 from torch import nn
 
-__all__ = ["fsdp_kept_fp32", "fsdp_units", "shard_units"]
+__all__ = ["fsdp_kept_fp32", "fsdp_policy", "fp32_policy", "fsdp_units", "shard_units"]
+
+
+def fsdp_policy(precision):
+    """FSDP2's ``MixedPrecisionPolicy`` for ``precision``'s kind, for ``fully_shard(..., mp_policy=...)`` by hand:
+    fp32 shards (the master weights) gathered in the compute dtype and gradients reduced in fp32; the pure modes'
+    16-bit shards as they are. A kind FSDP cannot run raises a ValueError naming what to use instead."""
+    return precision._fsdp_policy()
+
+
+def fp32_policy(precision):
+    """FSDP2's policy for the modules ``precision`` keeps fp32 (norms, ``fp32_modules``): gathered, computed and
+    reduced in fp32, sharded as groups of their own (:func:`shard_units`)."""
+    return precision._fp32_policy()
 
 
 def fsdp_units(model: nn.Module) -> List[nn.Module]:
@@ -59,15 +72,15 @@ def _kept_groups(model: nn.Module, precision, units: List[nn.Module]) -> List[Li
 
 
 def shard_units(model: nn.Module, precision, mesh) -> nn.Module:
-    """``fully_shard`` the fp32 groups (``precision.fp32_policy()``), each block, then the root
-    (``precision.fsdp_policy()``) on ``mesh``, in place. Call after ``precision.setup(model)``: it knows
+    """``fully_shard`` the fp32 groups (``precision._fp32_policy()``), each block, then the root
+    (``precision._fsdp_policy()``) on ``mesh``, in place. Call after ``precision.setup(model)``: it knows
     what it keeps fp32."""
     from torch.distributed.fsdp import fully_shard
 
-    policy = precision.fsdp_policy()
+    policy = precision._fsdp_policy()
     units = fsdp_units(model)
     for group in _kept_groups(model, precision, units):
-        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=precision.fp32_policy())
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=precision._fp32_policy())
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

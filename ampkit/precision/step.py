@@ -2,18 +2,18 @@
 
 ::
 
-    refuse         a max_norm that clips nothing, an optimizer the kind cannot step, a step no backward reached
+    refuse         a max_norm that clips nothing, an optimizer the kind cannot step (or an engine's wrapper around
+                   one: ``ampkit.integrations`` step the torch optimizer inside), a step no backward reached
                    (no gradients, or the very gradients an earlier step applied: no host sync, a version check)
     fp16 modes     the loss scale (LossScaler, torch's GradScaler machinery, ``scaling/loss_scaler.py``):
-                     refuse grads no scaled loss made, a second scaler (an engine wrapper's), parameters no set-up
-                     model holds -> unscale (precision.backward did it where grads land in fp32: its flag is taken)
-                     -> clip -> scaler.step (skips in the fused kernel) -> scaler.update (scale and counts)
+                     refuse grads no scaled loss made, parameters no set-up model holds -> unscale
+                     (precision.backward did it where grads land in fp32: its flag is taken) -> clip -> scaler.step (skips in the fused kernel) -> scaler.update (scale and counts)
     other modes    no scaler (NonFiniteGuard): nonfinite="skip" (default)
                      clip (its norm is the check: 2 ops) or the grads' norms' check (3 ops) -> optimizer.step with
                      found_inf (the fused kernel skips and rolls its step count back) -> count (1 op)
                    nonfinite="stop": the check, then torch._assert_async naming the step (no host sync)
                    nonfinite="off": optimizer.step as it is
-    tell           the skip flag where schedulers read it (``step_was_skipped``, accelerate's ``_is_overflow``)
+    tell           the skip flag where schedulers read it (``optimizer.step_was_skipped``)
     remember       the gradients stepped (a second step on them is refused)
 
 No host sync with an optimizer that takes ``found_inf`` into its kernel (torch's fused AdamW/Adam/SGD); one read of
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from .clients import check_second_scaler, mark_skipped, unwrapped
+from .skip_flags import mark_skipped
 from .scaling.counters import CONSECUTIVE, ITERATIONS, SKIPPED, SkipCounters
 from .scaling.fused import step_outside_graph, steps_outside_graph
 from .scaling.nonfinite import all_reduce_max, nonfinite_flag, nonfinite_from_norm
@@ -45,15 +45,10 @@ _MARK = "_ampkit_stepped"  # a gradient's ``_version`` when a step applied it (s
 
 def run_step(precision: Any, optimizer: Any, max_norm: Optional[float], norm_type: float) -> StepResult:
     """``Precision.step``: see the module docstring."""
-    if type(optimizer).__module__.startswith("fastai"):  # its OptimWrapper: the fused kernel reads torch's optimizer
-        optimizer = unwrapped(optimizer)
-    gradient_state = getattr(optimizer, "gradient_state", None)  # accelerate's, inside ``accelerator.accumulate``
-    if gradient_state is not None and not getattr(gradient_state, "sync_gradients", True):
-        return StepResult(stepped=False)
     if isinstance(max_norm, (int, float)) and not max_norm > 0:  # 0, a negative or NaN would clip nothing, silently
         raise ValueError(f"Precision.step(max_norm={max_norm!r}): max_norm must be > 0, or None for no clipping; "
                          "nothing was stepped.")
-    precision.check_step_optimizer(optimizer)
+    precision._check_step_optimizer(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     grads = [p.grad for p in params]
     compiling = torch.compiler.is_compiling()
@@ -73,8 +68,6 @@ def run_step(precision: Any, optimizer: Any, max_norm: Optional[float], norm_typ
 
     if precision.scales_loss:  # ---------------------------------------------------------------- fp16: the scaler
         scaler = precision.scaler
-        if not type(optimizer).__module__.startswith("torch."):  # an engine's wrapper may scale the loss too
-            check_second_scaler(optimizer, scaler)
         if scaler.stage(optimizer) is OptState.READY and scaler._enabled:  # not unscaled by the caller yet
             unscaled = precision._backward_unscale  # the grads precision.backward unscaled, and their flags
             if unscaled.found:

@@ -22,7 +22,7 @@ class Tuned:
         channels_last: the measured memory format (used only when ``channels_last`` was left None).
         layout_reason: why, one line.
         attention: ``{SdpaCall.key(): "native" | "split" | "math"}``, the attention kernel per shape
-            (``ampkit.precision.attention``).
+            (``ampkit.tuning.attention``: the tuning layer switches them on for the model it tuned).
     """
 
     mode: Optional[str] = None

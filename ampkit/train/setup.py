@@ -44,7 +44,7 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
                     sharded: bool = False, eps: Optional[float] = None):
     """AdamW/Adam/SGD with two param groups (no weight decay on biases and norm weights), fused where torch has it
     (for ``sharded`` DTensor parameters, torch has fused Adam/AdamW but no fused SGD: foreach then).
-    ``eps``: Adam's epsilon (torch's 1e-8 when None; ``Precision.min_adam_eps`` for fp16 optimizer state)."""
+    ``eps``: Adam's epsilon (torch's 1e-8 when None; ``Precision._min_adam_eps`` for fp16 optimizer state)."""
     decay, no_decay, seen = [], [], set()
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
@@ -165,7 +165,7 @@ def tune_for_run(prec: Precision, model: nn.Module, cfg: TrainConfig, batches: B
     (every rank must run the same mode and layout, and timings differ per rank)."""
     kept = resumed_mode(prec.requested, saved_mode)  # precision.auto: a resumed auto keeps its checkpoint's mode
     if kept in MODES:
-        prec = prec.retuned(Tuned(mode=kept, mode_reason=saved_reason or RESUMED))
+        prec = prec._retuned(Tuned(mode=kept, mode_reason=saved_reason or RESUMED))
     modes = prec.requested == AUTO and kept is None
     if not needs_tuning(prec, model, modes) or not cfg.autotune or not single_process:
         return prec
@@ -282,15 +282,15 @@ def wire(model: nn.Module, optimizer, prec: Precision, cfg: TrainConfig, world_s
         if optimizer is not None:
             raise ValueError("strategy 'fsdp' shards the model before building the optimizer: pass "
                              "optimizer=None and set optimizer/lr/weight_decay in the config.")
-        prec.fsdp_policy()  # the kind refuses what FSDP cannot shard (fp8); built with strategy="fsdp": contiguous
+        prec._fsdp_policy()  # the kind refuses what FSDP cannot shard (fp8); built with strategy="fsdp": contiguous
         model = _dist.shard_fsdp(prec.setup(model, None)[0], prec)
         optimizer = prec.wrap_optimizer(build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, device,
-                                                        sharded=True, eps=prec.min_adam_eps))
+                                                        sharded=True, eps=prec._min_adam_eps))
         prec.scaler.register_names(model)
     else:
         if optimizer is None:
             optimizer = build_optimizer(model.to(device), cfg.optimizer, cfg.lr, cfg.weight_decay, device,
-                                        eps=prec.min_adam_eps)
+                                        eps=prec._min_adam_eps)
         model, optimizer = prec.setup(model, optimizer)
     raw_model = model
     if world_size > 1 and cfg.strategy != "fsdp":

@@ -23,7 +23,7 @@ def shard_fsdp(model: nn.Module, precision) -> nn.Module:
     """``fully_shard`` each block and the root with the kind's MixedPrecisionPolicy (in place).
 
     The modules the precision keeps fp32 (norms, ``fp32_modules``) are sharded first, as one group per
-    block with ``precision.fp32_policy()``, so the block's 16-bit policy never casts them (and, in the pure
+    block with ``precision._fp32_policy()``, so the block's 16-bit policy never casts them (and, in the pure
     modes, each FSDP group holds one dtype). Call after ``precision.setup(model)``: it knows what it keeps.
     Ranks start from rank 0's weights (FSDP does not broadcast, unlike DDP).
     """

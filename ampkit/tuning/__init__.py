@@ -5,7 +5,9 @@ open, on copies of the model and one batch (cached per machine, ``$AMPKIT_CACHE_
 
 * ``auto``: the fastest candidate mode that passes the AMP check (:mod:`.autotune`);
 * ``channels_last=None`` on a model with 2-D convolutions: the faster memory format (:mod:`.layout`);
-* CPU 16-bit autocast: the fastest attention kernel per shape the model trains with (:mod:`.opspeed`).
+* CPU 16-bit autocast: the fastest attention kernel per shape the model trains with (:mod:`.opspeed`), switched
+  on for ``model`` where one beats torch's (:func:`.attention.switch_on`: forward hooks; ``precision.autocast()``
+  stays torch's own).
 
 It returns a new ``Precision`` built with a :class:`~ampkit.precision.Tuned`; the one passed in is
 left unchanged. Timing and caches live here and only here: ``ampkit.precision`` never times, caches
@@ -21,7 +23,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from ..precision import Precision
-from ..precision.attention import forced_kernel
+from .attention import forced_kernel, policy_applies, switch_on
 from ..precision.capability import measure_again
 from ..precision.modes import AUTO
 from .autotune import CannotTime, auto_candidates, fastest_mode, time_modes, time_precisions
@@ -37,7 +39,7 @@ def needs_tuning(precision: Precision, model: nn.Module, modes: bool = True) -> 
     if precision.is_setup:
         return False
     return ((modes and precision.requested == AUTO) or (precision.channels_last is None and has_conv2d(model))
-            or _kernels_open(precision))
+            or (policy_applies(precision) and forced_kernel() != "native"))
 
 
 def tune(precision: Precision, model: nn.Module, inputs: Any, target: Any, loss_fn: Callable, *,
@@ -48,7 +50,9 @@ def tune(precision: Precision, model: nn.Module, inputs: Any, target: Any, loss_
     ``modes=False`` keeps the mode (a resumed run keeps its checkpoint's). ``log(message)`` is called
     before each measurement actually taken (cached verdicts are silent). ``refresh`` measures again
     what the per-machine caches hold (the device's 16-bit speed, auto's timings, the layout) and
-    replaces their entries (``ampkit train --retune``). A precision already set up is returned as it is.
+    replaces their entries (``ampkit train --retune``). A precision already set up is returned as it is. Where an
+    attention kernel beats torch's here (or ``AMPKIT_OP_POLICY`` forces one), ``model`` gets it switched on
+    (forward hooks, :func:`.attention.switch_on`); the returned precision's ``autocast()`` is torch's own.
     """
     if precision.is_setup:
         return precision
@@ -65,7 +69,7 @@ def tune(precision: Precision, model: nn.Module, inputs: Any, target: Any, loss_
         else:
             tuned = dataclasses.replace(tuned, mode=result["mode"], mode_reason=result["reason"],
                                         mode_ms=dict(result["ms"]))
-            precision = precision.retuned(tuned)  # the layout and kernels are measured in the chosen mode
+            precision = precision._retuned(tuned)  # the layout and kernels are measured in the chosen mode
     if precision.channels_last is None and has_conv2d(model):
         layout = _layout(precision, model, inputs, target, loss_fn, log, refresh)
         if layout is not None:
@@ -76,12 +80,14 @@ def tune(precision: Precision, model: nn.Module, inputs: Any, target: Any, loss_
             calls = attention_calls(precision, model, inputs)
         if calls:
             tuned = dataclasses.replace(tuned, attention={**tuned.attention, **kernel_verdicts(calls, log=log)})
-    return precision if tuned == precision.tuned else precision.retuned(tuned)
+    precision = precision if tuned == precision.tuned else precision._retuned(tuned)
+    switch_on(model, precision)  # the measured (or forced) attention kernels, for this model's forward
+    return precision
 
 
 def _kernels_open(precision: Precision) -> bool:
     """Attention kernels are tuned for CPU 16-bit autocast, unless switched off or forced."""
-    return precision.op_policy_applies and forced_kernel() is None
+    return policy_applies(precision) and forced_kernel() is None
 
 
 def _layout(precision: Precision, model, inputs, target, loss_fn, log, refresh=False):

@@ -1,9 +1,9 @@
 """Which attention kernel is fastest for each shape a model trains with, measured before training.
 
 :func:`attention_calls` runs one forward of a copy of the model, in the precision that will train
-it, under a recording :class:`~ampkit.precision.attention.AttentionPolicy`: the attention calls the
+it, under a recording :class:`~ampkit.tuning.attention.AttentionPolicy`: the attention calls the
 policy could reroute, with their shapes. :func:`kernel_verdicts` times every candidate kernel
-(``native``, ``split``, ``math``: ``ampkit.precision.attention``) on each shape bucket met, and
+(``native``, ``split``, ``math``: ``ampkit.tuning.attention``) on each shape bucket met, and
 keeps a candidate only where it beats ``native`` by 5%. Verdicts are cached in memory and on disk
 (``opspeed.json`` under ``$AMPKIT_CACHE_DIR``, default ``~/.cache/ampkit``), keyed by CPU, torch
 version, threads, dtype and shape bucket, so a shape is timed once per machine.
@@ -21,7 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from ..precision import Precision
-from ..precision.attention import AttentionPolicy, SdpaCall, bucket, math_fits, sdpa_math, sdpa_split_backward
+from .attention import AttentionPolicy, SdpaCall, bucket, math_fits, sdpa_math, sdpa_split_backward
 from ..precision.device import machine_key
 from ..utils.batch import call_model
 from ..utils.copying import copy_model

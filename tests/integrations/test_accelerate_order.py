@@ -1,5 +1,5 @@
-"""accelerate's ``AcceleratedOptimizer`` under ``precision.step``, both orders of ``prepare`` and ``setup``, and the
-``accumulate()`` idiom: one optimizer step per window (one process, CPU)."""
+"""accelerate's ``AcceleratedOptimizer`` stepped by the recipe (``ampkit.integrations.accelerate``), both orders of
+``prepare`` and ``setup``, and the ``accumulate()`` idiom: one optimizer step per window (one process, CPU)."""
 import warnings
 
 import pytest
@@ -12,6 +12,7 @@ accelerate = pytest.importorskip("accelerate")
 def _run(mode, order, accum=1, rank=None):
     """8 micro-batches of 4 samples (under 2 processes each rank takes 2 of each micro-batch)."""
     import ampkit
+    from ampkit.integrations import accelerate as ampkit_accelerate
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -25,7 +26,7 @@ def _run(mode, order, accum=1, rank=None):
             model, opt = acc.prepare(model, opt)
         else:
             model, opt = acc.prepare(model, opt)
-            model, opt = prec.setup(model, opt)
+            model, opt = ampkit_accelerate.setup(prec, model, opt)
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g)
         for i in range(8):
@@ -33,8 +34,8 @@ def _run(mode, order, accum=1, rank=None):
             with acc.accumulate(model):
                 with prec.autocast():
                     loss = nn.functional.cross_entropy(model(x[lo:hi]).float(), y[lo:hi])
-                prec.backward(loss)
-                prec.step(opt, max_norm=1.0)
+                ampkit_accelerate.backward(prec, acc, loss)
+                ampkit_accelerate.step(prec, opt, max_norm=1.0)
                 opt.zero_grad(set_to_none=True)
     return prec, model
 

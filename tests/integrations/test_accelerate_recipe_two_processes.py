@@ -1,6 +1,6 @@
 """docs/INTEGRATIONS.md's accelerate recipe, whole, on 2 gloo processes (accelerate's MULTI_CPU: DDP): the loader,
 OneCycleLR and the model prepared by accelerate, ``register_for_checkpointing(precision)``, ``accumulate()``,
-accelerate's clip helper, ampkit's backward and step. Each mode ends with the ranks equal and within twice the
+accelerate's clip helper, ampkit's backward and step (``ampkit.integrations.accelerate``). Each mode ends with the ranks equal and within twice the
 mode's own distance from fp32 of the same steps in one process; ``save_state``/``load_state`` bring the weights
 and the precision's state (the loss scale) back on every rank. accelerate's FSDP plugin on CPU processes is
 checked to stay DDP (its state switches to FSDP only for the GPU-like device types: docs/DISTRIBUTED.md)."""
@@ -36,6 +36,7 @@ def _data():
 def _recipe(mode, out_dir=None):
     """The recipe as docs/INTEGRATIONS.md writes it (``cpu=True``: CPU processes); returns what it trained."""
     import ampkit
+    from ampkit.integrations import accelerate as ampkit_accelerate
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
@@ -55,10 +56,10 @@ def _recipe(mode, out_dir=None):
             with accelerator.accumulate(model):
                 with precision.autocast():
                     loss = nn.functional.cross_entropy(model(x).float(), y)
-                precision.backward(loss)
+                ampkit_accelerate.backward(precision, accelerator, loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                precision.step(optimizer)
+                ampkit_accelerate.step(precision, optimizer)
                 scheduler.step()
                 optimizer.zero_grad()
         out = {"distributed": str(accelerator.distributed_type), "steps": precision.optimizer_steps,
@@ -87,7 +88,7 @@ def _one_process(mode):
     import ampkit
     from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(True)  # no Accelerator in this process: precision.backward divides by nothing
+    AcceleratorState._reset_state(True)  # no Accelerator in this process
     GradientState._reset_state()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,6 +1,7 @@
 """ampkit inside a plain accelerate loop as its users write it: ``Accelerator(mixed_precision="no")``,
 ``precision.setup`` then ``accelerator.prepare``, accelerate's scheduler, clip helper, ``accumulate()`` and
-``save_state`` (docs/INTEGRATIONS.md, "accelerate")."""
+``save_state``, ampkit's backward and step through ``ampkit.integrations.accelerate`` (docs/INTEGRATIONS.md,
+"accelerate"); the precision core itself reads nothing of accelerate."""
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import ampkit  # noqa: E402
+from ampkit.integrations import accelerate as ampkit_accelerate  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +53,9 @@ def test_bf16_pure_scheduler_built_before_setup_drives_the_stepping_optimizer_af
     acc, prec, model, opt, sched = _setup("bf16-pure")
     for x, y in _data(3):
         with prec.autocast():
-            loss = nn.functional.cross_entropy(model(prec.convert_input(x)).float(), y)
-        prec.backward(loss)
-        prec.step(opt)
+            loss = nn.functional.cross_entropy(model(prec._convert_input(x)).float(), y)
+        ampkit_accelerate.backward(prec, acc, loss)
+        ampkit_accelerate.step(prec, opt)
         opt.zero_grad()
         sched.step()
     assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 ** 3)  # the object that steps
@@ -65,8 +67,8 @@ def test_a_skipped_step_holds_accelerates_scheduler_back():
     for i, (x, y) in enumerate(_data(3)):
         with prec.autocast():
             loss = nn.functional.cross_entropy(model(x), y) * (float("inf") if i == 1 else 1.0)
-        prec.backward(loss)
-        prec.step(opt)
+        ampkit_accelerate.backward(prec, acc, loss)
+        ampkit_accelerate.step(prec, opt)
         opt.zero_grad()
         sched.step()
         lrs.append(opt.param_groups[0]["lr"])
@@ -80,25 +82,73 @@ def test_accelerates_clip_helper_sees_true_gradients_in_fp16_mixed():
     x, y = _data(1)[0]
     with prec.autocast():
         loss = nn.functional.cross_entropy(model(x), y)
-    prec.backward(loss)
+    ampkit_accelerate.backward(prec, acc, loss)
     norm = acc.clip_grad_norm_(model.parameters(), 1e9)
     assert 1e-3 < float(norm) < 10  # scaled gradients would measure ~65536x this
 
 
-def test_precision_backward_divides_by_accelerates_accumulation_steps():
-    norms = {}
-    for how in ("accelerator", "precision"):
+def test_the_recipes_backward_divides_by_accelerates_accumulation_steps():
+    """The window's gradients are accelerate's own (``accelerator.backward`` divides the loss by the window)."""
+    grads = {}
+    for how in ("accelerator", "ampkit"):
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         acc, prec, model, opt, sched = _setup("fp32", accum=2)
         for x, y in _data(2):
             with acc.accumulate(model):
                 loss = nn.functional.cross_entropy(model(x), y)
-                (acc.backward if how == "accelerator" else prec.backward)(loss)
+                if how == "accelerator":
+                    acc.backward(loss)
+                else:
+                    ampkit_accelerate.backward(prec, acc, loss)
                 if acc.sync_gradients:
-                    norms[how] = [p.grad.clone() for p in model.parameters()]
-    for a, b in zip(norms["accelerator"], norms["precision"]):
+                    grads[how] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads["accelerator"], grads["ampkit"]):
         assert torch.equal(a, b)
+
+
+def test_precision_backward_is_the_losss_own_whatever_accelerator_exists():
+    """The core reads no accelerate state: ``precision.backward(loss)`` under an Accelerator with accumulation
+    makes the gradients ``loss.backward()`` makes (the division is the recipe's, above)."""
+    grads = {}
+    for how in ("torch", "precision"):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc, prec, model, opt, sched = _setup("fp32", accum=4)
+        x, y = _data(1)[0]
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward() if how == "torch" else prec.backward(loss)
+        grads[how] = [p.grad.clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads["torch"], grads["precision"]))
+
+
+def test_the_accumulation_window_steps_once_and_counts_once():
+    acc, prec, model, opt, sched = _setup("bf16-master", accum=2)
+    results = []
+    for x, y in _data(4):
+        with acc.accumulate(model):
+            with prec.autocast():
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            ampkit_accelerate.backward(prec, acc, loss)
+            results.append(ampkit_accelerate.step(prec, opt))
+            opt.zero_grad()
+    assert [bool(r) for r in results] == [False, True, False, True]  # micro-steps that do not sync: left alone
+    assert prec.optimizer_steps == 2 and prec.skipped_steps == 0
+
+
+def test_an_engines_wrapper_given_to_the_core_is_refused_in_one_line_and_nothing_steps():
+    acc, prec, model, opt, sched = _setup("bf16-master")
+    x, y = _data(1)[0]
+    with prec.autocast():
+        prec.backward(nn.functional.cross_entropy(model(x).float(), y))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"pass its \.optimizer .*ampkit\.integrations\.accelerate") as e:
+        prec.step(opt)
+    assert "\n" not in str(e.value) and "AcceleratedOptimizer" in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(TypeError, match=r"pass its \.optimizer"):
+        prec.wrap_optimizer(opt)
+    assert ampkit_accelerate.step(prec, opt) and prec.optimizer_steps == 1  # the recipe steps the one inside
 
 
 def test_accelerates_own_fp16_scaler_beside_ampkits_is_refused_in_one_line():
@@ -113,7 +163,7 @@ def test_accelerates_own_fp16_scaler_beside_ampkits_is_refused_in_one_line():
     with prec.autocast():
         prec.backward(nn.functional.cross_entropy(model(x), y))
     with pytest.raises(RuntimeError, match=r"mixed_precision='no'") as e:
-        prec.step(wrapped)
+        ampkit_accelerate.step(prec, wrapped)
     assert "\n" not in str(e.value)
 
 
@@ -122,8 +172,8 @@ def test_save_state_holds_the_precision_registered_for_checkpointing(tmp_path):
     acc.register_for_checkpointing(prec)
     x, y = _data(1)[0]
     with prec.autocast():
-        prec.backward(nn.functional.cross_entropy(model(x), y) * float("inf"))
-    prec.step(opt)
+        ampkit_accelerate.backward(prec, acc, nn.functional.cross_entropy(model(x), y) * float("inf"))
+    ampkit_accelerate.step(prec, opt)
     acc.save_state(str(tmp_path / "ckpt"))
     acc2, prec2, *_ = _setup("fp16-mixed")
     acc2.register_for_checkpointing(prec2)

@@ -107,19 +107,20 @@ def test_fastais_own_optimizer_is_refused_in_one_line_naming_the_wrapper():
     assert "torch_opt_func" in str(e.value).splitlines()[-1]
 
 
-def test_setup_takes_fastais_optim_wrapper_directly():
+def test_the_core_given_fastais_wrapper_names_the_torch_optimizer_inside():
+    """By hand (no callback) the core sets up and steps the torch optimizer itself: the wrapper is refused in one
+    line naming ``.opt``, and nothing is changed."""
     from fastai.optimizer import OptimWrapper
 
     model = _model()
     wrapper = OptimWrapper(opt=torch.optim.AdamW(model.parameters(), lr=0.01))
     inner = wrapper.opt
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt = ampkit.Precision("bf16-pure", "cpu").setup(model, wrapper)
-    assert opt is wrapper and wrapper.opt is inner and isinstance(inner, ampkit.optim.AdamW)
+    with pytest.raises(TypeError, match=r"pass its \.opt\b") as e:
+        ampkit.Precision("bf16-pure", "cpu").setup(model, wrapper)
+    assert "\n" not in str(e.value) and wrapper.opt is inner and type(inner) is torch.optim.AdamW
 
 
-def test_precision_step_given_the_wrapper_steps_the_torch_optimizer_inside():
+def test_a_skipped_step_by_hand_leaves_the_wrapped_weights_and_tells_the_optimizer():
     from fastai.optimizer import OptimWrapper
 
     model = _model()
@@ -127,11 +128,11 @@ def test_precision_step_given_the_wrapper_steps_the_torch_optimizer_inside():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = ampkit.Precision("fp16-mixed", "cpu")
-        model, opt = p.setup(model, wrapper)
+        model, opt = p.setup(model, wrapper.opt)
     before = [q.detach().clone() for q in model.parameters()]
     x, y = torch.stack([a for a, _ in _data()[:8]]), torch.stack([b for _, b in _data()[:8]])
     with p.autocast():
         p.backward(nn.functional.cross_entropy(model(x) * float("inf"), y))
-    assert not p.step(wrapper)  # the fused kernel got the skip flag: nothing moved
+    assert not p.step(wrapper.opt)  # the fused kernel got the skip flag: nothing moved
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert wrapper.opt.step_was_skipped

@@ -17,6 +17,7 @@ from diffusers.optimization import get_scheduler  # noqa: E402
 from diffusers.training_utils import EMAModel  # noqa: E402
 
 import ampkit  # noqa: E402
+from ampkit.integrations import accelerate as ampkit_accelerate  # noqa: E402
 from integrations.test_clients_accelerate import _fresh_accelerate  # noqa: E402,F401 (autouse: no accelerate state)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
@@ -66,10 +67,10 @@ def train(run, micro_batches, skip=0):
             with precision.autocast():
                 pred = model(noisy, t).sample
             loss = F.mse_loss(pred.float(), noise)
-            precision.backward(loss)
+            ampkit_accelerate.backward(precision, accelerator, loss)
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            precision.step(optimizer)
+            ampkit_accelerate.step(precision, optimizer)
             run["lr_scheduler"].step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:  # after the optimizer step, once per synced step

@@ -50,7 +50,7 @@ def test_five_line_loop_trains_in_every_mode(arch, mode):
     assert precision.skipped_steps <= (2 if precision.mode.scaled else 0)  # dynamic scaling may back off once or twice
     # integer inputs (input_ids, attention_mask, labels) are never cast
     assert all(torch.equal(batch[k], v) and batch[k].dtype == v.dtype for k, v in ints.items())
-    converted = precision.convert_input(batch)
+    converted = precision._convert_input(batch)
     assert type(converted) is dict and all(converted[k].dtype == v.dtype for k, v in ints.items())
     # integer buffers/params (e.g. BERT's position_ids) survive the conversion unchanged
     for name, (dtype, value) in non_float.items():

@@ -275,7 +275,7 @@ def test_inductor_compiled_precision_step_equals_eager():
             step = compile_step(precision, opt, backend="inductor") if compiled else precision.step
             gen = torch.Generator().manual_seed(3)
             for i in range(5):
-                loss = model(precision.convert_input(torch.randn(4, 8, generator=gen))).float().pow(2).mean()
+                loss = model(precision._convert_input(torch.randn(4, 8, generator=gen))).float().pow(2).mean()
                 precision.backward(loss * (float("inf") if i == 2 else 1.0))
                 step(opt, max_norm=1.0)
                 opt.zero_grad(set_to_none=True)

@@ -37,7 +37,7 @@ def _step_ops(width, layers, batch=None, compensation=None):
     x = torch.randn(4, width)
     for _ in range(3):  # the count of the third step (state made, views cached)
         with precision.autocast():
-            loss = model(precision.convert_input(x)).float().pow(2).mean()
+            loss = model(precision._convert_input(x)).float().pow(2).mean()
         precision.backward(loss)
         found = torch.zeros(())  # the non-finite flag precision.step hands the optimizer (ampkit.precision.step)
         with OpCount() as ours:
@@ -47,7 +47,7 @@ def _step_ops(width, layers, batch=None, compensation=None):
         opt.zero_grad()
     ref = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     for _ in range(3):
-        model(precision.convert_input(x)).float().pow(2).mean().backward()
+        model(precision._convert_input(x)).float().pow(2).mean().backward()
         with OpCount() as theirs:
             ref.step()
         ref.zero_grad()

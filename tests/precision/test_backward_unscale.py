@@ -94,7 +94,7 @@ def test_a_step_after_the_clients_own_backward_is_refused_in_one_line(mode):
     model, opt = p.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _batches(1)[0]
     with p.autocast():
-        loss = nn.functional.cross_entropy(model(p.convert_input(x)).float(), y)
+        loss = nn.functional.cross_entropy(model(p._convert_input(x)).float(), y)
     loss.backward()  # accelerator.backward / fastai's default / a plain loop
     with pytest.raises(RuntimeError, match=r"no scaled loss made.*call precision.backward\(loss\)") as e:
         p.step(opt)

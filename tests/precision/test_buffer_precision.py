@@ -106,7 +106,7 @@ def test_buffers_stay_fp32_and_the_step_runs(arch, mode):
     assert all(d == torch.float32 for d in before.values())
     precision, model, opt = _setup(mode, model)
     assert _floating_buffers(model) == before, mode
-    data = precision.convert_input(batch())
+    data = precision._convert_input(batch())
     with precision.autocast():
         out = model(**data) if isinstance(data, dict) else model(data)
         loss = out.loss if hasattr(out, "loss") else out.float().pow(2).mean()

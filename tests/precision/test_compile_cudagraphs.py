@@ -24,7 +24,7 @@ def _run(mode, captured, steps=8, poison_at=(3,)):
 
     def train_step(x):
         with p.autocast():
-            loss = model(p.convert_input(x)).float().pow(2).mean() + poison
+            loss = model(p._convert_input(x)).float().pow(2).mean() + poison
         p.backward(loss)
         p.step(opt, max_norm=1.0)
         return loss.detach()

@@ -100,7 +100,7 @@ def _build(mode: str, *, optimizer: str = "adamw", **kw):
 
 def _backward(p, model, x, poison=False):
     with p.autocast():
-        loss = model(p.convert_input(x)).float().pow(2).mean()
+        loss = model(p._convert_input(x)).float().pow(2).mean()
     if poison:
         loss = loss * float("inf")
     p.backward(loss)

@@ -15,6 +15,7 @@ from ampkit.bench.configs import QUICK, plan
 from ampkit.precision.auto import choose_auto
 from ampkit.precision.auto import auto_mode, preference_order
 from ampkit.precision.capability import device_info
+from ampkit.tuning.attention import policy_applies
 from ampkit.precision.device import CPU_CAPS_ENV, CPU_KIND_SPEED, cpu_kind, machine_key
 from ampkit.tuning.autotune import auto_candidates
 
@@ -88,9 +89,9 @@ def test_auto_mode_and_channels_last_rule_without_a_batch(any_cpu_kind):
     p = ampkit.Precision("auto", "cpu")
     p.setup(model)
     assert p.name == ("bf16-mixed" if any_cpu_kind in FAST else "fp32")
-    assert p.uses_channels_last(model) == (any_cpu_kind in FAST)
+    assert p._uses_channels_last(model) == (any_cpu_kind in FAST)
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last) == (any_cpu_kind in FAST)
-    assert p.op_policy_applies == (any_cpu_kind in FAST)  # the attention policy works inside 16-bit autocast only
+    assert policy_applies(p) == (any_cpu_kind in FAST)  # the attention policy works inside 16-bit autocast only
 
 
 def test_check_verdicts_and_auto_candidates(any_cpu_kind):

@@ -29,7 +29,7 @@ def _trained(mode, steps=3, lr=1e-2):
     for _ in range(steps):
         x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
         with p.autocast():
-            loss = nn.functional.cross_entropy(model(p.convert_input(x)).float(), y)
+            loss = nn.functional.cross_entropy(model(p._convert_input(x)).float(), y)
         p.backward(loss)
         p.step(opt)
         opt.zero_grad()
@@ -82,7 +82,7 @@ def test_fp32_view_follows_the_model_for_an_ema():
     for _ in range(2):
         x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
         with p.autocast():
-            p.backward(nn.functional.cross_entropy(model(p.convert_input(x)).float(), y))
+            p.backward(nn.functional.cross_entropy(model(p._convert_input(x)).float(), y))
         p.step(opt)
         opt.zero_grad()
         ema.update_parameters(view.refresh())

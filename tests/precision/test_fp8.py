@@ -335,7 +335,7 @@ def test_ddp_reduces_amax_so_ranks_scale_alike(tmp_path):
 def test_fsdp_policy_gathers_in_bf16_and_reduces_in_fp32():
     """FSDP shards fp8-delayed as the other fp8 recipes (its histories are replicated buffers, equal on every
     rank; tests/train/test_fsdp_modes.py trains and checkpoints it on 2 ranks)."""
-    policy = ampkit.Precision("fp8-delayed", "cpu").fsdp_policy()
+    policy = ampkit.Precision("fp8-delayed", "cpu")._fsdp_policy()
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 

@@ -329,7 +329,7 @@ def test_fp16_pure_optimizer_built_after_setup_gets_the_eps_check():
     prec.backward(_loss(prec, model, 0))
     with pytest.warns(UserWarning, match="eps raised to"):
         prec.step(opt)
-    assert opt.param_groups[0]["eps"] == prec.min_adam_eps
+    assert opt.param_groups[0]["eps"] == prec._min_adam_eps
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

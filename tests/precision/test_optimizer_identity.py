@@ -33,7 +33,7 @@ def _train(p, model, opt, sched, steps=3):
     x = torch.randn(4, 8)
     for _ in range(steps):
         with p.autocast():
-            loss = model(p.convert_input(x)).float().pow(2).mean()
+            loss = model(p._convert_input(x)).float().pow(2).mean()
         p.backward(loss)
         p.step(opt)
         opt.zero_grad(set_to_none=True)

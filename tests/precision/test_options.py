@@ -1,7 +1,7 @@
 """``PrecisionOptions`` (ampkit/precision/options.py): built once from ``Precision``'s flat keywords into groups
 by owner (scaler, model, optimizer, fp8), the loss scale parsed once, ``compensation`` normalised once, each
 option's range checked with a one-line error; a mode refuses the options it does not use in their owner's
-words; ``retuned``/``with_options`` rebuild from the object."""
+words; ``_retuned``/``with_options`` rebuild from the object."""
 import dataclasses
 import warnings
 
@@ -94,7 +94,7 @@ def test_each_kind_owns_its_options():
 
 def test_retuned_and_with_options_rebuild_from_the_options_object():
     p = _quiet("fp16-mixed", "cpu", loss_scale=64, growth_interval=50, fp32_modules=["0"])
-    again = p.retuned(ampkit.precision.Tuned(channels_last=False))
+    again = p._retuned(ampkit.precision.Tuned(channels_last=False))
     assert again.settings is p.settings and again.channels_last is False and p.channels_last is None
     assert again.scaler is not p.scaler and again.scaler.static_scale == 64.0
     other = p.with_options(loss_scale=None, hysteresis=2)
@@ -123,7 +123,7 @@ def test_strategy_is_given_at_construction():
     asked for: an error), DDP a scaler without its own found-inf collective; a strategy it does not know, refused."""
     p = _quiet("bf16-mixed", "cpu", strategy="fsdp", tuned=ampkit.precision.Tuned(channels_last=True))
     assert p.channels_last is False and p.strategy == "fsdp"
-    assert p.prepare_fsdp() is not None and p.channels_last is False  # the old call: nothing left to change
+    assert p._prepare_fsdp() is not None and p.channels_last is False  # the old call: nothing left to change
     with pytest.raises(ValueError, match="channels_last=True cannot be used with strategy 'fsdp'"):
         _quiet("bf16-mixed", "cpu", strategy="fsdp", channels_last=True)
     assert _quiet("fp16-mixed", "cpu", strategy="ddp").scaler.distributed is False
@@ -132,7 +132,7 @@ def test_strategy_is_given_at_construction():
     with pytest.raises(ValueError, match="strategy='deepspeed' is not supported: use 'ddp', 'fsdp' or None"):
         _quiet("fp32", "cpu", strategy="deepspeed")
     q = _quiet("bf16-mixed", "cpu")
-    q.prepare_fsdp()  # built without strategy: the old call still turns channels_last off
+    q._prepare_fsdp()  # built without strategy: the old call still turns channels_last off
     assert q.channels_last is False
 
 

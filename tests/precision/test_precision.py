@@ -241,18 +241,18 @@ def test_fp16_state_needs_a_larger_adam_eps():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 on CPU
         pure = [Precision("fp16-pure", "cpu") for _ in range(3)]
-    assert pure[0].min_adam_eps == pytest.approx(1e-4)
+    assert pure[0]._min_adam_eps == pytest.approx(1e-4)
     for name in ("fp32", "fp16-mixed", "fp16-master", "bf16-pure", "bf16-mixed"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            assert Precision(name, "cpu").min_adam_eps is None
+            assert Precision(name, "cpu")._min_adam_eps is None
     with pytest.warns(UserWarning, match=r"eps=1e-08 .* eps raised to 0.0001\. Build the optimizer with eps=0.0001.*optimizer_state='fp32'"):
         pure[0].setup(_net(), torch.optim.AdamW(_net().parameters(), lr=1e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # SGD has no eps, and eps=1e-4 is enough: no warning
         pure[1].setup(_net(), torch.optim.SGD(_net().parameters(), lr=1e-3))
         model = _net()
-        opt = build_optimizer(model, "adamw", 1e-3, 0.01, torch.device("cpu"), eps=pure[2].min_adam_eps)
+        opt = build_optimizer(model, "adamw", 1e-3, 0.01, torch.device("cpu"), eps=pure[2]._min_adam_eps)
         pure[2].setup(model, opt)
     assert {g["eps"] for g in opt.param_groups} == {1e-4}
     assert {g["eps"] for g in build_optimizer(_net(), "adam", 1e-3, 0.0, torch.device("cpu")).param_groups} == {1e-8}

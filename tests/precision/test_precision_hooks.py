@@ -1,6 +1,6 @@
 """The kinds answer for themselves when a caller sets up in two halves (Lightning's plugin: the module
 first, the optimizer later; apex's initialize; the FSDP path): ``convert_module``,
-``wrap_optimizer``, ``fsdp_policy``/``prepare_fsdp`` (ampkit/precision/kinds/)."""
+``wrap_optimizer``, ``_fsdp_policy``/``_prepare_fsdp`` (ampkit/precision/kinds/)."""
 import warnings
 
 import pytest
@@ -70,22 +70,22 @@ def test_fsdp_policies_come_from_the_kind():
     """Master modes: fp32 shards gathered in 16 bits, reduced in fp32; pure modes: 16-bit shards gathered and
     reduced as they are; kept-fp32 modules: fp32 throughout; fp8-delayed refused in one line."""
     pytest.importorskip("torch.distributed.fsdp")
-    master = _precision("fp16-master").prepare_fsdp()
+    master = _precision("fp16-master")._prepare_fsdp()
     assert (master.param_dtype, master.reduce_dtype) == (torch.float16, torch.float32)
-    pure = _precision("bf16-pure").prepare_fsdp()
+    pure = _precision("bf16-pure")._prepare_fsdp()
     assert (pure.param_dtype, pure.reduce_dtype) == (None, None)
-    kept = _precision("bf16-master").fp32_policy()
+    kept = _precision("bf16-master")._fp32_policy()
     assert (kept.param_dtype, kept.reduce_dtype) == (None, torch.float32)
-    assert _precision("fp8-rowwise").prepare_fsdp().param_dtype == torch.bfloat16
-    assert _precision("fp8-delayed").prepare_fsdp().param_dtype == torch.bfloat16
+    assert _precision("fp8-rowwise")._prepare_fsdp().param_dtype == torch.bfloat16
+    assert _precision("fp8-delayed")._prepare_fsdp().param_dtype == torch.bfloat16
 
 
 def test_prepare_fsdp_turns_the_layout_off_or_refuses_it():
     pytest.importorskip("torch.distributed.fsdp")
     prec = _precision("bf16-mixed")
-    policy = prec.prepare_fsdp()
+    policy = prec._prepare_fsdp()
     assert prec.channels_last is False and policy.param_dtype == torch.bfloat16
     assert policy.reduce_dtype == torch.float32
-    assert _precision("fp32").fsdp_policy().param_dtype is None
+    assert _precision("fp32")._fsdp_policy().param_dtype is None
     with pytest.raises(ValueError, match="channels_last=True cannot be used with strategy 'fsdp'"):
-        _precision("bf16-mixed", channels_last=True).prepare_fsdp()
+        _precision("bf16-mixed", channels_last=True)._prepare_fsdp()

@@ -27,12 +27,12 @@ def test_every_mode_builds_its_kind():
         assert type(p) is cls and isinstance(p, Precision) and isinstance(p, ampkit.Precision)
         assert p.name == name and precision_class(name) is cls
     assert type(Precision("O2", "cpu")) is MasterPrecision  # aliases go through the same table
-    assert type(Precision("bf16-mixed", "cpu").retuned(Tuned())) is AutocastPrecision
+    assert type(Precision("bf16-mixed", "cpu")._retuned(Tuned())) is AutocastPrecision
 
 
 def test_auto_lands_on_the_tuned_kind_as_a_new_object():
     p = Precision("auto", "cpu")
-    q = p.retuned(Tuned(mode="bf16-pure", mode_reason="measured"))
+    q = p._retuned(Tuned(mode="bf16-pure", mode_reason="measured"))
     assert type(q) is PurePrecision and q is not p and q.requested == "auto"
     assert q.describe().startswith("auto -> bf16-pure (measured)")
     assert p.name != "bf16-pure"  # the first object is left as it was

@@ -42,7 +42,7 @@ def test_fp16_pure_with_torchs_adamw_eps_raises_it_once_and_stays_finite():
         model, opt = precision.setup(model, opt)
     eps_warnings = [w for w in caught if "eps" in str(w.message)]
     assert len(eps_warnings) == 1 and "eps raised to 0.0001" in str(eps_warnings[0].message)
-    assert {g["eps"] for g in opt.param_groups} == {precision.min_adam_eps}
+    assert {g["eps"] for g in opt.param_groups} == {precision._min_adam_eps}
     _train(precision, model, opt, _batches())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert precision.optimizer_steps > precision.skipped_steps  # it trains, not skip after skip

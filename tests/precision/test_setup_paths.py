@@ -65,7 +65,7 @@ def _run(mode, options, halves, eps):
         x, y = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
         for _ in range(STEPS):
             with prec.autocast():
-                loss = nn.functional.mse_loss(model(prec.convert_input(x)).float(), y)
+                loss = nn.functional.mse_loss(model(prec._convert_input(x)).float(), y)
             prec.backward(loss)
             prec.step(opt, max_norm=1.0)
             opt.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ def _ops_per_step(mode, layers, groups):
         model, opt = p.setup(model, opt)
     for _ in range(3):
         with p.autocast():
-            loss = model(p.convert_input(x)).float().pow(2).mean()
+            loss = model(p._convert_input(x)).float().pow(2).mean()
         p.backward(loss)
         with OpCount() as c:
             p.step(opt)

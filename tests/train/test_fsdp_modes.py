@@ -57,7 +57,7 @@ def _precision(mode, **kwargs):
 def _train(model, opt, prec, x, y):
     for _ in range(STEPS):
         with prec.autocast():
-            loss = nn.functional.cross_entropy(model(prec.convert_input(x)).float(), y)
+            loss = nn.functional.cross_entropy(model(prec._convert_input(x)).float(), y)
         prec.backward(loss)
         prec.step(opt, max_norm=1.0)
         opt.zero_grad(set_to_none=True)
@@ -93,13 +93,13 @@ def _ranks(rank, tmp, modes, order):
         prec = _precision(mode) if mode in modes else _precision("fp16-master", init_scale=2.0**30)
         model = _Net()
         if order == "setup-first":
-            prec.prepare_fsdp()
+            prec._prepare_fsdp()
             model = shard_fsdp(prec.setup(model)[0], prec)
             opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         else:  # the user shards with the kind's policy, then the five lines' setup
             for b in model.blocks:
-                fully_shard(b, mp_policy=prec.fsdp_policy())
-            fully_shard(model, mp_policy=prec.fsdp_policy())
+                fully_shard(b, mp_policy=prec._fsdp_policy())
+            fully_shard(model, mp_policy=prec._fsdp_policy())
             model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         assert not any(g.get("fused") for g in opt.param_groups)  # no aten._fused_sgd_ on DTensors
         _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
@@ -254,7 +254,7 @@ def _noise_ranks(rank, tmp):
     for _ in range(2):
         torch.manual_seed(0)
         prec = _precision("bf16-pure", compensation="stochastic")
-        prec.prepare_fsdp()
+        prec._prepare_fsdp()
         model = shard_fsdp(prec.setup(_Net())[0], prec)
         opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
         x, y = _data()
@@ -302,7 +302,7 @@ def _gather_ranks(rank, tmp):
     for gather in ("fp8", "bf16"):
         torch.manual_seed(0)
         prec = _precision("fp8-tensorwise")
-        prec.prepare_fsdp()
+        prec._prepare_fsdp()
         if gather == "bf16":
             prec.fp8.fsdp_all_gather = False
         model = shard_fsdp(prec.setup(_Net())[0], prec)

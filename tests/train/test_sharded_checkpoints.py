@@ -138,7 +138,7 @@ def _block_run(mode, rank, world, steps):
     torch.manual_seed(0)
     prec = _precision(mode)
     if world > 1 and dist.is_initialized():
-        prec.prepare_fsdp()
+        prec._prepare_fsdp()
         model = shard_fsdp(prec.setup(_Net())[0], prec)
         opt = prec.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
     else:
@@ -229,7 +229,7 @@ def _four_modes(rank, modes, strategies):
             torch.manual_seed(0)
             if strategy == "fsdp":
                 prec = _precision(mode)
-                prec.prepare_fsdp()
+                prec._prepare_fsdp()
                 model = shard_fsdp(prec.setup(_Net())[0], prec)
                 opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
                 _train(model, opt, prec, x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])

@@ -1,5 +1,6 @@
 """Speed-aware op policy: the split and math attention kernels are numerically right, are used
-only when measured faster (or forced), and their verdicts are cached."""
+only when measured faster (or forced), switched on for the model by the tuning layer, and their verdicts are
+cached."""
 import json
 
 import pytest
@@ -9,7 +10,7 @@ from torch.nn import functional as F
 
 import ampkit
 from ampkit import Precision
-from ampkit.precision import attention as speed
+from ampkit.tuning import attention as speed
 from ampkit.tuning import opspeed
 
 pytestmark = pytest.mark.machine_kind  # attention kernels timed on this CPU
@@ -52,6 +53,7 @@ def _transformer_step(precision):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True)
     model, opt = precision.setup(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+    speed.switch_on(model, precision)  # what ampkit.tune does for the model it tuned
     x = torch.randn(2, 16, 32)
     with precision.autocast():
         loss = model(x, is_causal=True, src_mask=nn.Transformer.generate_square_subsequent_mask(16)).float().pow(2).mean()
@@ -104,11 +106,16 @@ def test_tuned_verdicts_reach_the_policy(monkeypatch):
     monkeypatch.setattr(opspeed, "measure_sdpa", lambda *a, **k: {"choice": "split"})
     calls = _count_split(monkeypatch)
     untuned = Precision("bf16-mixed", "cpu")
-    assert untuned.attention_policy() is None  # nothing measured: torch's kernel, no mode pushed
-    tuned = ampkit.tune(untuned, _Causal(), torch.randn(2, 16, 32), None, None)
+    assert speed.policy_for(untuned) is None  # nothing measured: torch's kernel, no mode pushed
+    model = _Causal()
+    tuned = ampkit.tune(untuned, model, torch.randn(2, 16, 32), None, None)
     assert set(tuned.tuned.attention.values()) == {"split"} and calls["n"] == 0  # the survey ran torch's kernel
-    _transformer_step(tuned)
+    assert type(tuned.autocast()) is torch.autocast  # torch's own: the model carries the policy
+    with tuned.autocast():
+        model(torch.randn(2, 16, 32))  # the model tune was given: switched on
     assert calls["n"] == 1
+    _transformer_step(tuned)
+    assert calls["n"] == 2
 
 
 class _Causal(nn.Module):

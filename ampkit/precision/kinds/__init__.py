@@ -5,7 +5,7 @@ the methods it needs (as Lightning Fabric's precision plugins do); ``isinstance(
 
 * :class:`Fp32Precision` (``fp32.py``): fp32 params and compute; the base class's hooks as they are.
 * :class:`AutocastPrecision` (``autocast.py``): fp32 params, ``torch.autocast`` in fp16/bf16 (fp16 with
-  a loss scaler), plus the scoped per-op attention policy.
+  a loss scaler).
 * :class:`MasterPrecision` (``master.py``): fp32 params (the master weights) computed as 16-bit copies
   (norms fp32) under autocast (``cast.py``: what the 16-bit-weight kinds share).
 * :class:`PurePrecision` (``pure.py``): 16-bit params and optimizer state, no master copy; bf16-pure

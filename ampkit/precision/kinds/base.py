@@ -15,6 +15,7 @@ fused AdamW/Adam/SGD) a step makes no host sync: ``step`` returns a
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -27,8 +28,7 @@ from ...optim.state import with_state_precision
 from .. import checks
 from ..capability import device_info
 from ..choice import choose_mode
-from ..clients import (accelerate_accumulation_steps, engine_wrapper, install_skip_flags, log, mark_skipped,
-                       unwrapped)
+from ..skip_flags import install_skip_flags
 from ..export import Fp32View, fp32_state_dict, fp8_recipe_keys, kahan_folded, plain_module
 from ..islands import apply_fp32_islands, resolve_module_names
 from ..modes import AUTO
@@ -38,7 +38,9 @@ from ..scaling.step_result import StepResult
 from ..step import NonFiniteGuard, run_step
 from ..tuned import Tuned
 
-__all__ = ["Precision", "engine_wrapper", "unwrapped", "grads_params", "accelerate_accumulation_steps", "mark_skipped"]
+__all__ = ["Precision", "grads_params"]
+
+log = logging.getLogger("ampkit.precision")
 
 def grads_params(optimizer) -> List[torch.Tensor]:
     """The optimizer's parameters that hold a gradient."""
@@ -55,25 +57,32 @@ def _options(device: Any, options: Optional[PrecisionOptions], kwargs: Dict[str,
 
 
 class Precision:
-    """One object per run that owns every precision decision: ``Precision(name=None, device=None, **options)``.
+    """One object per run that owns every precision decision. The loop (README.md)::
+
+        precision = ampkit.Precision("auto")                 # or "bf16-mixed", "fp16-master", "O2", ...
+        model, optimizer = precision.setup(model, optimizer)
+        for x, y in loader:
+            x, y = x.to(precision.device), y.to(precision.device)
+            with precision.autocast():                       # torch.autocast in the mode's compute dtype
+                loss = loss_fn(model(x), y)
+            precision.backward(loss)                         # scales the loss where the mode needs it
+            precision.step(optimizer, max_norm=1.0)          # unscale -> clip -> inf/NaN check -> step or skip
+            optimizer.zero_grad(set_to_none=True)
+        print(precision.describe(), "| skipped steps:", precision.skipped_steps)
+
+    The rest of the API, by what it is for:
+
+    - clip yourself: ``unscale_(optimizer)`` then your clipping, or ``clip_grad_norm_(optimizer, max_norm)``;
+    - checkpoint: ``state_dict()`` / ``load_state_dict(state)`` (loss scale, skip counts);
+    - export: ``fp32_state_dict(model)``, ``export(model)`` (a plain fp32 module), ``fp32_view(model)`` (for an EMA);
+    - read: ``skipped_steps``, ``optimizer_steps``, ``loss_scale``, ``kept_fp32``, ``is_setup``, ``kind``,
+      ``param_dtype``, ``compute_dtype``, ``fp8`` (the fp8 plan), ``options()``, ``with_options(**changes)``;
+    - set up in two halves (Lightning, Fabric, FSDP, apex): ``convert_module(model)`` then
+      ``wrap_optimizer(optimizer)``, exactly what ``setup`` does.
 
     ``name`` is a mode or an alias (``"auto"``, ``"bf16-mixed"``, ``"fp16-master"``, ``"O2"``, ``"16-mixed"``...:
-    docs/MODES.md); the object built is the class of the mode's kind (``ampkit.precision.kinds``). A loop::
-
-        precision = ampkit.Precision("bf16-master", max_consecutive_skips=100)
-        model, optimizer = precision.setup(model, optimizer)  # casts, fp32 masters or compensation, layout
-        for x, y in loader:
-            with precision.autocast():                       # build it once and re-enter it, or not
-                loss = loss_fn(model(x), y)
-            precision.backward(loss)                         # the loss scaled where the mode scales
-            precision.step(optimizer, max_norm=1.0)          # unscale, clip, inf/NaN check, step or skip
-            optimizer.zero_grad(set_to_none=True)
-        checkpoint = {"precision": precision.state_dict(), "model": ..., "optimizer": ...}  # load_state_dict
-
-    Also: ``unscale_(optimizer)`` (to clip yourself before ``step``), ``fp32_state_dict(model)`` (export),
-    ``describe()``, ``skipped_steps``, ``optimizer_steps``, ``loss_scale``. Integrations that set up in two
-    halves (Lightning, Fabric, FSDP, apex compat) call ``convert_module`` then ``wrap_optimizer`` (exactly what
-    ``setup`` does) and the other hooks in docs/api.md; a loop needs none.
+    docs/MODES.md); the object built is the class of the mode's kind (``ampkit.precision.kinds``). The hooks the
+    integrations call are private (``_``-prefixed: the integration protocol, docs/ARCHITECTURE.md).
 
     Args:
         name: canonical name or alias (``fp32``, ``fp16-mixed``, ``bf16-mixed``, ``fp16-master``,
@@ -100,9 +109,10 @@ class Precision:
             layouts on this model and keeps the faster (``ampkit.tuning.layout``); untuned, on for
             CPU 16-bit compute with conv layers.
         frozen: the pure modes: ``"cast"`` (default) or ``"keep"`` frozen params in their dtype (docs/BF16_PURE.md).
-        op_policy: speed-aware per-op kernel choice inside ``autocast()`` (``ampkit.precision.attention``:
-            e.g. attention backward in fp32 where this CPU runs it faster), with the verdicts
-            ``ampkit.tune`` measured; None = on for CPU 16-bit compute unless ``AMPKIT_OP_POLICY=off``.
+        op_policy: the CPU attention kernels ``ampkit.tune`` measures per shape and switches on for the model
+            it tuned (``ampkit.tuning.attention``: e.g. GEMM attention where this CPU runs it faster than torch's
+            flash kernel), in the autocast modes; None = on for CPU 16-bit autocast unless
+            ``AMPKIT_OP_POLICY=off``; False: torch's kernels, nothing measured.
         compensation: bf16-pure only: how updates land in the bf16 weights, ``"kahan"`` (default,
             a bf16 buffer per param), ``"stochastic"`` (stochastic rounding, no buffer) or
             ``"none"`` (plain rounding; small updates are lost). ``setup`` swaps a torch
@@ -209,11 +219,11 @@ class Precision:
         (:meth:`PrecisionOptions.replace` on :attr:`settings`, checked again); this one is left as it is."""
         return Precision(self.requested, options=self.settings.replace(**changes), tuned=self.tuned)
 
-    def retuned(self, tuned: Tuned) -> "Precision":
+    def _retuned(self, tuned: Tuned) -> "Precision":
         """A new precision with the same request and options and these measured decisions
         (what ``ampkit.tune`` returns; auto may land on another kind); this one is left as it is."""
         if self._setup_done:
-            raise RuntimeError("retuned() after setup(): tune before setting the model up.")
+            raise RuntimeError("_retuned() after setup(): tune before setting the model up.")
         return Precision(self.requested, options=self.settings, tuned=tuned)
 
     @property
@@ -264,35 +274,32 @@ class Precision:
         checks.mark_set_up(model, self.name, self.kind)
         if self.fp32_modules:
             apply_fp32_islands(model, self.fp32_modules)
-        if self.uses_channels_last(model):
+        if self._uses_channels_last(model):
             model.to(memory_format=torch.channels_last)
         self.scaler.register_names(model)
         self.model = model
         self._setup_done = True
-        if self.scales_loss and self.unscales_in_backward:  # the gradients backward unscales: every set-up model's
+        if self.scales_loss and self._unscales_in_backward:  # the gradients backward unscales: every set-up model's
             self._backward_unscale.add(model)
         return model
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer this kind steps for one built over the converted model (``convert_module``): its moments
         in ``optimizer_state``, the kind's own treatment (:meth:`_convert_optimizer`: fused kernel,
-        bf16-pure's compensated optimizer), the Adam ``eps`` check. An engine's wrapper (accelerate,
-        Lightning) keeps its place: the optimizer inside is made this kind's."""
-        holder, attr = engine_wrapper(optimizer)
-        if holder is not None:
-            setattr(holder, attr, self.wrap_optimizer(getattr(holder, attr)))
-            return install_skip_flags(holder)
+        bf16-pure's compensated optimizer), the Adam ``eps`` check. The torch optimizer itself: an
+        engine's wrapper around one is refused (set up first, then let the engine wrap it: docs/INTEGRATIONS.md)."""
+        checks.check_not_wrapped(optimizer, "wrap_optimizer")
         checks.check_torch_optimizer(optimizer, self.name)
         given = optimizer
         optimizer = self._convert_optimizer(self._with_state(optimizer))
-        self.check_optimizer_eps(optimizer)
+        self._check_optimizer_eps(optimizer)
         optimizer = self._wrap_optimizer(optimizer)
         if optimizer is not given:
             optimizer = self._adopt(given, optimizer)
         self._optimizer = optimizer  # where fp32_state_dict finds the Kahan buffers
-        return install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: clients.py)
+        return install_skip_flags(optimizer)  # updated in place by each step (traceable on every torch: skip_flags.py)
 
-    def uses_channels_last(self, model: nn.Module) -> bool:
+    def _uses_channels_last(self, model: nn.Module) -> bool:
         """Whether ``setup`` puts this model in channels_last: as told or measured, else the rule
         (CPU, bf16 compute, 2-D convolutions)."""
         if self.channels_last is not None:
@@ -352,32 +359,26 @@ class Precision:
         """Context for forward + loss: torch.autocast in the mode's compute dtype (or nothing)."""
         return contextlib.nullcontext()
 
-    def attention_policy(self):
-        """The scoped attention policy ``autocast()`` enters, or None (always, without autocast)."""
-        return None
-
-    @property
-    def op_policy_applies(self) -> bool:
-        """Whether per-op kernel choices apply to this precision (CPU 16-bit autocast, not switched off)."""
-        return False
-
-    def convert_input(self, batch: Any) -> Any:
+    def _convert_input(self, batch: Any) -> Any:
         """Floating tensors of a batch cast to the param dtype (forward hooks already do this)."""
         return batch
 
     @property
-    def min_adam_eps(self) -> Optional[float]:
+    def _min_adam_eps(self) -> Optional[float]:
         """The smallest Adam ``eps`` that works with this mode's optimizer state, or None (any)."""
         return None
 
-    def check_optimizer_eps(self, optimizer: Any) -> None:
-        """Raise a too-small Adam ``eps`` to ``min_adam_eps`` (fp16 optimizer state), with one warning."""
-        checks.check_eps(optimizer, self.name, self.min_adam_eps)
+    def _check_optimizer_eps(self, optimizer: Any) -> None:
+        """Raise a too-small Adam ``eps`` to ``_min_adam_eps`` (fp16 optimizer state), with one warning."""
+        checks.check_eps(optimizer, self.name, self._min_adam_eps)
 
-    def check_step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse (one line) an optimizer this kind cannot step as it is (``step``): none here."""
+    def _check_step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse (one line) an optimizer this kind cannot step as it is (``step``): here an engine's wrapper (the
+        integrations step the torch optimizer inside, ``ampkit.integrations``)."""
+        if not hasattr(optimizer, "_ampkit_skip_flags"):  # one wrap_optimizer never saw (set up ones pass: no call)
+            checks.check_not_wrapped(optimizer, "step")
 
-    def fsdp_policy(self):
+    def _fsdp_policy(self):
         """FSDP2's ``MixedPrecisionPolicy`` for this kind: shards stay fp32 (they are the master weights),
         parameters all-gathered in the compute dtype, gradients reduced in fp32. A kind FSDP cannot run
         (16-bit parameters, fp8) raises a ValueError naming what to use instead."""
@@ -386,7 +387,7 @@ class Precision:
         low = self.mode.autocast_dtype
         return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
 
-    def fp32_policy(self):
+    def _fp32_policy(self):
         """FSDP2's policy for the modules kept fp32 (norms, ``fp32_modules``): gathered, computed and reduced in
         fp32, sharded as groups of their own so their block's 16-bit policy never casts them
         (``ampkit.precision.sharding``)."""
@@ -394,10 +395,10 @@ class Precision:
 
         return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
-    def prepare_fsdp(self):
-        """The ``fsdp_policy`` (the check). Built with ``strategy="fsdp"`` there is nothing else to do; built
+    def _prepare_fsdp(self):
+        """The ``_fsdp_policy`` (the check). Built with ``strategy="fsdp"`` there is nothing else to do; built
         without it (not yet set up), contiguous parameters only: ``channels_last`` off (asked for, an error)."""
-        policy = self.fsdp_policy()
+        policy = self._fsdp_policy()
         if self.strategy != "fsdp":
             if self.channels_last:
                 raise ValueError("channels_last=True cannot be used with strategy 'fsdp' (FSDP shards contiguous "
@@ -409,21 +410,18 @@ class Precision:
     #: whether ``backward`` unscales the gradients it made (the scaled modes whose gradients land in fp32
     #: parameters: ``scaling/loss_scaler.py``'s ``BackwardUnscale``); fp16-pure's fp16 gradients stay scaled until
     #: the step
-    unscales_in_backward = True
+    _unscales_in_backward = True
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """loss.backward(), with the loss scaled first in the scaled modes and, where the gradients land in fp32
         parameters (fp16-mixed, fp16-master), unscaled (and checked for inf/NaN, on the device) before it returns:
-        nothing after ``backward`` sees scaled gradients. Under an ``accelerate.Accelerator`` built with
-        ``gradient_accumulation_steps=N`` the loss is divided by N first, as ``accelerator.backward`` does."""
-        steps = accelerate_accumulation_steps()
-        if steps > 1:
-            loss = loss / steps
+        nothing after ``backward`` sees scaled gradients. Under accumulation, divide the loss by the window yourself
+        (``ampkit.integrations.accelerate.backward`` does, as ``accelerator.backward``)."""
         if not self.scales_loss:
             self.scaler.ensure_initialized(loss.device)
             loss.backward(**kwargs)
             return
-        params = self._backward_unscale.params if self.unscales_in_backward and self.scaler.is_enabled() else None
+        params = self._backward_unscale.params if self._unscales_in_backward and self.scaler.is_enabled() else None
         if not params:
             self.scaler.scale(loss).backward(**kwargs)
             return
@@ -503,7 +501,7 @@ class Precision:
     def fp32_view(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Fp32View:
         """An fp32 copy of the model's weights that follows it (``ampkit.precision.export.Fp32View``): give
         ``view.module`` to an EMA and call ``view.refresh()`` after each step (docs/INTEGRATIONS.md, "EMA")."""
-        opt = unwrapped(optimizer if optimizer is not None else getattr(self, "_optimizer", None))
+        opt = optimizer if optimizer is not None else getattr(self, "_optimizer", None)
         return Fp32View(model, opt, self.fp32_state_dict(model, opt))
 
     def state_dict(self) -> Dict[str, Any]:

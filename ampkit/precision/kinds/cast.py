@@ -1,7 +1,7 @@
 """The 16-bit-weight kinds' shared part (master and pure): params cast in ``setup`` (pure) or computed as
 16-bit copies of the fp32 params (master), inputs cast by a forward pre-hook, outputs back to fp32 with
 ``cast_outputs``. Under FSDP2 the modules kept fp32 (norms, islands) are sharded as their own groups with
-``fp32_policy`` (``ampkit.train.distributed.shard_fsdp``)."""
+``_fp32_policy`` (``ampkit.train.distributed.shard_fsdp``)."""
 from __future__ import annotations
 
 import warnings
@@ -54,5 +54,5 @@ class CastParams(AutocastPrecision):
             extra = [e for e in extra if not e.startswith("fp32 modules: ")] + [kept_text(self.kept_fp32)]
         return extra
 
-    def convert_input(self, batch: Any) -> Any:
+    def _convert_input(self, batch: Any) -> Any:
         return cast_floating(batch, self.compute_dtype)

@@ -32,9 +32,9 @@ class Fp8Precision(AutocastPrecision):
         if self.strategy == "fsdp":  # tensorwise: FSDP2 gathers the fp8 weights in fp8 (torchao)
             self.fp8.gather_in_fp8()
 
-    def prepare_fsdp(self):
-        """:meth:`Precision.prepare_fsdp`; before ``setup``, tensorwise weights set to be gathered in fp8."""
-        policy = super().prepare_fsdp()
+    def _prepare_fsdp(self):
+        """:meth:`Precision._prepare_fsdp`; before ``setup``, tensorwise weights set to be gathered in fp8."""
+        policy = super()._prepare_fsdp()
         if not self.is_setup:
             self.fp8.gather_in_fp8()
         return policy

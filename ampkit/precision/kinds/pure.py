@@ -9,7 +9,6 @@ import torch
 from ...optim import CompensatedOptimizer, compensated_from
 from ...optim.state import with_state_precision
 from ..checks import FP16_STATE_MIN_EPS
-from .base import unwrapped
 from .cast import CastParams
 
 __all__ = ["PurePrecision"]
@@ -22,7 +21,7 @@ class PurePrecision(CastParams):
     optimizer for its compensated ``ampkit.optim`` form; fp16-pure raises a too-small Adam ``eps``."""
 
     kind = "pure"
-    unscales_in_backward = False  # fp16 gradients cannot hold true values: scaled until the step unscales in fp32
+    _unscales_in_backward = False  # fp16 gradients cannot hold true values: scaled until the step unscales in fp32
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """:class:`Precision`'s arguments; bf16-pure refuses 8-bit states (torchao's, which round bf16 params
@@ -79,21 +78,21 @@ class PurePrecision(CastParams):
             optimizer = compensated_from(optimizer, self.settings.optimizer.optim_compensation)
         return with_state_precision(optimizer, self.optimizer_state)
 
-    def fsdp_policy(self):
+    def _fsdp_policy(self):
         """The shards are the 16-bit parameters themselves: gathered and reduced in 16 bits (half fp32's bytes)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
 
-    def check_step_optimizer(self, optimizer) -> None:
+    def _check_step_optimizer(self, optimizer) -> None:
         """bf16-pure: the optimizer stepped must be the compensated one (``setup(model, optimizer)`` or
         ``wrap_optimizer`` made it): a plain one would round every update away unseen. fp16-pure: an optimizer
         built after ``setup(model)`` gets the Adam ``eps`` check ``setup`` would have made (once: it raises eps)."""
+        super()._check_step_optimizer(optimizer)
         if not self.mode.compensated:
             if not torch.compiler.is_compiling():
-                self.check_optimizer_eps(optimizer)
+                self._check_optimizer_eps(optimizer)
             return
-        optimizer = unwrapped(optimizer)
         if not isinstance(optimizer, CompensatedOptimizer) \
                 and not getattr(optimizer, "_ampkit_compensated", False):
             raise TypeError(
@@ -101,7 +100,7 @@ class PurePrecision(CastParams):
                 "(built after setup(model)?): step optimizer = precision.wrap_optimizer(optimizer) instead.")
 
     @property
-    def min_adam_eps(self) -> Optional[float]:
+    def _min_adam_eps(self) -> Optional[float]:
         # fp16 moments only: optimizer_state fp32/bf16/8bit keeps none in fp16
         return FP16_STATE_MIN_EPS if self.param_dtype == torch.float16 and self.optimizer_state is None else None
 

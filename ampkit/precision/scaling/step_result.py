@@ -70,7 +70,7 @@ class SkipFlag:
     """A step's "was it skipped?" for the clients that ask a bool (accelerate's ``step_was_skipped``): falsy when
     the optimizer stepped, truthy when the step was skipped, the device flag read only when someone asks (one
     host sync then, as ``bool(StepResult)``). One per optimizer, its ``result`` replaced by each step
-    (``clients.mark_skipped``)."""
+    (``skip_flags.mark_skipped``)."""
 
     __slots__ = ("result",)
 

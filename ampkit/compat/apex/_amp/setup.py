@@ -129,7 +129,7 @@ def initialize(
         elif cast_model_outputs is not None:
             model.register_forward_hook(_CastOutput(cast_model_outputs))
     for opt in opt_list:  # O3: the optimizer's state is fp16 like the weights; an eps fp16 cannot hold is raised
-        precision.check_optimizer_eps(opt)
+        precision._check_optimizer_eps(opt)
 
     dynamic = props.dynamic
     for _ in range(num_losses):

@@ -12,26 +12,31 @@ and the whole op runs far below the bf16 GEMM rate. Three implementations of the
   elements of memory per call, so it is only used while that stays under
   ``AMPKIT_ATTN_MATH_MAX_MB`` (default 64 MiB per call).
 
-Which one a shape gets is data handed in by the tuning layer (``ampkit.tune`` ->
-``ampkit.tuning.opspeed``, measured before training): nothing here times, caches or reads files.
-:class:`AttentionPolicy` applies the choice while ``Precision.autocast()`` is active: a
-``TorchFunctionMode`` (thread-local and scoped, never a change to ``torch.nn.functional``), pushed
-only when some shape has a kernel other than ``native``. ``AMPKIT_OP_POLICY=off`` disables it;
-``=split`` / ``=math`` force that kernel without tuning (``on`` = ``split``, for tests).
+Which one a shape gets is measured before training (``ampkit.tune`` -> ``ampkit.tuning.opspeed``); nothing
+here times, caches or reads files. :class:`AttentionPolicy` applies the choice: a ``TorchFunctionMode``
+(thread-local and scoped, never a change to ``torch.nn.functional``). The tuning layer switches it on for the
+model it tuned (:func:`switch_on`: a forward pre-hook enters it, a forward hook leaves it, while CPU autocast
+runs the precision's 16-bit dtype), only when some shape has a kernel other than ``native``:
+``precision.autocast()`` stays torch's own ``autocast`` and the precision core knows nothing of attention.
+``AMPKIT_OP_POLICY=off`` disables it; ``=split`` / ``=math`` force that kernel without tuning (``on`` = ``split``,
+for tests).
 """
 from __future__ import annotations
 
 import math
 import os
+import threading
 import types
-from typing import Dict, List, Mapping, NamedTuple, Optional
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional
 
 import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..precision.kinds import AutocastPrecision
+
 __all__ = ["AttentionPolicy", "SdpaCall", "sdpa_split_backward", "sdpa_math", "policy_setting", "forced_kernel",
-           "math_fits", "bucket"]
+           "math_fits", "bucket", "policy_applies", "policy_for", "switch_on"]
 
 _aten = torch.ops.aten
 _SDPA = F.scaled_dot_product_attention
@@ -241,8 +246,8 @@ class AttentionPolicy(TorchFunctionMode):
     modified, and other threads and code outside the context see torch's own functions.
 
     It keeps no per-entry state (torch's mode stack is per thread), so one instance may be entered
-    any number of times, nested and from several threads: ``Precision.autocast()`` returns an
-    ``AutocastContext`` that enters it with a fresh ``torch.autocast`` on every ``with``.
+    any number of times, nested and from several threads: :func:`switch_on`'s hooks enter it around each
+    forward of the model it tuned.
     """
 
     def __init__(self, kernels: Optional[Mapping[str, str]] = None, forced: Optional[str] = None,
@@ -289,3 +294,78 @@ class AttentionPolicy(TorchFunctionMode):
             self._mha = types.FunctionType(_MHA.__code__, glob, _MHA.__name__, _MHA.__defaults__, _MHA.__closure__)
             self._mha.__kwdefaults__ = _MHA.__kwdefaults__
         return self._mha
+
+
+# ------------------------------------------------------------------ switched on by the tuning layer
+def policy_applies(precision: Any) -> bool:
+    """Whether per-shape attention kernels apply to ``precision``: CPU 16-bit autocast (the autocast kinds, fp8's
+    bf16 autocast included), not switched off (``op_policy=False``, ``AMPKIT_OP_POLICY=off``)."""
+    if not isinstance(precision, AutocastPrecision) or precision.mode.autocast_dtype is None:
+        return False
+    if precision.op_policy is False or (precision.op_policy is None and precision.device.type != "cpu"):
+        return False
+    return policy_setting() != "off"
+
+
+def policy_for(precision: Any) -> Optional[AttentionPolicy]:
+    """The policy for ``precision``'s measured kernels (``precision.tuned.attention``), or None where every call runs
+    torch's kernel: it does not apply, ``AMPKIT_OP_POLICY=native``, or no shape was measured faster elsewhere."""
+    if not policy_applies(precision):
+        return None
+    forced = forced_kernel()
+    if forced == "native":
+        return None
+    kernels = {k: v for k, v in precision.tuned.attention.items() if v != "native"}
+    if forced is None and not kernels:
+        return None
+    return AttentionPolicy(kernels, forced=forced)
+
+
+class _Switch:
+    """The forward hooks that enter ``policy`` for each forward run under CPU autocast in ``dtype`` (and leave it
+    after, on an exception too): re-entrant, per thread (torch's mode stack is per thread, as this stack is)."""
+
+    def __init__(self, policy: AttentionPolicy, device_type: str, dtype: torch.dtype) -> None:
+        self.policy, self.device_type, self.dtype = policy, device_type, dtype
+        self._local = threading.local()
+
+    def _stack(self) -> list:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    @torch.compiler.disable  # entered eagerly (a graph break at the model's edges) where torch.compile traces it
+    def enter(self, module, args) -> None:
+        on = torch.is_autocast_enabled(self.device_type) and torch.get_autocast_dtype(self.device_type) == self.dtype
+        if on:
+            self.policy.__enter__()
+        self._stack().append(on)
+
+    @torch.compiler.disable
+    def leave(self, module, args, output) -> None:
+        stack = self._stack()
+        if stack and stack.pop():
+            self.policy.__exit__(None, None, None)
+
+    def __getstate__(self):  # the per-thread stack is not state: a copy (torch.save(model)) starts with none entered
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+
+def switch_on(model: torch.nn.Module, precision: Any) -> torch.nn.Module:
+    """Switch the attention policy of ``precision`` (:func:`policy_for`) on for ``model``: a forward pre-hook enters
+    it and a forward hook leaves it whenever the model runs under CPU autocast in the precision's 16-bit dtype
+    (``with precision.autocast():``), so torch's own ``autocast`` is all the loop enters. Switched off (the hooks
+    removed) where there is no policy; called again, it replaces the earlier hooks. Returns ``model``."""
+    for handle in model.__dict__.pop("_ampkit_attention_hooks", ()):
+        handle.remove()
+    policy = policy_for(precision)
+    if policy is not None:
+        switch = _Switch(policy, precision.device.type, precision.mode.autocast_dtype)
+        model._ampkit_attention_hooks = (model.register_forward_pre_hook(switch.enter),
+                                         model.register_forward_hook(switch.leave, always_call=True))
+    return model
