@@ -41,6 +41,7 @@ def test_every_example_is_covered():
     assert scripts == {script for script, _, _ in RUNS.values()}
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_example_runs(name, results):
     proc = results[name]

@@ -21,6 +21,7 @@ def _cli(args, cwd):
                           timeout=300)
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_default_train_reaches_095_and_writes_run_dir(tmp_path):
     r = _cli(["train", "--no-progress"], tmp_path)
     assert r.returncode == 0, r.stderr
@@ -178,6 +179,7 @@ def test_tensorboard_missing_is_one_line_and_leaves_no_run_dir(capsys, tmp_path,
     assert not (tmp_path / "tb").exists()
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_compile_trains_and_resumes(capsys, tmp_path, monkeypatch):
     """--compile: the compiled model trains, its checkpoints hold the plain module's keys, and a resumed
     compiled run continues from them: 3 + 3 steps == 6 steps, bit for bit, compiled both times."""

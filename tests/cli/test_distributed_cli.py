@@ -21,6 +21,7 @@ def _torchrun(args, cwd):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed next to this Python")
 def test_torchrun_two_processes_train_and_resume(tmp_path):
     common = ["--no-progress", "--batch-size", "64", "--out", "run", "--lr-schedule", "constant", "--num-threads", "1",

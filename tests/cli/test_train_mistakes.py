@@ -216,6 +216,7 @@ def test_epoch_line_under_max_steps(in_user_dir, capsys):
     assert "epoch 1/3 (stopped by --max-steps after micro-batch 2 of 6)" in lines[-1], lines
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 @pytest.mark.cpu_caps("avx512_bf16")  # fp16 measured ~0.1x fp32 here: the slow-mode warning is due
 def test_each_warning_once_and_on_one_line(user_dir):
     """fp16 on a CPU warns when the Precision is built, and again when tuning rebuilds it: shown once.

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from cli_helpers import FAST
 
 from .common import ROOT
@@ -29,6 +31,7 @@ def _errors(stderr):
     return [ln for ln in stderr.splitlines() if ": error: " in ln]
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_divergence_before_the_first_checkpoint_keeps_the_run_dir(tmp_path, ledger):
     """Every gradient non-finite from the first step, the skip limit (3) reached long before the first
     checkpoint (one per epoch): the run directory stays with its report and metrics, and says so."""
@@ -72,6 +75,7 @@ def make(**kw):
 """
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_two_writers_into_one_run_dir(tmp_path, ledger):
     """`--resume auto --out D` twice at once: the first holds D's lock while it trains; the second is one
     line and exit 2, and changes nothing; the first finishes as if alone."""
@@ -108,6 +112,7 @@ def test_two_writers_into_one_run_dir(tmp_path, ledger):
     assert not (out / LOCK).exists()
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_resume_with_another_lr_records_the_lr_in_effect(tmp_path, ledger):
     """The checkpoint's lr continues on a resume with --lr: config.toml says so, not the flag's value."""
     out = str(tmp_path / "R")

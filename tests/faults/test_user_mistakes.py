@@ -94,6 +94,7 @@ def test_foreign_directory_is_never_written(user_dir, ledger):
         assert tree_bytes(str(mine)) == before
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_resume_keeps_the_runs_options(user_dir, ledger):
     """Resume without repeating the flags: the saved options, not the defaults; the saved config is never
     replaced by defaults; a finished run is left as it is; train_time_s counts every segment."""

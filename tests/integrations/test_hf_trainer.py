@@ -331,6 +331,7 @@ def _two_ranks(rank, tmp):
     leave_rank()  # HF's DDP models are alive: no destroy_process_group
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_two_processes_under_hfs_ddp(tmp_path):
     """Each mode trains under HF's DDP with the ranks equal; bf16-mixed is bitwise HF's own bf16=True there too."""
     from distributed_helpers import run_ranks

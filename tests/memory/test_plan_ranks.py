@@ -197,6 +197,7 @@ TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed next to this Python")
 def test_auto_batch_under_torchrun_plans_one_rank_against_its_share(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}

@@ -242,6 +242,7 @@ def _train(mode, steps=200, **kw):
         return float(F.cross_entropy(model(tx).float().reshape(-1, 64), ty.reshape(-1)))
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_gpt_trains_in_each_fp8_mode_within_3pct_of_bf16():
     ref = _train("bf16-mixed")
     assert ref < 0.8 * torch.log(torch.tensor(64.0))  # it learned something

@@ -592,6 +592,7 @@ def test_a_two_rank_checkpoint_loads_exactly_in_one_process(runs, mode):
     _same_state(_full_states(model, opt), torch.load(f"{tmp}/blocks-{mode}.pt", weights_only=False))
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 @pytest.mark.parametrize("mode", RESHARD_MODES)
 def test_a_two_rank_checkpoint_loads_exactly_on_four_ranks(runs, four, mode):
     saved = torch.load(f"{runs['tmp']}/blocks-{mode}.pt", weights_only=False)
@@ -599,6 +600,7 @@ def test_a_two_rank_checkpoint_loads_exactly_on_four_ranks(runs, four, mode):
         _same_state(four[r][f"blocks-{mode}"], saved)
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_the_cli_continues_a_two_rank_run_on_four_ranks(runs, four):
     """``ampkit train --strategy fsdp`` saved on 2 ranks x 32, resumed on 4 ranks x 16 (the same global batch):
     each rank reads its quarter, and the run ends where the uninterrupted 2-rank run ends (the gradients of
@@ -622,6 +624,7 @@ def test_the_cli_continues_a_two_rank_run_on_four_ranks(runs, four):
             torch.testing.assert_close(got["optimizer"]["state"][name][k], v, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 def test_a_damaged_shard_is_the_same_one_line_on_four_ranks(four):
     errors = [four[r]["damaged"] for r in range(4)]
     assert all(code == 2 for code, _ in errors), errors
@@ -644,6 +647,7 @@ def _matches_one_process(ranks, mode, strategy):
         assert all(torch.equal(ranks[0][key]["params"][k], ranks[r][key]["params"][k]) for k in one)
 
 
+@pytest.mark.slow  # (one of make test's longest: 15-70 s on 2 cores; make test-slow and CI run it)
 @pytest.mark.parametrize("mode", FOUR_MODES)
 def test_four_ranks_match_one_process_within_the_modes_noise(four, mode):
     _matches_one_process(four, mode, "fsdp")
