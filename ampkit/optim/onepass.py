@@ -63,6 +63,7 @@ class AdamRule:
     moments_sr: bool  # bf16 moments rounded stochastically
     p_dtype: torch.dtype
     s_dtype: torch.dtype
+    casts: bool = False  # bf16 roundings as casts: set for compiled_update's own compile (inductor keeps them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,7 @@ class SGDRule:
     moments_sr: bool  # a bf16 momentum buffer rounded stochastically
     p_dtype: torch.dtype
     s_dtype: torch.dtype
+    casts: bool = False  # bf16 roundings as casts: set for compiled_update's own compile (inductor keeps them)
 
 
 def _sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -86,14 +88,16 @@ def _sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return (bits & _BF16_MASK).view(torch.float32)
 
 
-def _nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 ``x`` rounded to nearest (even) in ``dtype``, as an fp32 value. For bf16 in integer ops on the bits
-    when traced (torch's conversion: add 0x7FFF plus the lowest kept bit, cut the low 16; NaN stays NaN), since
-    inductor may drop a ``.to(bf16).to(float32)`` pair inside a fused kernel (``emulate_precision_casts`` is off by default:
-    an outer ``torch.compile`` of the step would lose every Kahan residual)."""
+def _nearest(x: torch.Tensor, dtype: torch.dtype, casts: bool = False) -> torch.Tensor:
+    """fp32 ``x`` rounded to nearest (even) in ``dtype``, as an fp32 value: ``.to(dtype).to(float32)`` eager and in
+    :func:`compiled_update`'s kernel (``casts``: compiled with inductor's ``emulate_precision_casts``, so the pair is
+    kept, and the conversion instructions run: ~3x faster than the bits on an AMX Xeon). Traced under an outer
+    ``torch.compile`` of the step (whose inductor options are the user's: by default it drops such a pair, and every
+    Kahan residual would be lost) bf16 is rounded in integer ops on the bits (torch's conversion: add 0x7FFF plus
+    the lowest kept bit, cut the low 16; NaN stays NaN)."""
     if dtype == torch.float32:
         return x
-    if dtype != torch.bfloat16 or not torch.compiler.is_compiling():  # (eager: the casts, the same bits)
+    if dtype != torch.bfloat16 or casts or not torch.compiler.is_compiling():  # (eager: the casts, the same bits)
         return x.to(dtype).to(torch.float32)
     bits = x.view(torch.int32).clamp(max=_NO_OVERFLOW)
     rounded = ((bits + ((bits >> 16) & 1) + 0x7FFF) & _BF16_MASK).view(torch.float32)
@@ -124,7 +128,7 @@ def _gradient(g: torch.Tensor, p: torch.Tensor, scale: Optional[torch.Tensor], m
 
 def _land(mode: Optional[str], p32: torch.Tensor, c: Optional[torch.Tensor], d: torch.Tensor, step: Any,
           decay: Optional[torch.Tensor], x: Optional[torch.Tensor], key: Optional[torch.Tensor],
-          p_dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+          p_dtype: torch.dtype, casts: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The param (and Kahan buffer) after ``p += d * step`` with decoupled ``decay`` (``[-lr * wd, 1 - lr * wd]`` or
     None), landed by ``mode``: Kahan (buffer + decay + update in fp32, what rounds away stays in the buffer),
     stochastic rounding (the bits of counter ``x + 1``) or plain rounding. ``step``: a tensor, or a Python float
@@ -135,15 +139,15 @@ def _land(mode: Optional[str], p32: torch.Tensor, c: Optional[torch.Tensor], d: 
         if decay is not None:
             c32 = c32 + p32 * decay[0]
         s = p32 + (c32 + d * step)
-        p32 = _nearest(s, p_dtype)
-        return p32.to(p_dtype), _nearest(s - p32, p_dtype).to(p_dtype)  # (the buffer has the param's dtype)
+        p32 = _nearest(s, p_dtype, casts)
+        return p32.to(p_dtype), _nearest(s - p32, p_dtype, casts).to(p_dtype)  # (the buffer has the param's dtype)
     if decay is not None:
         p32 = p32 * decay[1]
     p32 = torch.add(p32, d, alpha=step) if isinstance(step, float) else p32 + d * step
     if mode == "stochastic":
         p32 = _sr(p32, hash32(x + 1, key) & _LOW16)
     else:
-        p32 = _nearest(p32, p_dtype)
+        p32 = _nearest(p32, p_dtype, casts)
     return p32.to(p_dtype), None
 
 
@@ -174,10 +178,10 @@ def adam_math(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
         h = hash32(x, key)
         m32, v32 = _sr(m32, h & _LOW16), _sr(v32, (h >> 16) & _LOW16)
     else:
-        m32, v32 = _nearest(m32, rule.s_dtype), _nearest(v32, rule.s_dtype)
+        m32, v32 = _nearest(m32, rule.s_dtype, rule.casts), _nearest(v32, rule.s_dtype, rule.casts)
     # (every value below is rounded to its storage dtype in fp32 before it is used or stored: exact casts)
     p_new, c_new = _land(rule.mode, p32, c, m32 / (v32.sqrt() / bc2 + rule.eps), step_size,
-                         decay if rule.decoupled else None, x, key, rule.p_dtype)
+                         decay if rule.decoupled else None, x, key, rule.p_dtype, rule.casts)
     return _keep(skip, (p, m, v, c), (p_new, m32.to(rule.s_dtype), v32.to(rule.s_dtype), c_new))
 
 
@@ -207,10 +211,10 @@ def sgd_math(rule: SGDRule, p: torch.Tensor, g: torch.Tensor, m: Optional[torch.
         m32 = torch.add(m.to(f32) * rule.momentum, g32, alpha=1 - rule.dampening)
         if pending is not None:
             m32 = torch.where(pending > 0, g32, m32)
-        m32 = _sr(m32, hash32(x, key) & _LOW16) if rule.moments_sr else _nearest(m32, rule.s_dtype)
+        m32 = _sr(m32, hash32(x, key) & _LOW16) if rule.moments_sr else _nearest(m32, rule.s_dtype, rule.casts)
         m_new = m32.to(rule.s_dtype)
         d = torch.add(g32, m32, alpha=rule.momentum) if rule.nesterov else m32
-    p_new, c_new = _land(rule.mode, p32, c, d, step, None, x, key, rule.p_dtype)
+    p_new, c_new = _land(rule.mode, p32, c, d, step, None, x, key, rule.p_dtype, rule.casts)
     return _keep(skip, (p, m, c), (p_new, m_new, c_new))
 
 
@@ -251,8 +255,9 @@ def compiled_update(rule: Any) -> Callable:
     """The compiled in-place update for ``rule`` (:func:`adam_inplace` for an :class:`AdamRule`, :func:`sgd_inplace`
     for an :class:`SGDRule`; made once per process and rule; dynamic shapes)."""
     fn = _COMPILED.get(rule)
-    if fn is None:
-        fn = _COMPILED[rule] = torch.compile(functools.partial(_own_code(_INPLACE[type(rule)]), rule), dynamic=True)
+    if fn is None:  # the roundings as casts, which inductor keeps when told to (this compile only)
+        update = functools.partial(_own_code(_INPLACE[type(rule)]), dataclasses.replace(rule, casts=True))
+        fn = _COMPILED[rule] = torch.compile(update, dynamic=True, options={"emulate_precision_casts": True})
     return fn
 
 
