@@ -94,8 +94,14 @@ def workers(tmp_path_factory):
     return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in (0, 1)]
 
 
+_DDP_BF16_PURE = pytest.mark.xfail(strict=True, reason=(
+    "known defect, found at the end of the 2026-12-02 session: bf16-pure on 2 DDP workers ends 0.0098 from one process "
+    "(tolerance 2 x the mode's own noise, 0.0039); it passed at ff39aea and fails since the one-pass optimizer and the "
+    "light core merged (bce1f82); cause not found (issues 48/51)"))
+
+
 @pytest.mark.slow  # Ray's start (local cluster, a controller and 2 worker actors importing torch): ~30 s on 2 cores
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m if m != "bf16-pure" else pytest.param(m, marks=_DDP_BF16_PURE) for m in MODES])
 def test_torch_trainer_runs_the_five_lines_on_two_workers(workers, mode):
     one, ref = _one_process(mode), _one_process("fp32")
     noise = max((one[k] - ref[k]).abs().max().item() for k in one)
