@@ -331,12 +331,14 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         (``_pass_scalars``); the call is ``(p, g, *tensors, *scalars, skip, scale, key, start)``."""
         device = params[0].device
         compiling = torch.compiler.is_compiling()
-        if not compiling and (params[0].is_meta or is_fake(params[0])):
-            # the memory planner's tensors: a compiled pass writes in place and holds nothing of its own, so the
-            # plan counts no update where the real step would compile; the eager batches' temporaries elsewhere
-            return self._compiles(device, sum(p.numel() for p in params))
-        if not compiling and not self._compiles(device, sum(p.numel() for p in params)):
-            return False
+        if not compiling:
+            compiles = self._compiles(device, sum(p.numel() for p in params))
+            if params[0].is_meta or is_fake(params[0]):
+                # the memory planner's tensors: a compiled pass writes in place and holds nothing of its own, so
+                # the plan counts no update where the real step would compile; the eager batches' temporaries elsewhere
+                return compiles
+            if not compiles:
+                return False
         shared = target.shared
         rule = self._rule(group, mode, params[0].dtype, states)
         eager = onepass.inplace(rule)
