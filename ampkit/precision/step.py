@@ -7,7 +7,8 @@
                    (no gradients, or the very gradients an earlier step applied: no host sync, a version check)
     fp16 modes     the loss scale (LossScaler, torch's GradScaler machinery, ``scaling/loss_scaler.py``):
                      refuse grads no scaled loss made, parameters no set-up model holds -> unscale
-                     (precision.backward did it where grads land in fp32: its flag is taken) -> clip -> scaler.step (skips in the fused kernel) -> scaler.update (scale and counts)
+                     (precision.backward did it where grads land in fp32: its flag is taken) -> clip ->
+                     scaler.step (skips in the fused kernel) -> scaler.update (scale and counts)
     other modes    no scaler (NonFiniteGuard): nonfinite="skip" (default)
                      clip (its norm is the check: 2 ops) or the grads' norms' check (3 ops) -> optimizer.step with
                      found_inf (the fused kernel skips and rolls its step count back) -> count (1 op)
