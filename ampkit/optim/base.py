@@ -28,7 +28,7 @@ import torch
 
 from torch._subclasses.fake_tensor import is_fake
 
-from . import onepass
+from . import onepass, replicas
 from .batches import _Undo, pieces
 from .noise import RoundingNoise
 from .target import _Target
@@ -155,6 +155,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.seed = seed
         self._noise_seed = (seed if seed is not None else torch.initial_seed() ^ 0x5EED5EED) % (1 << 64)
+        #: the seed is the same on every rank (given, loaded, or agreed at the first step under DDP: ``replicas``)
+        self._seed_agreed = seed is not None
         self._noise: Dict[str, RoundingNoise] = {}
         self._shard_rank: Optional[int] = None  # the rank, where the params are DTensor shards (FSDP2)
         #: per batch, the views its update pairs flat fp32 rows with (``flat.batch_of``); not state
@@ -250,6 +252,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not getattr(self, "_seed_agreed", True) and replicas.replicated():
+            self._agree_seed()
         found_inf: Optional[torch.Tensor] = getattr(self, "found_inf", None)
         grad_scale: Optional[torch.Tensor] = getattr(self, "grad_scale", None)
         for gi, group in enumerate(self.param_groups):
@@ -400,9 +404,23 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         if not saved:
             return
         self._noise_seed = int(saved["seed"]) % (1 << 64)
+        self._seed_agreed = True  # (a checkpoint's: every rank loads the same)
         positions = saved.get("positions", {})
         for key in set(self._noise) | set(positions):
             self.noise(torch.device(key)).load(self._stream_seed(), positions.get(key, 0))
+
+    def _agree_seed(self) -> None:
+        """Under DDP (several ranks, whole params: no FSDP shards), rank 0's seed on every rank, once (a seed left
+        to ``torch.initial_seed()`` differs where each rank seeds torch apart, and replicas drawing other bits drift
+        apart); the counters keep their positions."""
+        self._seed_agreed = True
+        if self._shard_rank is not None:  # FSDP2 shards: each draws its own bits
+            return
+        seed = replicas.agreed_seed(self._noise_seed)
+        if seed != self._noise_seed:
+            self._noise_seed = seed
+            for n in self._noise.values():
+                n.load(self._stream_seed(), n.position)
 
     def _stream_seed(self) -> int:
         """The noise stream's seed: the optimizer's, mixed with the rank where the params are FSDP2 shards, so

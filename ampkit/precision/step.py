@@ -219,7 +219,10 @@ class NonFiniteGuard:
     # ------------------------------------------------------------------ the check (2 ops)
     def check_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """1.0 when the gradient norm (computed for clipping anyway) is inf/NaN, else 0.0: ``norm - norm`` is NaN
-        exactly then (not ``norm * 0``: inductor folds a product with 0 to 0, and a compiled step never skipped)."""
+        exactly then (not ``norm * 0``: inductor folds a product with 0 to 0, and a compiled step never skipped).
+        The counts are placed here too: a plain ``loss.backward()`` never reached ``precision.backward``."""
+        if self._one is None:  # (not a call per step: test_step_overhead counts them)
+            self.ensure_initialized(norm.device)
         if type(norm) is not torch.Tensor or torch.compiler.is_compiling():  # a DTensor norm (FSDP2); compiled
             return self._reduced(nonfinite_from_norm(norm, norm.device))
         return self._reduced(torch.sub(norm, norm).nan_to_num_(nan=1.0).float())

@@ -106,3 +106,17 @@ def test_the_gradient_check_reads_the_gradients_and_writes_none(dtype):
     for bad in (float("inf"), float("nan")):
         grads[1][3] = bad
         assert guard.check_grads(grads).item() == 1.0
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-mixed", "bf16-master", "bf16-pure"])
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_a_plain_loss_backward_steps_skips_and_counts(mode, max_norm):
+    """``loss.backward()`` instead of ``precision.backward(loss)`` (a torch loop ported as it is): the step checks,
+    skips a non-finite step and counts, with clipping or without."""
+    p, model, opt = _setup(mode)
+    for poison in (False, True, False):
+        loss = model(torch.randn(3, 4, dtype=next(model.parameters()).dtype)).float().mean()
+        (loss * (math.inf if poison else 1.0)).backward()
+        p.step(opt, max_norm=max_norm)
+        opt.zero_grad(set_to_none=True)
+    assert (p.optimizer_steps, p.skipped_steps) == (2, 1)
