@@ -189,7 +189,8 @@ def _cpu_name() -> str:
                 if line.startswith("flags") and not flags:
                     flags = line
         kind = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "AVX2"
-        return f"{name} ({kind})"
+        caps = [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if os.environ.get(k)]
+        return f"{name} ({kind}{', capped: ' + ' '.join(caps) if caps else ''})"  # (the kind a cap emulates)
     except OSError:
         return "unknown CPU"
 

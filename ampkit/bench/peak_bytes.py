@@ -6,7 +6,11 @@ the live tensors instead of the allocator's free lists. It first runs the same s
 the model (so libraries, kernels and thread pools are loaded), then records the resident size, resets
 the kernel's peak counter (``/proc/self/clear_refs``, value 5) and runs ``steps`` steps of the real
 model, built after the reset. ``(VmHWM - resident before) / parameters`` is what the mode costs at its
-peak: weights, grads, optimizer state, compensation, activations and every temporary.
+peak: weights, grads, optimizer state, compensation, activations and every temporary. Where the real model's
+update will compile (a compensated optimizer over at least ``COMPILE_MIN`` parameters: ``ampkit.optim.onepass``),
+the warm-up compiles it too (the same rule, dynamic shapes: the real steps compile nothing more), so the peak
+counts tensors, not the compiler's code; its resident bytes, a fixed cost once per process (80-200 MiB), are
+reported apart as ``compile_bytes`` (0 where nothing compiles).
 
 Configurations: ``torch-fp32`` and ``torch-bf16`` (plain loops: fused ``torch.optim.AdamW`` over fp32 or
 bf16 parameters) as references, and any ampkit mode, optionally with ``:<optimizer_state>``
@@ -57,7 +61,7 @@ def _run(config: str, size: dict, steps: int, batch: int) -> int:
     from ..precision import Precision
 
     torch.manual_seed(0)
-    model = GPT(**size, tie_weights=True)
+    model = GPT(**{"tie_weights": True, **size})  # (size may untie them)
     n = sum(p.numel() for p in model.parameters())
     mode, _, state = config.partition(":")
     if mode in REFERENCES:
@@ -89,20 +93,49 @@ def _run(config: str, size: dict, steps: int, batch: int) -> int:
     return n
 
 
-def measure(config: str, size: Optional[dict] = None, steps: int = 3, batch: int = 4) -> Dict[str, float]:
-    """In this process (started with ``MALLOC_MMAP_THRESHOLD_``): peak bytes per parameter of ``config``."""
+def _compiles(config: str, size: dict) -> bool:
+    """Whether ``config``'s update will compile on the model of ``size`` (its parameters counted on ``meta``)."""
     import torch
 
+    from ..models import GPT
+    from ..optim import onepass
+
+    if config.partition(":")[0] in REFERENCES:
+        return False
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(**{"tie_weights": True, **size}).parameters())
+    return n >= onepass.COMPILE_MIN
+
+
+def measure(config: str, size: Optional[dict] = None, steps: int = 3, batch: int = 4) -> Dict[str, float]:
+    """In this process (started with ``MALLOC_MMAP_THRESHOLD_``): peak bytes per parameter of ``config``, and the
+    compiled update's own resident bytes (``compile_bytes``)."""
+    import torch
+
+    from ..optim import onepass
+
     torch.set_num_threads(1)
+    size = dict(size or DEFAULT_SIZE)
     _run(config, _TINY, 2, 2)  # load what the steps need, so the measured peak holds tensors only
+    compile_kib = 0
+    if _compiles(config, size):  # the compiler and the update's kernel too (what the real steps would load)
+        gc.collect()
+        loaded = _status_kib("VmRSS")
+        saved, onepass.COMPILE_MIN = onepass.COMPILE_MIN, 0
+        try:
+            _run(config, _TINY, 2, 2)
+        finally:
+            onepass.COMPILE_MIN = saved
+        gc.collect()
+        compile_kib = _status_kib("VmRSS") - loaded
     gc.collect()
     base = _status_kib("VmRSS")
     _reset_peak()
-    n = _run(config, dict(size or DEFAULT_SIZE), steps, batch)
+    n = _run(config, size, steps, batch)
     peak = _status_kib("VmHWM")
     gc.collect()
     return {"config": config, "params": n, "peak_bytes": (peak - base) * 1024,
-            "bytes_per_param": (peak - base) * 1024 / n}
+            "bytes_per_param": (peak - base) * 1024 / n, "compile_bytes": compile_kib * 1024}
 
 
 def measure_in_subprocess(config: str, size: Optional[dict] = None, steps: int = 3, batch: int = 4,
@@ -137,8 +170,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.append(measure_in_subprocess(config, size, args.steps, args.batch))
         if not args.json:
             r = rows[-1]
+            compiled = f"; the compiled update: {r['compile_bytes'] / 2**20:.0f} MiB once" if r["compile_bytes"] else ""
             print(f"{r['config']:24s} {r['bytes_per_param']:6.1f} B/param  (peak {r['peak_bytes'] / 2**20:.0f} MiB, "
-                  f"{r['params'] / 1e6:.1f}M params)", flush=True)
+                  f"{r['params'] / 1e6:.1f}M params{compiled})", flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0

@@ -33,7 +33,7 @@ from .batches import _Undo, pieces
 from .noise import RoundingNoise
 from .target import _Target
 
-__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "NOISE_KEY"]
+__all__ = ["CompensatedOptimizer", "COMPENSATIONS", "LOW_PRECISION", "NOISE_KEY", "CPU_BATCH", "STEP_TEMPORARIES"]
 
 COMPENSATIONS = ("kahan", "stochastic", None)
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
@@ -41,9 +41,14 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 #: the ``state_dict()`` param-group key holding the stochastic-rounding noise: seed and counters
 NOISE_KEY = "rounding_noise"
-#: elements per foreach batch on a CPU (the step's fp32 temporaries: 36 B per element at most, 4.5 MiB; a
-#: fixed size keeps an embedding-heavy model's peak near its state's, where activations are small)
-CPU_BATCH = 1 << 17
+#: elements per foreach batch on a CPU: a fixed size bounds the eager step's temporaries (its fp32 row and the update's
+#: intermediates, 80 B per element at most: :data:`STEP_TEMPORARIES`), so an embedding-heavy model, whose
+#: activations are small, peaks at its state plus a constant. (2**17 held 9-10 MiB, above plain bf16's peak by
+#: 3 B/param on a 2.8M-param model; 2**15 is as fast here: the ops' host cost is small beside their bytes.)
+CPU_BATCH = 1 << 15
+#: bytes the eager step holds beyond the training state on a CPU, at most (``tests/optim/test_step_temporaries.py``
+#: counts them: 64-80 B per element of a batch for Adam/AdamW, fewer for SGD): a fixed bound, whatever the model
+STEP_TEMPORARIES = 3 << 20  # 3 MiB: 96 B per element of CPU_BATCH
 #: elements per foreach batch on an accelerator (576 MiB of temporaries at most: launches, not bytes, bound a
 #: GPU's step, and the step's temporaries live while the activations are freed)
 DEVICE_BATCH = 1 << 24

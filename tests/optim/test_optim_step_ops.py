@@ -10,10 +10,12 @@ from torch import nn
 
 import ampkit
 from ampkit.optim import AdamW
-from ampkit.optim.base import CPU_BATCH, DEVICE_BATCH
+from ampkit.optim.base import DEVICE_BATCH
 from op_count import OpCount
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+BATCH = 1 << 17  # a batch holding either model whole
 
 
 
@@ -57,12 +59,13 @@ def _step_ops(width, layers, batch=None, compensation=None):
 
 @pytest.mark.parametrize("compensation", [None, "stochastic"])  # None: bf16-pure's default, Kahan
 def test_ops_do_not_grow_with_parameter_count(compensation):
-    """Two models, 14 and 26 tensors, 13k and 101k parameters (under a CPU batch): the same count, within
+    """Two models, 14 and 26 tensors, 13k and 101k parameters (under one batch of 2**17 elements; the CPU's
+    default, CPU_BATCH, is smaller: test_ops_grow_with_bytes_beyond_a_batch_only): the same count, within
     3x torch's foreach AdamW (whose count grows with the tensor count) on each: the eager batches run the compiled
     pass's formula op by op (~50 elementwise ops on a flat row, the noise hash among them)."""
-    small = _step_ops(64, 3, compensation=compensation)
-    large = _step_ops(128, 6, compensation=compensation)
-    assert small[2] < large[2] and small[3] * 7 < large[3] <= CPU_BATCH, (small, large)
+    small = _step_ops(64, 3, batch=BATCH, compensation=compensation)
+    large = _step_ops(128, 6, batch=BATCH, compensation=compensation)
+    assert small[2] < large[2] and small[3] * 7 < large[3] <= BATCH, (small, large)
     assert small[0] == large[0], (small, large)
     if compensation is None:  # stochastic rounding of the params costs one more hash (~10 ops)
         for ours, theirs, *_ in (small, large):
