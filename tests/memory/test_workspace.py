@@ -43,8 +43,11 @@ for mkldnn in (True, False):
         for _ in range(2):
             conv(x).sum().backward()
         x.grad = conv.weight.grad = None
-        y, fwd = measure(lambda: conv(x))
-        fwd -= y.untyped_storage().nbytes()
+        fwd = 0
+        for _ in range(3):  # the largest of three: a reorder that lands on pages still resident adds less to the RSS
+            y = None
+            y, added = measure(lambda: conv(x))
+            fwd = max(fwd, added - y.untyped_storage().nbytes())
         g = torch.ones_like(y)
         _, bwd = measure(lambda: y.backward(g))
         bwd -= x.grad.untyped_storage().nbytes() + conv.weight.grad.untyped_storage().nbytes()
