@@ -92,19 +92,18 @@ def _sr(x: torch.Tensor, r: torch.Tensor, casts: bool = False) -> torch.Tensor:
 
     ``casts`` (:func:`compiled_update`'s kernel): the same result in float arithmetic, because inductor's C++ runs a
     bit view (float <-> int32) as a scalar loop per vector (~3 ns an element on an AMX Xeon, most of the update).
-    The magnitude's two bf16 neighbours come from the nearest bf16 value ``h`` (a cast pair) and the spacing above it
-    (the cast of ``h * (1 + 5/1024)`` lands on the next value up: an exact product of 8- and 11-bit significands); the
-    spacing below is the same, or half where ``h`` is a power of two (its spacing is then ``h / 2**7``); the carry
-    happens where the cut part reaches ``width * (1 - r / 2**16)``. Every step is exact, so
+    The magnitude's two bf16 neighbours come from the nearest bf16 value ``h`` (a cast pair) and the spacing beside it
+    (the cast of ``h * (1 -+ 5/1024)``, which lands on the next value down or up: exact products of 8- and 11-bit
+    significands); the carry happens where the cut part reaches ``width * (1 - r / 2**16)``. Every step is exact, so
     this equals the bits for every finite value in bf16's range, subnormals included (checked on all of them in
-    tests/optim/test_optim_rounding.py); NaN stays NaN (the bits turn a NaN with a short payload into inf)."""
+    tests/optim/test_onepass.py); NaN stays NaN (the bits turn a NaN with a short payload into inf)."""
     if not casts:
         bits = x.view(torch.int32).clamp(max=_NO_OVERFLOW) + r.to(torch.int32)
         return (bits & _BF16_MASK).view(torch.float32)
     a = x.abs()
     h = _nearest(a.clamp(max=_BF16_MAX), torch.bfloat16, casts)
+    down = (h - _nearest(h * (1019 / 1024), torch.bfloat16, casts)).clamp(min=_BF16_TINY)
     up = (_nearest(h * (1029 / 1024), torch.bfloat16, casts) - h).clamp(_BF16_TINY, _BF16_ULP_MAX)
-    down = torch.where(up == h * (2.0 ** -7), up * 0.5, up).clamp(min=_BF16_TINY)  # (half below a power of two)
     above = h > a  # rounded up: the neighbours are h - down and h
     low = torch.where(above, h - down, h)
     width = torch.where(above, down, up)
