@@ -47,10 +47,6 @@ COMPILE_MIN = 1 << 22
 _NO_OVERFLOW = 0x7FFF0000  # (see rounding.py) the largest int32 view a 16-bit addend cannot overflow
 _BF16_MASK = -65536
 _LOW16 = 0xFFFF
-_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
-_BF16_TINY = 2.0 ** -133  # bf16's spacing below 2**-126 (its subnormals)
-_BF16_ULP_MAX = 2.0 ** 120  # bf16's spacing at its largest binade
-_FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,29 +82,10 @@ class SGDRule:
     casts: bool = False  # bf16 roundings as casts: set for compiled_update's own compile (inductor keeps them)
 
 
-def _sr(x: torch.Tensor, r: torch.Tensor, casts: bool = False) -> torch.Tensor:
-    """fp32 ``x`` rounded stochastically to a bf16-representable fp32 (``r``: uniform in [0, 65535]): the int32 view
-    plus ``r``, the low 16 bits cut (a carry rounds the magnitude up, with probability the cut bits' share).
-
-    ``casts`` (:func:`compiled_update`'s kernel): the same result in float arithmetic, because inductor's C++ runs a
-    bit view (float <-> int32) as a scalar loop per vector (~3 ns an element on an AMX Xeon, most of the update).
-    The magnitude's two bf16 neighbours come from the nearest bf16 value ``h`` (a cast pair) and the spacing beside it
-    (the cast of ``h * (1 -+ 5/1024)``, which lands on the next value down or up: exact products of 8- and 11-bit
-    significands); the carry happens where the cut part reaches ``width * (1 - r / 2**16)``. Every step is exact, so
-    this equals the bits for every finite value in bf16's range, subnormals included (checked on all of them in
-    tests/optim/test_onepass.py); NaN stays NaN (the bits turn a NaN with a short payload into inf)."""
-    if not casts:
-        bits = x.view(torch.int32).clamp(max=_NO_OVERFLOW) + r.to(torch.int32)
-        return (bits & _BF16_MASK).view(torch.float32)
-    a = x.abs()
-    h = _nearest(a.clamp(max=_BF16_MAX), torch.bfloat16, casts)
-    down = (h - _nearest(h * (1019 / 1024), torch.bfloat16, casts)).clamp(min=_BF16_TINY)
-    up = (_nearest(h * (1029 / 1024), torch.bfloat16, casts) - h).clamp(_BF16_TINY, _BF16_ULP_MAX)
-    above = h > a  # rounded up: the neighbours are h - down and h
-    low = torch.where(above, h - down, h)
-    width = torch.where(above, down, up)
-    out = torch.where(a - low >= width - r.to(torch.float32) * (2.0 ** -16) * width, low + width, low)
-    return torch.where(a <= _FLT_MAX, torch.where(x < 0, -out, out), x)
+def _sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded stochastically to a bf16-representable fp32 (``r``: uniform in [0, 65535])."""
+    bits = x.view(torch.int32).clamp(max=_NO_OVERFLOW) + r.to(torch.int32)
+    return (bits & _BF16_MASK).view(torch.float32)
 
 
 def _nearest(x: torch.Tensor, dtype: torch.dtype, casts: bool = False) -> torch.Tensor:
@@ -168,7 +145,7 @@ def _land(mode: Optional[str], p32: torch.Tensor, c: Optional[torch.Tensor], d: 
         p32 = p32 * decay[1]
     p32 = torch.add(p32, d, alpha=step) if isinstance(step, float) else p32 + d * step
     if mode == "stochastic":
-        p32 = _sr(p32, hash32(x + 1, key) & _LOW16, casts)
+        p32 = _sr(p32, hash32(x + 1, key) & _LOW16)
     else:
         p32 = _nearest(p32, p_dtype, casts)
     return p32.to(p_dtype), None
@@ -199,7 +176,7 @@ def adam_math(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
     x = _counters(p, key, start)
     if rule.moments_sr:
         h = hash32(x, key)
-        m32, v32 = _sr(m32, h & _LOW16, rule.casts), _sr(v32, (h >> 16) & _LOW16, rule.casts)
+        m32, v32 = _sr(m32, h & _LOW16), _sr(v32, (h >> 16) & _LOW16)
     else:
         m32, v32 = _nearest(m32, rule.s_dtype, rule.casts), _nearest(v32, rule.s_dtype, rule.casts)
     # (every value below is rounded to its storage dtype in fp32 before it is used or stored: exact casts)
@@ -234,7 +211,7 @@ def sgd_math(rule: SGDRule, p: torch.Tensor, g: torch.Tensor, m: Optional[torch.
         m32 = torch.add(m.to(f32) * rule.momentum, g32, alpha=1 - rule.dampening)
         if pending is not None:
             m32 = torch.where(pending > 0, g32, m32)
-        m32 = _sr(m32, hash32(x, key) & _LOW16, rule.casts) if rule.moments_sr else _nearest(m32, rule.s_dtype, rule.casts)
+        m32 = _sr(m32, hash32(x, key) & _LOW16) if rule.moments_sr else _nearest(m32, rule.s_dtype, rule.casts)
         m_new = m32.to(rule.s_dtype)
         d = torch.add(g32, m32, alpha=rule.momentum) if rule.nesterov else m32
     p_new, c_new = _land(rule.mode, p32, c, d, step, None, x, key, rule.p_dtype, rule.casts)
