@@ -52,16 +52,22 @@ def _reset_peak() -> None:
         f.write("5")
 
 
+def _gpt(size: dict):
+    """The measured model: ``ampkit.models.GPT`` of ``size`` (embeddings tied unless ``size`` unties them)."""
+    from ..models import GPT
+
+    return GPT(**{"tie_weights": True, **size})
+
+
 def _run(config: str, size: dict, steps: int, batch: int) -> int:
     """Build the model and train ``steps`` steps; returns the parameter count."""
     import torch
     from torch.nn import functional as F
 
-    from ..models import GPT
     from ..precision import Precision
 
     torch.manual_seed(0)
-    model = GPT(**{"tie_weights": True, **size})  # (size may untie them)
+    model = _gpt(size)
     n = sum(p.numel() for p in model.parameters())
     mode, _, state = config.partition(":")
     if mode in REFERENCES:
@@ -94,16 +100,16 @@ def _run(config: str, size: dict, steps: int, batch: int) -> int:
 
 
 def _compiles(config: str, size: dict) -> bool:
-    """Whether ``config``'s update will compile on the model of ``size`` (its parameters counted on ``meta``)."""
+    """Whether ``config``'s update may compile on the model of ``size`` (an ampkit mode over at least ``COMPILE_MIN``
+    parameters, counted on ``meta``; whether its optimizer is a compensated one shows when the warm-up runs)."""
     import torch
 
-    from ..models import GPT
     from ..optim import onepass
 
     if config.partition(":")[0] in REFERENCES:
         return False
     with torch.device("meta"):
-        n = sum(p.numel() for p in GPT(**{"tie_weights": True, **size}).parameters())
+        n = sum(p.numel() for p in _gpt(size).parameters())
     return n >= onepass.COMPILE_MIN
 
 
@@ -127,7 +133,8 @@ def measure(config: str, size: Optional[dict] = None, steps: int = 3, batch: int
         finally:
             onepass.COMPILE_MIN = saved
         gc.collect()
-        compile_kib = _status_kib("VmRSS") - loaded
+        if onepass._COMPILED:  # (a mode whose optimizer is torch's compiles nothing: its RSS change is noise)
+            compile_kib = _status_kib("VmRSS") - loaded
     gc.collect()
     base = _status_kib("VmRSS")
     _reset_peak()
