@@ -8,14 +8,16 @@ so a draw is a fixed handful of elementwise ops whatever its size (no chunks, no
 seed and counter give the same bits in eager and compiled code on any device, and the state to save for
 a bit-exact resume is the seed and the counter.
 
-The hash is the well-known ``0x45d9f3b`` integer mix (xor-shift, multiply, mask; twice; then a last
-xor-shift) on ``i + k1``, with the draw's key ``(draw * 0x9E3779B1 + k2) mod 2**32`` xor-ed in between
-the two rounds (``k1``, ``k2``: hashes of the seed). Every intermediate is an int64 holding a value below
-``2**33`` (masked after each multiply, and ``0x45d9f3b < 2**27``, so a product stays below ``2**60``): no
-signed overflow in eager torch, inductor's C++ or Triton. One hash gives 32 bits, read as two signed
-16-bit lanes (a dtype view, no arithmetic; the int64's two low int16 lanes on the little-endian machines
-torch runs on). A draw of ``n`` values costs ``ceil(n / 2)`` int64s (4 B per value) and one temporary of
-that size. Up to ``2**31`` draws and ``2**32`` values per draw keep every stream distinct.
+The hash is the well-known ``0x45d9f3b`` integer mix (xor-shift, multiply; twice; then a last xor-shift) on the
+int32 counter ``k1 + i`` (mod ``2**32``), with the draw's key ``(draw * 0x9E3779B1 + k2) mod 2**32`` xor-ed in
+between the two rounds (``k1``, ``k2``: hashes of the seed). It runs in int32 with two's-complement wrapping
+products, which every backend torch uses gives (eager kernels, inductor's C++ vectors, Triton), and logical
+shifts as an arithmetic shift and a mask: vector int32 ops on every CPU, where int64 counters went through a
+scalar conversion path in inductor's C++ (the hash of a step cost twice as much). The bits are those of the
+same mix on 64-bit integers masked to 32 bits after each product. One hash gives 32 bits, read as two signed
+16-bit lanes (a dtype view, no arithmetic: the low lane first on the little-endian machines torch runs on). A
+draw of ``n`` values costs ``ceil(n / 2)`` int32s (2 B per value) and one temporary of that size. Up to
+``2**31`` draws and ``2**31`` values per draw keep every stream distinct.
 """
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ from typing import Union
 
 import torch
 
-__all__ = ["RoundingNoise"]
+__all__ = ["RoundingNoise", "hash32", "mix32", "high16", "counters", "as_int32"]
 
 _M32 = 0xFFFFFFFF
-_MUL = 0x45D9F3B  # < 2**27: a 33-bit value times it stays below 2**60
+_MUL = 0x45D9F3B
 _GOLDEN = 0x9E3779B1  # spreads consecutive draw numbers over the 32-bit keys
+_LOW16 = 0xFFFF
 
 
 def _mix_int(x: int) -> int:
@@ -37,18 +40,43 @@ def _mix_int(x: int) -> int:
     return (x >> 16) ^ x
 
 
-def _round_(x: torch.Tensor) -> torch.Tensor:
-    """One round of the mix, in place, on an int64 tensor of values below 2**33: xor-shift, multiply, mask."""
-    return x.bitwise_xor_(x >> 16).mul_(_MUL).bitwise_and_(_M32)
+def as_int32(x: int) -> int:
+    """``x mod 2**32`` as a two's-complement int32 value (a counter or key in the hash's ring)."""
+    return (x + (1 << 31)) % (1 << 32) - (1 << 31)  # (%, not &: also on a SymInt under torch.compile)
+
+
+def _shr16(x: torch.Tensor) -> torch.Tensor:
+    """A logical shift right by 16 of int32 values (the arithmetic shift and a mask)."""
+    return (x >> 16) & _LOW16
+
+
+def mix32(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The hash's two rounds on the int32 counters ``x`` under ``key``, before its last xor-shift: the high 16 bits
+    are already :func:`hash32`'s (that shift leaves them as they are), so a pass that needs only those stops
+    here."""
+    x = (x ^ _shr16(x)) * _MUL
+    x = x ^ key
+    return (x ^ _shr16(x)) * _MUL
 
 
 def hash32(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """The draw's hash of the int64 counters ``x`` (values below 2**33: ``k1`` plus an element's index) under
-    ``key`` (the draw's 0-d int64 key, :meth:`RoundingNoise.next_key`): 32 uniform bits per value, out of place
-    (what a compiled one-pass update inlines: ``ampkit.optim.onepass``). Equal to :meth:`RoundingNoise.hashes`."""
-    x = ((x ^ (x >> 16)) * _MUL) & _M32
-    x = (((x ^ key) ^ ((x ^ key) >> 16)) * _MUL) & _M32
-    return x ^ (x >> 16)
+    """The draw's hash of the int32 counters ``x`` (``k1`` plus an element's index, mod ``2**32``) under ``key``
+    (the draw's 0-d int32 key, :meth:`RoundingNoise.next_key`): 32 uniform bits per value as an int32, out of
+    place (what a compiled one-pass update inlines: ``ampkit.optim.onepass``). Equal to
+    :meth:`RoundingNoise.hashes`."""
+    x = mix32(x, key)
+    return x ^ _shr16(x)
+
+
+def high16(mixed: torch.Tensor) -> torch.Tensor:
+    """The high 16 bits of :func:`hash32` from :func:`mix32`'s value, as a value in [0, 65535]."""
+    return _shr16(mixed)
+
+
+def counters(start: int, n: int, device: Union[str, torch.device, None] = None) -> torch.Tensor:
+    """The int32 counters ``start + 2 * i`` (mod ``2**32``) for ``i < n``: element ``i``'s in a draw that
+    gives each element two (``ampkit.optim.onepass``: the moments' bits and the param's)."""
+    return torch.arange(n, dtype=torch.int32, device=device) * 2 + as_int32(start)
 
 
 class RoundingNoise:
@@ -79,34 +107,34 @@ class RoundingNoise:
         return self._k1
 
     def next_key(self) -> torch.Tensor:
-        """The next draw's key (0-d int64 on the device; the counter advances by one): with :func:`hash32`,
-        the bits of element ``i`` of that draw are ``hash32(k1 + i, key)``."""
-        key = self.position.mul(_GOLDEN).add_(self._k2).bitwise_and_(_M32)
+        """The next draw's key (0-d int32 on the device; the counter advances by one): with :func:`hash32`,
+        the bits of element ``i`` of that draw are ``hash32(as_int32(k1 + i), key)``."""
+        key = self.position.mul(_GOLDEN).add_(self._k2 + (1 << 31)).bitwise_and_(_M32).sub_(1 << 31)
         self.position.add_(1)
-        return key
+        return key.to(torch.int32)
 
     def hashes(self, m: int) -> torch.Tensor:
-        """``m`` int64 values holding 32 uniform bits each (one draw: the counter advances by one).
+        """``m`` int32 values holding 32 uniform bits each (one draw: the counter advances by one).
 
-        Sixteen elementwise ops (four of them on the 0-d key), whatever ``m``; under torch.compile inductor
-        fuses them into one kernel."""
+        A fixed handful of elementwise ops whatever ``m``; under torch.compile inductor fuses them into one
+        kernel."""
         key = self.next_key()
-        x = torch.arange(self._k1, self._k1 + m, dtype=torch.int64, device=self.position.device)
-        _round_(x)
-        _round_(x.bitwise_xor_(key))
-        return x.bitwise_xor_(x >> 16)
+        x = torch.arange(m, dtype=torch.int32, device=self.position.device).add_(as_int32(self._k1))
+        for mix in (True, False):
+            x.bitwise_xor_(_shr16(x)).mul_(_MUL)
+            if mix:
+                x.bitwise_xor_(key)
+        return x.bitwise_xor_(_shr16(x))
 
     def bits16(self, n: int) -> torch.Tensor:
         """``n`` values uniform in ``[-32768, 32767]`` (int16) from one draw. Add 32768 for a uniform value in
         ``[0, 65535]``."""
-        m = (n + 1) // 2
-        # the 32 hashed bits as two int16 lanes: the low two of the int64's four (little-endian)
-        return self.hashes(m).view(torch.int16).view(m, 4)[:, :2].reshape(-1)[:n]
+        return self.hashes((n + 1) // 2).view(torch.int16)[:n]  # each hash's two int16 lanes
 
     def lanes(self, m: int) -> torch.Tensor:
         """``2 * m`` values as :meth:`bits16` gives them, shaped ``(m, 2)`` and without a copy (a view of the
         hashes): what an int32 tensor viewed as ``(m, 2)`` adds in place."""
-        return self.hashes(m).view(torch.int16).view(m, 4)[:, :2]
+        return self.hashes(m).view(torch.int16).view(m, 2)
 
     def __repr__(self) -> str:
         return f"RoundingNoise(seed={self.seed}, device={self.position.device})"

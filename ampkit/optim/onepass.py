@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from .noise import hash32
+from .noise import counters, hash32, high16, mix32
 
 __all__ = ["AdamRule", "SGDRule", "adam_math", "adam_inplace", "sgd_math", "sgd_inplace", "compiled_update", "inplace",
            "COMPILE_MIN"]
@@ -84,7 +84,7 @@ class SGDRule:
 
 def _sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` rounded stochastically to a bf16-representable fp32 (``r``: uniform in [0, 65535])."""
-    bits = x.view(torch.int32).clamp(max=_NO_OVERFLOW) + r.to(torch.int32)
+    bits = x.view(torch.int32).clamp(max=_NO_OVERFLOW) + r
     return (bits & _BF16_MASK).view(torch.float32)
 
 
@@ -108,7 +108,7 @@ def _counters(p: torch.Tensor, key: Optional[torch.Tensor], start: int) -> Optio
     """Each element's counter in the step's draw, two per element (state, param), or None where no bits are drawn."""
     if key is None:
         return None
-    return torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(p.shape) * 2 + start
+    return counters(start, p.numel(), p.device).view(p.shape)
 
 
 def _gradient(g: torch.Tensor, p: torch.Tensor, scale: Optional[torch.Tensor], maximize: bool,
@@ -167,16 +167,16 @@ def adam_math(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
     ``bc2``, ``step_size``: sqrt of the second bias correction and ``-lr / bias_correction1`` (0-d, or rows that
     broadcast); ``decay``: ``[-lr * wd, 1 - lr * wd]`` (float32, 2) or None; ``skip``: a 0-d bool (set: every
     output is its input) or None; ``scale``: the loss scale the grads still carry, or None; ``key``: the draw's
-    key (0-d int64) where bits are needed; ``start``: ``k1 + 2 * (index of the first element in the step)``.
+    key (0-d int32) where bits are needed; ``start``: ``k1 + 2 * (index of the first element in the step)``.
     """
     f32 = torch.float32
     g32, p32 = _gradient(g, p, scale, rule.maximize, rule.l2)
     m32 = torch.lerp(m.to(f32), g32, 1 - rule.beta1)
     v32 = torch.addcmul(v.to(f32) * rule.beta2, g32, g32, value=1 - rule.beta2)
     x = _counters(p, key, start)
-    if rule.moments_sr:
-        h = hash32(x, key)
-        m32, v32 = _sr(m32, h & _LOW16), _sr(v32, (h >> 16) & _LOW16)
+    if rule.moments_sr:  # the hash's low half for m, its high half for v (the last xor-shift leaves it as it is)
+        mixed = mix32(x, key)
+        m32, v32 = _sr(m32, (mixed ^ high16(mixed)) & _LOW16), _sr(v32, high16(mixed))
     else:
         m32, v32 = _nearest(m32, rule.s_dtype, rule.casts), _nearest(v32, rule.s_dtype, rule.casts)
     # (every value below is rounded to its storage dtype in fp32 before it is used or stored: exact casts)

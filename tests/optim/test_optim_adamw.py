@@ -82,7 +82,7 @@ def test_fp32_params_match_torch(cls, kw, compensation):
 def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, gen):
     """The documented algorithm, one tensor at a time (bf16 params, bf16 moments), per element: moments in fp32,
     rounded stochastically with the bits of ``hash32(k1 + 2 * i, key)`` (``i``: the element's index among the
-    step's elements, ``key``: one draw per step); the update in fp32 from the rounded moments; landed with the
+    step's elements, the counters as int32 mod 2**32; ``key``: one draw per step); the update in fp32 from the rounded moments; landed with the
     decay in fp32 (Kahan: ``s = p + (c - lr * wd * p + u)``, ``p = bf16(s)``, ``c = bf16(s - p)``; stochastic:
     ``p * (1 - lr * wd) + u`` rounded with the bits of ``hash32(k1 + 2 * i + 1, key)``; plain: rounded)."""
     beta1, beta2 = betas
@@ -90,7 +90,8 @@ def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, 
     key, offset = gen.next_key(), 0
     for p, s in zip(params, states):
         s["step"] += 1
-        x = gen.k1 + 2 * (offset + torch.arange(p.numel(), dtype=torch.int64)).view(p.shape)
+        x = (gen.k1 + 2 * (offset + torch.arange(p.numel(), dtype=torch.int64)) + 2**31) % 2**32 - 2**31
+        x = x.to(torch.int32).view(p.shape)  # (the counters mod 2**32, as int32)
         offset += p.numel()
         h = hash32(x, key)
         g = p.grad.float()

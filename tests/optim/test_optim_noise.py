@@ -33,6 +33,31 @@ def test_bits_are_uniform_over_16_bits():
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 5 / bits.numel() ** 0.5
 
 
+def test_int32_hash_is_the_32_bit_mix():
+    """The hash runs in int32 with wrapping products and masked shifts; its bits are those of the ``0x45d9f3b`` mix
+    on integers masked to 32 bits after each product (Python's ints here), counters past 2**31 (negative int32s)
+    included."""
+    from ampkit.optim.noise import as_int32, counters, hash32, high16, mix32
+
+    def mix(x, key):
+        for r in range(2):
+            x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+            if r == 0:
+                x ^= key
+        return x
+
+    start, key = 0xFFFFFF00, 0xDEADBEEF  # the counters wrap past 2**32 inside the draw
+    x = counters(start, 300)
+    assert x.dtype == torch.int32 and int(x[0]) == as_int32(start) and int(x[200]) == as_int32(start + 400)
+    k = torch.tensor(as_int32(key), dtype=torch.int32)
+    got, mixed = hash32(x, k), mix32(x, k)
+    for i in (0, 1, 127, 128, 299):
+        want = mix((start + 2 * i) & 0xFFFFFFFF, key)
+        assert int(got[i]) & 0xFFFFFFFF == want ^ (want >> 16), i
+        assert int(high16(mixed)[i]) == want >> 16  # v's lane: the hash's high half, before the last shift
+    assert RoundingNoise(5).next_key().dtype == torch.int32
+
+
 def test_stream_is_seed_and_position():
     """A draw's bits are a hash of (seed, draw number, index): the counter advances by one per draw whatever its
     size, the same seed and counter give the same bits, and draws, seeds and neighbouring seeds are unrelated."""

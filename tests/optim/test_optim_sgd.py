@@ -71,7 +71,8 @@ def _reference_step(params, states, lr, momentum, dampening, weight_decay, neste
     ``p - lr * d`` rounded with the bits of ``hash32(k1 + 2 * i + 1, key)``; plain: rounded)."""
     key, offset = gen.next_key(), 0
     for p, s in zip(params, states):
-        x = gen.k1 + 2 * (offset + torch.arange(p.numel(), dtype=torch.int64)).view(p.shape)
+        x = (gen.k1 + 2 * (offset + torch.arange(p.numel(), dtype=torch.int64)) + 2**31) % 2**32 - 2**31
+        x = x.to(torch.int32).view(p.shape)  # (the counters mod 2**32, as int32)
         offset += p.numel()
         p32 = p.detach().float()
         g = p.grad.float().add(p32, alpha=weight_decay)
