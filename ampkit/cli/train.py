@@ -244,13 +244,16 @@ def run(args) -> int:
 
 
 def _run_with_group(args) -> int:
-    from ..train.distributed import process_group_from_env
+    from ..train.distributed import leave_group, process_group_from_env
 
     try:
         try:
             cfg, plan, auto_batch = _config_from_args(args, announce=True)
             with process_group_from_env(cfg.device) as env:
-                return _run(env, cfg, plan, auto_batch)
+                code = _run(env, cfg, plan, auto_batch)
+                if code == 0:  # every rank finished: leave together (a barrier first)
+                    leave_group(env)
+                return code
         except ValueError as e:  # bad flags, or the process group could not be set up
             raise UsageError(str(e)) from e
     except UsageError:

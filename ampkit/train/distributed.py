@@ -26,7 +26,7 @@ from ..precision.device import resolve_device
 from .sharding import is_fsdp, plain_weights, shard_fsdp  # the FSDP2 wrapping
 
 __all__ = [
-    "DistEnv", "STRATEGIES", "process_group_from_env", "rank_and_world", "is_main_process", "is_initialized",
+    "DistEnv", "STRATEGIES", "process_group_from_env", "leave_group", "rank_and_world", "is_main_process", "is_initialized",
     "broadcast_object", "barrier", "run_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
     "reduce_eval", "reduce_mean_", "full_state", "load_full_state", "any_rank", "rescale_position",
     "keep_implementation",
@@ -120,8 +120,22 @@ def process_group_from_env(device: Optional[str]) -> Iterator[Optional[DistEnv]]
     try:
         yield DistEnv(rank, world, local, backend, device_str, True)
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # (no barrier here: after an error the others may wait in a collective)
             dist.destroy_process_group()
+
+
+def leave_group(env: Optional[DistEnv]) -> None:
+    """End a run every rank finished: a barrier, then ``destroy_process_group`` (for a group ``env`` owns). A rank
+    that closes its gloo connections while a peer still uses them (the peer's last collective, its background
+    thread) can take that peer down with gloo's "connection closed" error, an abort without a Python traceback:
+    the suspected cause of a 2-process CPU run that died now and then at its end (not reproduced here). The
+    barrier makes every rank finish its collectives before any closes a connection. Only after a run that
+    finished: after an error a barrier could wait on a rank stuck in another collective."""
+    import torch.distributed as dist
+
+    if env is not None and env.owned and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

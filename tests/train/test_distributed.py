@@ -33,3 +33,29 @@ def test_the_trainer_and_its_precision_take_that_answer(monkeypatch):
     t = Trainer(nn.Linear(4, 2), TensorDataset(x, (x[:, 0] > 0).long()), precision="fp32", progress=False,
                 device="cpu", batch_size=8)
     assert asked == ["cpu"] and t.device == t.precision.device == torch.device("cpu")
+
+
+def test_a_run_every_rank_finished_leaves_its_group_after_a_barrier(monkeypatch, tmp_path):
+    """``ampkit train`` under torchrun ends a finished run with a barrier before ``destroy_process_group`` (no rank
+    closes its gloo connections while a peer still uses them); after an error it destroys at once (a barrier could
+    wait on a rank stuck in another collective); a group it does not own is left alone."""
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    real_destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy") or real_destroy())
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(29500 + (hash(str(tmp_path)) % 2000)))
+    with distributed.process_group_from_env("cpu") as env:
+        assert env.owned and dist.is_initialized()
+        distributed.leave_group(env)
+    assert calls == ["barrier", "destroy"] and not dist.is_initialized()
+    calls.clear()
+    with pytest.raises(RuntimeError, match="a rank's error"):
+        with distributed.process_group_from_env("cpu") as env:
+            raise RuntimeError("a rank's error")
+    assert calls == ["destroy"] and not dist.is_initialized()
+    calls.clear()
+    distributed.leave_group(None)  # outside torchrun
+    distributed.leave_group(distributed.DistEnv(0, 1, 0, "gloo", "cpu", owned=False))
+    assert calls == []

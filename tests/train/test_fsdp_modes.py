@@ -106,6 +106,7 @@ def _ranks(rank, tmp, modes, order):
         out[mode] = {"params": _full(model), "skipped": prec.skipped_steps, "scale": prec.loss_scale,
                      "dtypes": {n: p.dtype for n, p in model.named_parameters()}}
     torch.save(out, f"{tmp}/out{rank}.pt")
+    dist.barrier()  # (every rank done before any closes its connections)
     dist.destroy_process_group()
 
 
@@ -162,6 +163,7 @@ def _shard_first(rank, tmp):
                 prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     if rank == 0:
         torch.save(True, f"{tmp}/ok.pt")
+    dist.barrier()  # (every rank done before any closes its connections)
     dist.destroy_process_group()
 
 
@@ -228,6 +230,7 @@ def _trainer_ranks(rank, tmp):
                                         if k.startswith("exp_avg")}),
                      "params": _full(t.raw_model)}
     torch.save(out, f"{tmp}/out{rank}.pt")
+    dist.barrier()  # (every rank done before any closes its connections)
     dist.destroy_process_group()
 
 
@@ -261,6 +264,7 @@ def _noise_ranks(rank, tmp):
         _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
         runs.append((opt.noise(torch.device("cpu")).seed, _full(model)))
     torch.save(runs, f"{tmp}/noise{rank}.pt")
+    dist.barrier()  # (every rank done before any closes its connections)
     dist.destroy_process_group()
 
 
@@ -330,6 +334,7 @@ def _gather_ranks(rank, tmp):
         out[gather] = {"params": _full(model), "log": log, "precompute_collectives": comm.get_total_counts(),
                        "weight": type(model.blocks[0].fc.weight.to_local()).__name__}
     torch.save(out, f"{tmp}/gather{rank}.pt")
+    dist.barrier()  # (every rank done before any closes its connections)
     dist.destroy_process_group()
 
 

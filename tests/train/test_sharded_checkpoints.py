@@ -212,6 +212,7 @@ def _four(rank, tmp):
                              "--max-steps", "9"])
     out.update(_four_modes(rank, FOUR_MODES, ("fsdp",)))
     torch.save(out, os.path.join(tmp, f"four{rank}.pt"))
+    dist.barrier()  # (every rank done before any closes its connections)
     dist.destroy_process_group()
 
 
@@ -666,6 +667,7 @@ def _two_from_four(rank, tmp):
     torch.save(out, os.path.join(tmp, f"two-from-four{rank}.pt"))
     import torch.distributed as dist
 
+    dist.barrier()  # (every rank done before any closes its connections)
     dist.destroy_process_group()
 
 
@@ -697,6 +699,7 @@ def _four_from_two(rank, tmp):
     torch.save({"result": out, "read": sum(read)}, os.path.join(tmp, f"four-from-two{rank}.pt"))
     import torch.distributed as dist
 
+    dist.barrier()  # (every rank done before any closes its connections)
     dist.destroy_process_group()
 
 
