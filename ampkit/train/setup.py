@@ -196,8 +196,8 @@ def check_model_accepts_data(model: nn.Module, batches: Batches, loss_fn: Callab
             if not x.is_floating_point() and task != "lm":
                 hint += ("; x holds integers: save it as float32 (e.g. x.astype('float32') / 255 for 8-bit "
                          "images)")
-        raise ValueError(f"the model cannot train on this data: {type(e).__name__}: {text}{hint}. Use a model "
-                         "that fits the data (--model), or fix the data.") from None
+        raise ValueError(f"the model cannot train on this data: {type(e).__name__}: {text}{_raised_at(e)}{hint}. "
+                         "Use a model that fits the data (--model), or fix the data.") from None
     finally:
         model.train(was_training)
     _check_last_batch(model, batches, x)
@@ -206,6 +206,22 @@ def check_model_accepts_data(model: nn.Module, batches: Batches, loss_fn: Callab
         check_labels(batches.train_data, out.shape[-1], "training")
         if batches.eval_data is not None:
             check_labels(batches.eval_data, out.shape[-1], "evaluation")
+
+
+def _raised_at(error: BaseException) -> str:
+    """Where the user's code raised ``error``: its innermost frame outside torch, ampkit and Python's own
+    library (" (raised at file:line in name)"), or "" where every frame is theirs. The one-line error drops the
+    traceback; this keeps the line to look at."""
+    import os
+    import sysconfig
+    import traceback
+
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["ampkit"]))
+    skip += tuple(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib"))
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not frame.filename.startswith(skip) and not frame.filename.startswith("<"):
+            return f" (raised at {frame.filename}:{frame.lineno} in {frame.name})"
+    return ""
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)

@@ -44,7 +44,11 @@ def user_dir(tmp_path_factory):
     (d / "mymod.py").write_text(
         "import torch\n"
         "def make(**kw):\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8, 3))\n"
-        "def narrow(**kw):\n    return torch.nn.Sequential(torch.nn.Linear(5, 3))\n")
+        "def narrow(**kw):\n    return torch.nn.Sequential(torch.nn.Linear(5, 3))\n"
+        "class Typo(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = torch.nn.Linear(8, 3)\n"
+        "    def forward(self, x):\n        return self.fcc(x)\n"
+        "def typo(**kw):\n    return Typo()\n")
     return d
 
 
@@ -53,6 +57,8 @@ def user_dir(tmp_path_factory):
     ("label5.npz", "mymod:make", "classes 3-4 have no sample. A typo? Label 5 is at row 5", True),
     ("uint8.npz", None, "x holds integers: save it as float32", True),
     ("good.npz", "mymod:narrow", "the model cannot train on this data", True),
+    # an error in the user's own forward: the one line names their line (the traceback is dropped)
+    ("good.npz", "mymod:typo", "mymod.py:11 in forward)", False),
     ("x1d.npz", None, "x[:, None]", False),
     ("nan_y.npz", None, "y holds NaN/inf (first at row 5)", False),
 ])
