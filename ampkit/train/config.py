@@ -59,8 +59,9 @@ class TrainConfig:
     allow_new_data: bool = False
     # resuming: continue in another precision mode than the checkpoint's (weights carried over); one resume
     allow_precision_change: bool = False
-    # with allow_precision_change: "convert" the optimizer state (moments cast to the new mode's) or "reset" it
-    precision_change_optimizer: str = "convert"
+    # with allow_precision_change: "convert" the optimizer state (moments cast to the new mode's) or "reset" it;
+    # None: convert (None, not "convert", so a new run given either is told the option means nothing to it)
+    precision_change_optimizer: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,7 +141,7 @@ def _check_ranges(out: Dict[str, Any]) -> None:
     if out["max_consecutive_skips"] is not None and out["max_consecutive_skips"] < 1:
         raise ValueError(f"--max-consecutive-skips must be >= 1 (the run stops after that many non-finite steps in a "
                          f"row; default 50), got {out['max_consecutive_skips']}.")
-    if out.get("precision_change_optimizer") not in ("convert", "reset"):
+    if out.get("precision_change_optimizer") not in (None, "convert", "reset"):
         raise ValueError(f"--precision-change-optimizer must be convert or reset, got {out.get('precision_change_optimizer')!r}.")
     cpus = os.cpu_count() or 1
     if out["num_threads"] and out["num_threads"] > cpus:  # thousands of threads exhaust memory before training

@@ -189,6 +189,9 @@ def test_run_dir_errors_name_the_flags_in_the_cli(tmp_path, capsys):
 # ---------------------------------------------------------------- resume-only options on a new run
 @pytest.mark.parametrize("option,shown", [({"allow_new_data": True}, "allow_new_data=True"),
                                           ({"precision_change_optimizer": "reset"}, "precision_change_optimizer='reset'"),
+                                          # the default's value, given: told too (it was accepted silently)
+                                          ({"precision_change_optimizer": "convert"},
+                                           "precision_change_optimizer='convert'"),
                                           ({"allow_precision_change": True}, "allow_precision_change=True")])
 def test_resume_only_options_are_refused_on_a_new_run(tmp_path, option, shown):
     with pytest.raises(ValueError, match=f"{shown} applies only to a resume"):
