@@ -25,7 +25,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["RoundingNoise", "hash32", "mix32", "high16", "counters", "as_int32"]
+__all__ = ["RoundingNoise", "hash32", "mix32", "low16", "high16", "counters", "as_int32"]
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B
@@ -68,8 +68,14 @@ def hash32(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return x ^ _shr16(x)
 
 
+def low16(mixed: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of :func:`hash32` from :func:`mix32`'s value, as a value in [0, 65535]."""
+    return (mixed ^ _shr16(mixed)) & _LOW16
+
+
 def high16(mixed: torch.Tensor) -> torch.Tensor:
-    """The high 16 bits of :func:`hash32` from :func:`mix32`'s value, as a value in [0, 65535]."""
+    """The high 16 bits of :func:`hash32` from :func:`mix32`'s value (its last xor-shift leaves them as they are),
+    as a value in [0, 65535]."""
     return _shr16(mixed)
 
 
@@ -120,10 +126,9 @@ class RoundingNoise:
         kernel."""
         key = self.next_key()
         x = torch.arange(m, dtype=torch.int32, device=self.position.device).add_(as_int32(self._k1))
-        for mix in (True, False):
-            x.bitwise_xor_(_shr16(x)).mul_(_MUL)
-            if mix:
-                x.bitwise_xor_(key)
+        # hash32 in place (one temporary of m int32s at a time): the two rounds with the key between, the last shift
+        x.bitwise_xor_(_shr16(x)).mul_(_MUL).bitwise_xor_(key)
+        x.bitwise_xor_(_shr16(x)).mul_(_MUL)
         return x.bitwise_xor_(_shr16(x))
 
     def bits16(self, n: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from .noise import counters, hash32, high16, mix32
+from .noise import counters, hash32, high16, low16, mix32
 
 __all__ = ["AdamRule", "SGDRule", "adam_math", "adam_inplace", "sgd_math", "sgd_inplace", "compiled_update", "inplace",
            "COMPILE_MIN"]
@@ -174,9 +174,9 @@ def adam_math(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
     m32 = torch.lerp(m.to(f32), g32, 1 - rule.beta1)
     v32 = torch.addcmul(v.to(f32) * rule.beta2, g32, g32, value=1 - rule.beta2)
     x = _counters(p, key, start)
-    if rule.moments_sr:  # the hash's low half for m, its high half for v (the last xor-shift leaves it as it is)
+    if rule.moments_sr:  # the hash's low half for m, its high half for v (which needs no last xor-shift)
         mixed = mix32(x, key)
-        m32, v32 = _sr(m32, (mixed ^ high16(mixed)) & _LOW16), _sr(v32, high16(mixed))
+        m32, v32 = _sr(m32, low16(mixed)), _sr(v32, high16(mixed))
     else:
         m32, v32 = _nearest(m32, rule.s_dtype, rule.casts), _nearest(v32, rule.s_dtype, rule.casts)
     # (every value below is rounded to its storage dtype in fp32 before it is used or stored: exact casts)

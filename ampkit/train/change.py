@@ -62,7 +62,7 @@ def check_precision_change(ck: Dict[str, Any], new: str, new_state: Optional[str
         raise ckpt.CheckpointError(
             f"checkpoint {path!r} was trained in {what}: --allow-precision-change does not convert {why}: resume "
             f"in {old} (without --precision), or start a new run from its weights (ampkit.precision.export).")
-    if old_state != new_state and (cfg.precision_change_optimizer or "convert") == "convert":
+    if old_state != new_state and cfg.change_optimizer == "convert":
         raise ckpt.CheckpointError(
             f"checkpoint {path!r} kept the optimizer state in {old_state or 'the mode default'}, this run keeps it in "
             f"{new_state or 'the mode default'}: that state is not converted; pass --precision-change-optimizer "

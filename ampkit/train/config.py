@@ -63,6 +63,11 @@ class TrainConfig:
     # None: convert (None, not "convert", so a new run given either is told the option means nothing to it)
     precision_change_optimizer: Optional[str] = None
 
+    @property
+    def change_optimizer(self) -> str:
+        """What a precision change does to the optimizer state: "convert" (the default) or "reset"."""
+        return self.precision_change_optimizer or "convert"
+
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -26,8 +26,8 @@ from ..precision.device import resolve_device
 from .sharding import is_fsdp, plain_weights, shard_fsdp  # the FSDP2 wrapping
 
 __all__ = [
-    "DistEnv", "STRATEGIES", "process_group_from_env", "leave_group", "rank_and_world", "is_main_process", "is_initialized",
-    "broadcast_object", "barrier", "run_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
+    "DistEnv", "STRATEGIES", "process_group_from_env", "leave_group", "rank_and_world", "is_main_process",
+    "is_initialized", "broadcast_object", "barrier", "run_device", "wrap_model", "shard_fsdp", "is_fsdp", "shard_indices",
     "reduce_eval", "reduce_mean_", "full_state", "load_full_state", "any_rank", "rescale_position",
     "keep_implementation",
 ]

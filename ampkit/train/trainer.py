@@ -143,11 +143,6 @@ class Trainer:
         self._kept_auto = False  # a resumed auto run: it kept the mode (and reason) chosen when it started
         self._training_started = False  # config.toml and metrics written: a failure keeps the run directory
 
-    @property
-    def _change_optimizer(self) -> str:
-        """What a precision change does to the optimizer state: "convert" (the default) or "reset"."""
-        return self.config.precision_change_optimizer or "convert"
-
     def _plan_resume(self, cfg: TrainConfig, precision: Any, train_data: Dataset,
                      resume_plan: Optional[resume.ResumePlan]) -> None:
         """The resume planned and checked before the precision is built (it may measure this machine) and before
@@ -270,7 +265,7 @@ class Trainer:
         built = [g["weight_decay"] for g in self.optimizer.param_groups] if self._own_optimizer else []
         try:
             if switch:  # another mode: its weights carried over, its optimizer state converted or reset
-                change.carry_over(self.raw_model, self.optimizer, ck, self._change_optimizer)
+                change.carry_over(self.raw_model, self.optimizer, ck, self.config.change_optimizer)
             else:
                 self.precision.load_state_dict(ck["precision"])
                 sharded.load_model_and_optimizer(self.raw_model, self.optimizer, ck, self._fsdp)
@@ -297,7 +292,7 @@ class Trainer:
         self._precision_changes = list(ck.get("precision_changes") or [])
         if switch:
             self._precision_changes.append({"step": self.attempted_steps, "from": switch[0], "to": switch[1],
-                                            "optimizer": self._change_optimizer})
+                                            "optimizer": self.config.change_optimizer})
         self._time_before = float(ck.get("train_time_s", 0.0))
         ckpt.set_rng_state(ck["rng"])
         self.last_checkpoint = path
@@ -418,7 +413,7 @@ class Trainer:
                  kept=self._kept_auto)
         if self._precision_change:
             logger.event({"kind": "precision_change", "step": self.attempted_steps, "from": self._precision_change[0],
-                          "to": self._precision_change[1], "optimizer": self._change_optimizer})
+                          "to": self._precision_change[1], "optimizer": self.config.change_optimizer})
         if self._lr_change:
             logger.event({"kind": "lr_change", **self._lr_change})
             print(f"ampkit: the run stopped on non-finite gradients before: lr {self._lr_change['to']:g} applies "

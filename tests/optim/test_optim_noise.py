@@ -37,7 +37,7 @@ def test_int32_hash_is_the_32_bit_mix():
     """The hash runs in int32 with wrapping products and masked shifts; its bits are those of the ``0x45d9f3b`` mix
     on integers masked to 32 bits after each product (Python's ints here), counters past 2**31 (negative int32s)
     included."""
-    from ampkit.optim.noise import as_int32, counters, hash32, high16, mix32
+    from ampkit.optim.noise import as_int32, counters, hash32, high16, low16, mix32
 
     def mix(x, key):
         for r in range(2):
@@ -55,6 +55,7 @@ def test_int32_hash_is_the_32_bit_mix():
         want = mix((start + 2 * i) & 0xFFFFFFFF, key)
         assert int(got[i]) & 0xFFFFFFFF == want ^ (want >> 16), i
         assert int(high16(mixed)[i]) == want >> 16  # v's lane: the hash's high half, before the last shift
+        assert int(low16(mixed)[i]) == (want ^ (want >> 16)) & 0xFFFF  # m's lane
     assert RoundingNoise(5).next_key().dtype == torch.int32
 
 
