@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from .bitcast import vector_bitcasts
 from .noise import counters, hash32, high16, low16, mix32
 
 __all__ = ["AdamRule", "SGDRule", "adam_math", "adam_inplace", "sgd_math", "sgd_inplace", "compiled_update", "inplace",
@@ -257,7 +258,9 @@ def compiled_update(rule: Any) -> Callable:
     fn = _COMPILED.get(rule)
     if fn is None:  # the roundings as casts, which inductor keeps when told to (this compile only)
         update = functools.partial(_own_code(_INPLACE[type(rule)]), dataclasses.replace(rule, casts=True))
-        fn = _COMPILED[rule] = torch.compile(update, dynamic=True, options={"emulate_precision_casts": True})
+        # (the rounding's bit views in vector form: inductor's C++ runs them as scalar copies, half the update)
+        fn = _COMPILED[rule] = vector_bitcasts(
+            torch.compile(update, dynamic=True, options={"emulate_precision_casts": True}))
     return fn
 
 

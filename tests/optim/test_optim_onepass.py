@@ -8,6 +8,7 @@ Kahan, bf16 params and momentum; both with a device-side skip flag), so the modu
 seconds on a CPU); the FX graph cache is off so the kernels' code is generated here.
 """
 import copy
+import re
 import shutil
 import warnings
 
@@ -122,6 +123,8 @@ def test_one_kernel_per_tensor_within_1_5x_the_bytes_of_torch_fused(monkeypatch,
             # the noise hash runs on int32 vectors: int64 counters took at::vec's scalar conversion path (the hash
             # of a step cost about twice as much)
             assert "Vectorized<int64_t" not in code and "VectorizedN<int64_t" not in code
+            # the rounding's bit views are vector casts (ampkit.optim.bitcast), not inductor's scalar copies
+            assert not re.search(r"\]\s*=\s*c10::bit_cast<", code)
     # the bytes: the compiled kernels' tensor arguments, and the eager ops of the step around them
     seen = []
     rule_fn = onepass.compiled_update(opt._rule(opt.param_groups[0], "kahan", torch.bfloat16,

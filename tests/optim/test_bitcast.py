@@ -1,0 +1,65 @@
+"""ampkit.optim.bitcast: inductor's C++ float32/int32 views in vector form, inside the wrapped calls only."""
+import re
+
+import pytest
+import torch
+
+from ampkit.optim import bitcast
+from ampkit.optim.onepass import _sr
+
+
+def _round(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
+    """The update's stochastic rounding: two views per value (fp32 bits to int32, and back)."""
+    out.copy_(_sr(x, r).to(torch.bfloat16))
+
+
+def _compiled_code(fn, *args):
+    """The C++ generated for ``fn(*args)`` here (not loaded from the FX graph cache, which a run of any code
+    may have filled)."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    with config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(fn, *args)
+    return "\n".join(codes)
+
+
+@pytest.mark.machine_kind  # (inductor's ISA follows the CPU: AVX-512, AVX2, or scalar code without vectors)
+def test_the_rounding_compiles_to_vector_views_with_eager_bits():
+    torch._dynamo.reset()
+    x = torch.randn(1000) * torch.logspace(-30, 30, 1000)  # (not a multiple of the vector width: the tail too)
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    r = torch.randint(0, 1 << 16, (1000,), dtype=torch.int32)
+    want = torch.empty(1000, dtype=torch.bfloat16)
+    _round(x, r, want)
+    got = torch.empty_like(want)
+    fn = bitcast.vector_bitcasts(torch.compile(_round, dynamic=True))
+    code = _compiled_code(fn, x, r, got)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # no copy element by element through c10::bit_cast inside a vector kernel (inductor's fallback: a store, a
+    # loop and a load per view); a scalar kernel (no vector ISA) bit-casts each value, which costs nothing
+    assert not re.search(r"\]\s*=\s*c10::bit_cast<", code), code
+    if bitcast.available() and "at::vec::Vectorized" in code:  # (a torch that vectorized them would keep its own)
+        assert "at::vec::cast<int32_t>" in code and "at::vec::cast<float>" in code
+
+
+def test_inductor_is_left_as_it_was_outside_the_wrapped_calls():
+    from torch._inductor.codegen import cpp
+
+    before = cpp.CppVecOverrides.__dict__["to_dtype_bitcast"]
+    seen = []
+
+    def probe(*args):
+        seen.append(cpp.CppVecOverrides.__dict__["to_dtype_bitcast"])
+        raise ValueError("the compiled call failed")
+
+    fn = bitcast.vector_bitcasts(probe)
+    try:
+        fn()
+    except ValueError:
+        pass
+    assert cpp.CppVecOverrides.__dict__["to_dtype_bitcast"] is before  # restored, also when the call raised
+    if bitcast.available():
+        assert seen[0] is not before
+    else:
+        assert fn is probe
