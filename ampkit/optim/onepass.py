@@ -133,7 +133,8 @@ def _land(mode: Optional[str], p32: torch.Tensor, c: Optional[torch.Tensor], d: 
     """The param (and Kahan buffer) after ``p += d * step`` with decoupled ``decay`` (``[-lr * wd, 1 - lr * wd]`` or
     None), landed by ``mode``: Kahan (buffer + decay + update in fp32, what rounds away stays in the buffer),
     stochastic rounding (the bits of counter ``x + 1``) or plain rounding. ``step``: a tensor, or a Python float
-    (eager only: ``torch.add(..., alpha=step)``, torch's own SGD op, bitwise). Values in ``p_dtype``."""
+    (eager only: ``torch.add(..., alpha=step)``, torch's own SGD op, bitwise). fp32 values already rounded to
+    ``p_dtype`` (:func:`_keep` stores them)."""
     f32 = torch.float32
     if mode == "kahan":
         c32 = c.to(f32)
@@ -141,7 +142,7 @@ def _land(mode: Optional[str], p32: torch.Tensor, c: Optional[torch.Tensor], d: 
             c32 = c32 + p32 * decay[0]
         s = p32 + (c32 + d * step)
         p32 = _nearest(s, p_dtype, casts)
-        return p32.to(p_dtype), _nearest(s - p32, p_dtype, casts).to(p_dtype)  # (the buffer has the param's dtype)
+        return p32, _nearest(s - p32, p_dtype, casts)  # (the buffer has the param's dtype)
     if decay is not None:
         p32 = p32 * decay[1]
     p32 = torch.add(p32, d, alpha=step) if isinstance(step, float) else p32 + d * step
@@ -149,14 +150,17 @@ def _land(mode: Optional[str], p32: torch.Tensor, c: Optional[torch.Tensor], d: 
         p32 = _sr(p32, hash32(x + 1, key) & _LOW16)
     else:
         p32 = _nearest(p32, p_dtype, casts)
-    return p32.to(p_dtype), None
+    return p32, None
 
 
 def _keep(skip: Optional[torch.Tensor], olds: Tuple[Optional[torch.Tensor], ...],
-          news: Tuple[Optional[torch.Tensor], ...]) -> Tuple[torch.Tensor, ...]:
-    """``news`` (None entries dropped), or on a skipped step (``skip`` set) every old bit as it was."""
-    return tuple(new if skip is None else torch.where(skip, old.to(new.dtype), new)
-                 for old, new in zip(olds, news) if new is not None)
+          news: Tuple[Optional[torch.Tensor], ...], dtypes: Tuple[torch.dtype, ...]) -> Tuple[torch.Tensor, ...]:
+    """``news`` (fp32 values already rounded to their ``dtypes``; None entries dropped) in those dtypes, or on a
+    skipped step (``skip`` set) every old bit as it was. The choice is made in fp32 and cast once (exact): a choice
+    between the cast values costs the compiled kernel two more conversions per tensor (``emulate_precision_casts``
+    keeps each cast as a round trip)."""
+    return tuple((new if skip is None else torch.where(skip, old.to(torch.float32), new)).to(dtype)
+                 for old, new, dtype in zip(olds, news, dtypes) if new is not None)
 
 
 def adam_math(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -183,7 +187,8 @@ def adam_math(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
     # (every value below is rounded to its storage dtype in fp32 before it is used or stored: exact casts)
     p_new, c_new = _land(rule.mode, p32, c, m32 / (v32.sqrt() / bc2 + rule.eps), step_size,
                          decay if rule.decoupled else None, x, key, rule.p_dtype, rule.casts)
-    return _keep(skip, (p, m, v, c), (p_new, m32.to(rule.s_dtype), v32.to(rule.s_dtype), c_new))
+    return _keep(skip, (p, m, v, c), (p_new, m32, v32, c_new),
+                 (rule.p_dtype, rule.s_dtype, rule.s_dtype, rule.p_dtype))
 
 
 def adam_inplace(rule: AdamRule, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -213,10 +218,10 @@ def sgd_math(rule: SGDRule, p: torch.Tensor, g: torch.Tensor, m: Optional[torch.
         if pending is not None:
             m32 = torch.where(pending > 0, g32, m32)
         m32 = _sr(m32, hash32(x, key) & _LOW16) if rule.moments_sr else _nearest(m32, rule.s_dtype, rule.casts)
-        m_new = m32.to(rule.s_dtype)
+        m_new = m32
         d = torch.add(g32, m32, alpha=rule.momentum) if rule.nesterov else m32
     p_new, c_new = _land(rule.mode, p32, c, d, step, None, x, key, rule.p_dtype, rule.casts)
-    return _keep(skip, (p, m, c), (p_new, m_new, c_new))
+    return _keep(skip, (p, m, c), (p_new, m_new, c_new), (rule.p_dtype, rule.s_dtype, rule.p_dtype))
 
 
 def sgd_inplace(rule: SGDRule, p: torch.Tensor, g: torch.Tensor, m: Optional[torch.Tensor], c: Optional[torch.Tensor],
