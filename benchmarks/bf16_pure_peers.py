@@ -6,7 +6,10 @@ Rows: plain pure bf16 (``model.to(bf16)``, torch's AdamW: default foreach, then 
 ``AdamW(kahan_sum=True)`` and torchao's ``_AdamW(bf16_stochastic_round=True)`` on the bf16 model
 (benchmarks/hf_compare.py's runners, which gpu-check runs too); ampkit bf16-pure (``Precision("bf16-pure")``,
 Kahan: its update compiled into one pass per tensor, ``ampkit.optim.onepass``). The first step of each row
-(warm-up: ampkit's compile is there) is reported apart.
+(warm-up: ampkit's compile is there) is reported apart. The update columns time each row's optimizer step and
+``zero_grad`` alone, after backward (ampkit's: ``precision.step``, its gradient check included): the whole step
+also carries how fast each row's own model runs, and on a 2-core CPU two models built alike have differed by up
+to 10% in forward and backward, a difference no number of rounds removes.
 
     python benchmarks/bf16_pure_peers.py [--rounds 5] [--steps 2] [--small]
 """
@@ -67,6 +70,8 @@ def main(argv=None) -> int:
             times[r.name] = []
         except Exception as e:  # noqa: BLE001 - a peer not installed: the row says so
             print(f"| {r.name} | could not run: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''} |")
+    updates = {name: [] for name in live}
+    H.UPDATES = []
     for _ in range(args.rounds):
         for name, (model, step, batch, _) in live.items():
             with warnings.catch_warnings():
@@ -77,16 +82,20 @@ def main(argv=None) -> int:
                     step(batch)
                     H._sync(device)
                     times[name].append(time.perf_counter() - t0)
+                    updates[name].append(H.UPDATES.pop())
+    H.UPDATES = None
     params = next(iter(live.values()))[3] if live else 0
     print(f"device: {device}; torch {torch.__version__}; Llama {params / 1e6:.1f}M params, {b} x {t} tokens; "
           f"{args.rounds} rounds x {args.steps} steps, medians")
-    print("| row | ms/step | vs plain pure bf16 | first step (s) |")
-    print("|---|---:|---:|---:|")
+    print("| row | ms/step | vs plain pure bf16 | update ms | update vs plain | first step (s) |")
+    print("|---|---:|---:|---:|---:|---:|")
     ref = statistics.median(times[REF]) if REF in times else None
+    ref_update = statistics.median(updates[REF]) if REF in updates else None
     for name, ts in times.items():
-        ms = 1e3 * statistics.median(ts)
+        ms, up = 1e3 * statistics.median(ts), 1e3 * statistics.median(updates[name])
         vs = f"{ref * 1e3 / ms:.2f}x" if ref else "-"
-        print(f"| {name} | {ms:.1f} | {vs} | {first[name]:.1f} |")
+        up_vs = f"{ref_update * 1e3 / up:.2f}x" if ref_update else "-"
+        print(f"| {name} | {ms:.1f} | {vs} | {up:.1f} | {up_vs} | {first[name]:.1f} |")
     return 0
 
 
