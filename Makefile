@@ -75,7 +75,7 @@ test-kinds: $(STAMP)
 # builds: torch + its nvidia-* libraries, ~3 GB and ~5 min per version on a fresh machine; they import and run
 # on a CPU-only machine). COMPAT_TORCH='2.11 2.12' picks others.
 COMPAT_TORCH ?= 2.11 2.14
-COMPAT_TESTS ?= tests/precision/test_compile_step.py tests/precision/test_compile_cudagraphs.py \
+COMPAT_TESTS ?= tests/precision/test_compile_step.py tests/precision/test_compile_cudagraphs.py tests/optim/test_bitcast.py \
 	tests/train/test_trainer_compile.py tests/precision/test_scaler_equivalence.py \
 	tests/precision/test_scaler_torch_suite.py tests/precision/test_scaler_extras.py \
 	tests/precision/test_scaler_counters.py tests/precision/test_sync_free.py \

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..optim import CompensatedOptimizer
+from ..optim.bitcast import vector_bitcasts
 from .skip_flags import install_skip_flags
 from .scaling.fused import DYNAMO_SETS_OPTIMIZER_ATTRS
 
@@ -94,6 +95,8 @@ def compile_step(precision: Any, optimizer: Any = None, *, backend: Union[str, C
         return precision.step(opt, max_norm=max_norm, norm_type=norm_type)
 
     compiled = torch.compile(_step, backend=backend, mode=mode, fullgraph=fullgraph, **compile_kwargs)
+    if backend == "inductor":  # the compensated roundings' bit views as vectors in this graph's C++ (optim.bitcast)
+        compiled = vector_bitcasts(compiled)
     scaler = precision.scaler
     scaler.counters.checked_outside_graph = True  # the skip limit's host read happens here, outside the graph
 

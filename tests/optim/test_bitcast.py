@@ -14,13 +14,13 @@ def _round(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _compiled_code(fn, *args):
-    """The C++ generated for ``fn(*args)`` here (not loaded from the FX graph cache, which a run of any code
-    may have filled)."""
-    from torch._inductor import config
-    from torch._inductor.utils import run_and_get_code
+    """The C++ generated for ``fn(*args)`` here: in a cache of its own (a hit in the FX graph or AOTAutograd cache,
+    which any earlier run may have filled, generates no code)."""
+    from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
 
-    with config.patch(fx_graph_cache=False):
+    with fresh_inductor_cache():
         _, codes = run_and_get_code(fn, *args)
+    assert codes, "inductor generated no code"
     return "\n".join(codes)
 
 

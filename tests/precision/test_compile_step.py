@@ -293,6 +293,42 @@ def test_bf16_pure_stochastic_compiled_equals_eager(compensation, optimizer):
     assert end == warm
 
 
+@pytest.mark.slow  # (two inductor compiles of the whole step)
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_bf16_pure_inductor_step_has_vector_bit_views_and_eager_bits(compensation):
+    """With no LR scheduler the update traces into the compiled step, its roundings on the bits (the user's inductor
+    options may drop a cast pair): under ``compile_step``'s inductor those views are vector casts in the generated
+    C++ (``ampkit.optim.bitcast``), not copies element by element through memory, and the bits stay eager's."""
+    from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
+
+    if not DYNAMO_SETS_OPTIMIZER_ATTRS:
+        pytest.skip(f"torch {torch.__version__} steps the optimizer outside the graph (the update is not compiled here)")
+
+    def run(compiled):
+        dynamo.reset()
+        torch.manual_seed(0)
+        p, model, opt = _build("bf16-pure", optimizer="adamw", compensation=compensation)
+        step = compile_step(p, opt, backend="inductor") if compiled else p.step
+        if not compiled:
+            tensor_lr_(opt)
+        gen = torch.Generator().manual_seed(1)
+        for i in range(4):
+            _backward(p, model, torch.randn(4, 8, generator=gen), poison=i == 2)
+            step(opt)
+            opt.zero_grad(set_to_none=True)
+        return [t.detach().clone() for t in model.parameters()], p
+
+    eager, pe = run(False)
+    with fresh_inductor_cache():
+        (comp, pc), codes = run_and_get_code(lambda: run(True))
+    for a, b in zip(eager, comp):
+        assert torch.equal(a, b), f"differs by {(a.float() - b.float()).abs().max()}"
+    assert pc.skipped_steps == pe.skipped_steps == 1
+    code = "\n".join(codes)
+    assert "int32_t" in code  # (the update, hash and roundings, is in the compiled step)
+    assert not re.search(r"\]\s*=\s*c10::bit_cast<", code)
+
+
 @pytest.mark.parametrize("installed", [True, False])
 def test_compiled_step_tells_the_optimizer_whether_it_skipped(installed):
     """``step_was_skipped`` (what schedulers read) follows the compiled steps: setup put a flag on the optimizer
