@@ -19,6 +19,7 @@ it was: the user's own compiled code is not touched.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -72,19 +73,38 @@ def available() -> bool:
     return _VECTOR is not None
 
 
+_LOCK = threading.Lock()
+_ACTIVE = [0, None]  # wrapped calls running (any thread), and the override they replaced
+
+
+def _enter() -> None:
+    with _LOCK:
+        if _ACTIVE[0] == 0:
+            _ACTIVE[1] = _CLASS.__dict__["to_dtype_bitcast"]
+            _CLASS.to_dtype_bitcast = _VECTOR
+        _ACTIVE[0] += 1
+
+
+def _exit() -> None:
+    with _LOCK:
+        _ACTIVE[0] -= 1
+        if _ACTIVE[0] == 0:  # the last one out puts back what the first one found
+            _CLASS.to_dtype_bitcast = _ACTIVE[1]
+            _ACTIVE[1] = None
+
+
 def vector_bitcasts(fn: Callable) -> Callable:
     """``fn`` (a ``torch.compile``-d function) with inductor's C++ float32/int32 views in vector form while it
-    runs; ``fn`` itself where this torch needs no such change or cannot take it."""
+    runs; ``fn`` itself where this torch needs no such change or cannot take it. Calls may nest or overlap across
+    threads: the override is in place while any of them runs, and the last to end restores what the first found."""
     if _VECTOR is None:
         return fn
-    cls, vector = _CLASS, _VECTOR
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        scalar = cls.__dict__["to_dtype_bitcast"]
-        cls.to_dtype_bitcast = vector
+        _enter()
         try:
             return fn(*args, **kwargs)
         finally:
-            cls.to_dtype_bitcast = scalar
+            _exit()
     return call

@@ -63,3 +63,34 @@ def test_inductor_is_left_as_it_was_outside_the_wrapped_calls():
         assert seen[0] is not before
     else:
         assert fn is probe
+
+
+
+def test_overlapping_and_nested_calls_restore_inductor_once_all_have_ended():
+    """A call on another thread starts first and ends while this thread's call (with a wrapped call nested in it)
+    still runs: the override stays until the last call ends, which puts back what the first one found."""
+    import threading
+
+    from torch._inductor.codegen import cpp
+
+    def current():
+        return cpp.CppVecOverrides.__dict__["to_dtype_bitcast"]
+
+    before = current()
+    inside, release, seen = threading.Event(), threading.Event(), []
+    other = threading.Thread(target=bitcast.vector_bitcasts(lambda: (inside.set(), release.wait(10))))
+    other.start()
+    assert inside.wait(10)
+
+    def mine():
+        release.set()
+        other.join(10)  # the other thread's call has ended; this one still runs
+        seen.append(current())
+        bitcast.vector_bitcasts(lambda: seen.append(current()))()
+        seen.append(current())
+
+    bitcast.vector_bitcasts(mine)()
+    assert not other.is_alive()
+    assert current() is before
+    if bitcast.available():
+        assert all(s is not before for s in seen)
