@@ -68,17 +68,15 @@ UPDATES: Optional[List[float]] = None
 
 
 @contextlib.contextmanager
-def _update(device=None):
+def _update(device):
     """The step's update (the optimizer step and zero_grad), timed into :data:`UPDATES` where that is set."""
     if UPDATES is None:
         yield
         return
-    if device is not None:
-        _sync(device)
+    _sync(device)
     t0 = time.perf_counter()
     yield
-    if device is not None:
-        _sync(device)
+    _sync(device)
     UPDATES.append(time.perf_counter() - t0)
 
 

@@ -1,9 +1,11 @@
 """Shared pieces of the compensated-optimizer tests (tests/optim/test_optim_adamw.py, test_optim_sgd.py).
 
 A regression task whose loss shows what the optimizer's precision costs, seeded gradient
-streams, and the stochastic rounding every per-tensor reference shares (bits given per element).
+streams, the stochastic rounding every per-tensor reference shares (bits given per element), and what
+inductor's scalar bit views look like in generated C++ (the compiled-update tests).
 """
 import io
+import re
 
 import torch
 
@@ -81,3 +83,10 @@ def assert_same_params_and_state(opt_a, a, opt_b, b):
         for key, value in opt_a.state[p].items():
             assert value.dtype == opt_b.state[q][key].dtype, key
             assert torch.equal(value, opt_b.state[q][key]), key
+
+
+def copies_bit_views_by_element(code: str) -> bool:
+    """Whether inductor's generated C++ ``code`` holds its scalar fallback for a bit view inside a vector kernel (a
+    store, a copy element by element through ``c10::bit_cast``, a load: what ``ampkit.optim.bitcast`` replaces). A
+    scalar kernel's own ``c10::bit_cast`` of one value does not count."""
+    return re.search(r"\]\s*=\s*c10::bit_cast<", code) is not None

@@ -1,11 +1,10 @@
 """ampkit.optim.bitcast: inductor's C++ float32/int32 views in vector form, inside the wrapped calls only."""
-import re
-
 import pytest
 import torch
 
 from ampkit.optim import bitcast
 from ampkit.optim.onepass import _sr
+from optim_helpers import copies_bit_views_by_element
 
 
 def _round(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
@@ -38,7 +37,7 @@ def test_the_rounding_compiles_to_vector_views_with_eager_bits():
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     # no copy element by element through c10::bit_cast inside a vector kernel (inductor's fallback: a store, a
     # loop and a load per view); a scalar kernel (no vector ISA) bit-casts each value, which costs nothing
-    assert not re.search(r"\]\s*=\s*c10::bit_cast<", code), code
+    assert not copies_bit_views_by_element(code), code
     if bitcast.available() and "at::vec::Vectorized" in code:  # (a torch that vectorized them would keep its own)
         assert "at::vec::cast<int32_t>" in code and "at::vec::cast<float>" in code
 
@@ -63,7 +62,6 @@ def test_inductor_is_left_as_it_was_outside_the_wrapped_calls():
         assert seen[0] is not before
     else:
         assert fn is probe
-
 
 
 def test_overlapping_and_nested_calls_restore_inductor_once_all_have_ended():

@@ -8,7 +8,6 @@ Kahan, bf16 params and momentum; both with a device-side skip flag), so the modu
 seconds on a CPU); the FX graph cache is off so the kernels' code is generated here.
 """
 import copy
-import re
 import shutil
 import warnings
 
@@ -18,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ampkit.optim import SGD, AdamW, onepass
+from optim_helpers import copies_bit_views_by_element
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -124,7 +124,7 @@ def test_one_kernel_per_tensor_within_1_5x_the_bytes_of_torch_fused(monkeypatch,
             # of a step cost about twice as much)
             assert "Vectorized<int64_t" not in code and "VectorizedN<int64_t" not in code
             # the rounding's bit views are vector casts (ampkit.optim.bitcast), not inductor's scalar copies
-            assert not re.search(r"\]\s*=\s*c10::bit_cast<", code)
+            assert not copies_bit_views_by_element(code)
     # the bytes: the compiled kernels' tensor arguments, and the eager ops of the step around them
     seen = []
     rule_fn = onepass.compiled_update(opt._rule(opt.param_groups[0], "kahan", torch.bfloat16,
