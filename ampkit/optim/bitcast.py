@@ -15,10 +15,17 @@ Every other view keeps inductor's own code. Nothing changes where inductor is no
 C++ backend vectorizes these views itself, or whose internals moved): then the wrapped function is returned as
 it is, and the update keeps the scalar views (same bits, slower). Outside the wrapped calls inductor is left as
 it was: the user's own compiled code is not touched.
+
+inductor's FX graph and AOTAutograd caches key on the graph and on inductor's config, not on this override: a
+kernel of the same graph compiled without it (a plain ``torch.compile``, or an ampkit before it) would be taken
+from the cache, scalar views and all. So the wrapped calls also put a mark in the config while they run: an
+entry naming this module, with a hash of its source, in ``unsafe_marked_cacheable_functions`` (a dict inductor
+reads by function name and hashes into both keys; no function has this name, so it marks nothing cacheable).
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from typing import Any, Callable, Optional
 
@@ -74,14 +81,20 @@ def available() -> bool:
 
 
 _LOCK = threading.Lock()
-_ACTIVE = [0, None]  # wrapped calls running (any thread), and the override they replaced
+_ACTIVE = [0, None, None]  # wrapped calls running (any thread), the override they replaced, the config's marks
+#: the cache keys' mark (module docstring): this file's source, so a change to the vector form is a new key too
+_MARK = ("ampkit.optim.bitcast.vector_views", hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16])
 
 
 def _enter() -> None:
     with _LOCK:
         if _ACTIVE[0] == 0:
+            from torch._inductor import config
+
             _ACTIVE[1] = _CLASS.__dict__["to_dtype_bitcast"]
+            _ACTIVE[2] = config.unsafe_marked_cacheable_functions
             _CLASS.to_dtype_bitcast = _VECTOR
+            config.unsafe_marked_cacheable_functions = {**_ACTIVE[2], _MARK[0]: _MARK[1]}
         _ACTIVE[0] += 1
 
 
@@ -89,8 +102,11 @@ def _exit() -> None:
     with _LOCK:
         _ACTIVE[0] -= 1
         if _ACTIVE[0] == 0:  # the last one out puts back what the first one found
+            from torch._inductor import config
+
             _CLASS.to_dtype_bitcast = _ACTIVE[1]
-            _ACTIVE[1] = None
+            config.unsafe_marked_cacheable_functions = _ACTIVE[2]
+            _ACTIVE[1] = _ACTIVE[2] = None
 
 
 def vector_bitcasts(fn: Callable) -> Callable:

@@ -45,7 +45,9 @@ def test_the_rounding_compiles_to_vector_views_with_eager_bits():
 def test_inductor_is_left_as_it_was_outside_the_wrapped_calls():
     from torch._inductor.codegen import cpp
 
-    before = cpp.CppVecOverrides.__dict__["to_dtype_bitcast"]
+    from torch._inductor import config
+
+    before, marks = cpp.CppVecOverrides.__dict__["to_dtype_bitcast"], config.unsafe_marked_cacheable_functions
     seen = []
 
     def probe(*args):
@@ -58,6 +60,7 @@ def test_inductor_is_left_as_it_was_outside_the_wrapped_calls():
     except ValueError:
         pass
     assert cpp.CppVecOverrides.__dict__["to_dtype_bitcast"] is before  # restored, also when the call raised
+    assert config.unsafe_marked_cacheable_functions is marks
     if bitcast.available():
         assert seen[0] is not before
     else:
@@ -92,3 +95,27 @@ def test_overlapping_and_nested_calls_restore_inductor_once_all_have_ended():
     assert current() is before
     if bitcast.available():
         assert all(s is not before for s in seen)
+
+
+def _round_again(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`_round` under another code object (dynamo keeps no state between the two; inductor's caches may)."""
+    out.copy_(_sr(x, r).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not bitcast.available(), reason="this torch keeps its own bit views: nothing is overridden")
+def test_a_kernel_cached_with_scalar_views_is_not_reused_by_a_wrapped_call():
+    """inductor's FX graph and AOTAutograd caches key on the graph and inductor's config, which the override is not
+    part of: the wrapped calls put a mark in that config, so a kernel compiled without the vector views (by a
+    torch.compile of the same graph, or an ampkit that predates them) is not taken from the cache."""
+    from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
+
+    torch._dynamo.reset()
+    x, r = torch.randn(1000), torch.randint(0, 1 << 16, (1000,), dtype=torch.int32)
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    with fresh_inductor_cache():
+        _, plain = run_and_get_code(torch.compile(_round, dynamic=True), x, r, out)
+        torch._dynamo.reset()
+        _, wrapped = run_and_get_code(bitcast.vector_bitcasts(torch.compile(_round_again, dynamic=True)), x, r, out)
+    assert plain and copies_bit_views_by_element("\n".join(plain)) == ("at::vec::Vectorized" in "\n".join(plain))
+    assert wrapped, "a cache hit: the scalar views' kernel was reused"
+    assert not copies_bit_views_by_element("\n".join(wrapped))
