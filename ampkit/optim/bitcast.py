@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -83,7 +84,7 @@ def available() -> bool:
 _LOCK = threading.Lock()
 _ACTIVE = [0, None, None]  # wrapped calls running (any thread), the override they replaced, the config's marks
 #: the cache keys' mark (module docstring): this file's source, so a change to the vector form is a new key too
-_MARK = ("ampkit.optim.bitcast.vector_views", hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16])
+_MARK = ("ampkit.optim.bitcast.vector_views", hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16])
 
 
 def _enter() -> None:
