@@ -7,7 +7,13 @@ T5's RMSNorms...), plus what Hugging Face models list in ``_keep_in_fp32_modules
 ``ampkit.precision.keep_fp32``). torch's BatchNorm (every device) and its other norms on CPU accept
 a 16-bit input with fp32 weights natively and return the input's dtype, so no cast is added there;
 elsewhere, and for every norm a model writes itself, a pre-hook casts the inputs up to fp32 and a
-hook casts the output back to the 16-bit dtype, so forward works unchanged.
+hook casts the output back to the 16-bit dtype, so forward works unchanged. In the pure modes a norm that
+computes its statistics in fp32 by itself (``norms.computes_wide``: Hugging Face's RMSNorms cast their input to
+fp32 first; torch's layer/group/RMS norm kernels accumulate in fp32) takes no input cast: it runs on the 16-bit
+activations with 16-bit copies of its fp32 weights (:class:`ComputeCopies`), as the plain 16-bit model computes
+it, and its gradient reaches the fp32 weights in fp32. Casting each norm's activations up and back cost a
+Hugging Face Llama's forward and backward ~3% in bf16-pure (benchmarks/README.md); the master modes keep
+autocast's rule (a norm computes in fp32).
 
 One gating rule for every cast hook (compute copies, the norms' input and output casts, the model's input and
 output casts, fp32 islands): a hook built with a ``gate`` (a device type: the master modes, whose weights stay
@@ -27,7 +33,7 @@ from torch import nn
 from ..utils.tree import cast_floating  # one structure-keeping walk for every cast
 from .islands import apply_fp32_islands
 from .keep_fp32 import Fp32Plan, fp32_plan
-from .norms import NORM_TYPES, is_norm, is_torch_norm
+from .norms import NORM_TYPES, computes_wide, is_norm, is_torch_norm
 
 __all__ = ["NORM_TYPES", "is_norm", "convert_model", "cast_floating", "hook_io", "ComputeCopies",
            "DropComputeCopies", "CastInputs", "CastOutput"]
@@ -39,6 +45,10 @@ def _needs_input_cast(module: nn.Module, device: torch.device) -> bool:
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return False  # native mixed dtype on CPU and cuDNN
     return device.type != "cpu"
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next((t.device for t in module.parameters()), torch.device("cpu"))
 
 
 def convert_model(
@@ -81,6 +91,10 @@ def convert_model(
         if any(name == s or name.startswith(s + ".") for s in fp32_roots if s):
             continue
         keep = name in plan.norms
+        # a norm that needs its input cast up, unless (the pure modes) it computes its statistics in fp32 itself:
+        # then 16-bit copies of its fp32 weights, and the activations stay as they come (norms.computes_wide)
+        cast_in = keep and dtype != torch.float32 and _needs_input_cast(module, _device_of(module))
+        upcasts = cast_in and not compute_copies and computes_wide(module, dtype)
         target = torch.float32 if keep else dtype
         copied = {"_parameters": [], "_buffers": []}
         wide = []  # compute copies in fp32: a kept (norm) tensor stored narrower (a bf16 frozen base's norm)
@@ -90,17 +104,18 @@ def convert_model(
         for attr in ("_parameters", "_buffers") if stats else ("_parameters",):
             for key, t in getattr(module, attr).items():
                 want = torch.float32 if f"{name}.{key}".lstrip(".") in plan.tensors else target
-                if t is None or not t.is_floating_point() or t.dtype == want:
+                if t is None or not t.is_floating_point():
                     continue
+                narrow = upcasts and attr == "_parameters" and key not in module.__dict__
                 frozen = keep_frozen and isinstance(t, nn.Parameter) and not t.requires_grad
-                if compute_copies or frozen:  # stored as they are (fp32), cast for each forward
+                if t.dtype != want and not (compute_copies or frozen):
+                    t.data = t.data.to(want)
+                    if getattr(t, "grad", None) is not None:
+                        t.grad = None
+                if narrow or t.dtype != want:  # stored as they are (fp32), cast for each forward
                     copied[attr].append(key)
-                    if want == torch.float32:
+                    if want == torch.float32 and not narrow:
                         wide.append(key)
-                    continue
-                t.data = t.data.to(want)
-                if getattr(t, "grad", None) is not None:
-                    t.grad = None
         if (copied["_parameters"] or copied["_buffers"]) and not getattr(module, "_ampkit_compute_copies", False):
             shared = [k for k in copied["_parameters"] if tied is not None and id(module._parameters[k]) in tied.ids]
             module.register_forward_pre_hook(ComputeCopies(dtype, copied["_parameters"], copied["_buffers"],
@@ -108,11 +123,10 @@ def convert_model(
             module.register_forward_hook(DropComputeCopies(copied["_parameters"], copied["_buffers"]),
                                          always_call=True)
             module._ampkit_compute_copies = True
-        if keep and dtype != torch.float32 and not getattr(module, "_ampkit_norm_hooked", False):
-            device = next((t.device for t in module.parameters()), torch.device("cpu"))
-            if _needs_input_cast(module, device):
+        if cast_in and not getattr(module, "_ampkit_norm_hooked", False):
+            if not upcasts:
                 module.register_forward_pre_hook(CastInputs(torch.float32, gate=gate), with_kwargs=True)
-                module.register_forward_hook(CastOutput(dtype, gate=gate))
+            module.register_forward_hook(CastOutput(dtype, gate=gate))  # (a no-op where it hands back dtype)
             module._ampkit_norm_hooked = True
     if plan.islands and dtype != torch.float32:
         apply_fp32_islands(model, list(plan.islands), output_dtype=dtype, gate=gate)

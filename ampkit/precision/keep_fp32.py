@@ -1,7 +1,9 @@
 """What a 16-bit-parameter mode keeps in fp32, and why: the plan ``convert_model`` follows and
 ``Precision.describe()`` / the Trainer's summary.json report.
 
-* norms (``ampkit.precision.norms``): params fp32; inputs cast up and outputs back to the compute dtype;
+* norms (``ampkit.precision.norms``): params fp32; inputs cast up and outputs back to the compute dtype (in
+  the pure modes, a norm that computes its statistics in fp32 itself runs on 16-bit copies of its weights
+  instead: ``convert_model``);
 * Hugging Face's ``_keep_in_fp32_modules`` (honoured in fp16, as transformers does: it guards fp16
   overflow, e.g. T5's ``wo``) and ``_keep_in_fp32_modules_strict`` (fp16 and bf16): a module whose
   name matches runs whole in fp32 (an fp32 island whose outputs go back to the compute dtype); a

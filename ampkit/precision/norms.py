@@ -30,8 +30,9 @@ from typing import List, Optional, Tuple, Type
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["NORM_TYPES", "is_norm", "is_torch_norm", "norm_reason"]
+__all__ = ["NORM_TYPES", "computes_wide", "is_norm", "is_torch_norm", "norm_reason"]
 
 NORM_TYPES: Tuple[Type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
@@ -48,7 +49,11 @@ _WEIGHTED = frozenset({"linear", "bilinear", "matmul", "mm", "bmm", "addmm", "ba
                        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                        "scaled_dot_product_attention"})
 
+#: torch's norm functions whose kernels accumulate in fp32 whatever the dtype they are given
+_WIDE_FUNCTIONS = frozenset({"layer_norm", "group_norm", "rms_norm"})
+
 _PROBED: "weakref.WeakKeyDictionary[nn.Module, Optional[str]]" = weakref.WeakKeyDictionary()
+_WIDE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def is_torch_norm(module: nn.Module) -> bool:
@@ -87,12 +92,16 @@ def _norm_shaped(module: nn.Module) -> bool:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, names: List[str]) -> None:
+    """Every torch function a forward calls: its name, and the dtypes of the floating tensors it was given."""
+
+    def __init__(self, calls: List[Tuple[str, frozenset]]) -> None:
         super().__init__()
-        self.names = names
+        self.calls = calls
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.append(getattr(func, "__name__", "").strip("_"))
+        dtypes = frozenset(t.dtype for t in tree_leaves((args, kwargs))
+                           if isinstance(t, torch.Tensor) and t.is_floating_point())
+        self.calls.append((getattr(func, "__name__", "").strip("_"), dtypes))
         return func(*args, **(kwargs or {}))
 
 
@@ -118,29 +127,73 @@ def _probe_shapes(module: nn.Module) -> List[Tuple[int, ...]]:
 
 
 def _probe(module: nn.Module) -> Optional[str]:
-    """Run ``module.forward`` once on a tiny fp32 tensor (each probe shape until one runs) and classify
-    the torch functions it called; the module is left exactly as it was."""
+    """Run ``module.forward`` once on a tiny fp32 tensor and classify the torch functions it called."""
+    calls = _run_probe(module, None)
+    return None if calls is None else _classify([name for name, _ in calls])
+
+
+def computes_wide(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a model's own norm computes its statistics in fp32 by itself when it runs in ``dtype`` (a 16-bit
+    input and 16-bit weights): every reduction it makes (``mean``, ``var``, ``sum``, ``norm``...) reads fp32
+    tensors (Hugging Face's RMSNorms cast their input to fp32 first, T5's its square), or the reduction is one of
+    torch's norm kernels that accumulate in fp32 whatever they are given (``F.layer_norm``, ``group_norm``,
+    ``rms_norm``), and it makes at least one. Such a norm runs on the 16-bit activations as they come, with
+    16-bit copies of its fp32 weights (``convert_model``): the statistics stay fp32 and no activation is cast.
+    Probed once per module and dtype: its forward on a tiny ``dtype`` tensor, its floating parameters shadowed
+    by ``dtype`` copies; a forward no probe shape runs is not wide."""
+    done = _WIDE.setdefault(module, {})
+    if dtype not in done:
+        calls = _run_probe(module, dtype)
+        done[dtype] = calls is not None and _wide(calls)
+    return done[dtype]
+
+
+def _wide(calls: List[Tuple[str, frozenset]]) -> bool:
+    narrow = {torch.float16, torch.bfloat16}
+    seen = False
+    for name, dtypes in calls:
+        if name in _WIDE_FUNCTIONS:
+            seen = True
+        elif name in NORM_FUNCTIONS:  # batch_norm's statistics, normalize's and LRN's arithmetic in the input dtype
+            return False
+        elif name in _REDUCTIONS:
+            if dtypes & narrow:
+                return False
+            seen = True
+    return seen
+
+
+def _run_probe(module: nn.Module, dtype: Optional[torch.dtype]) -> Optional[List[Tuple[str, frozenset]]]:
+    """The torch functions ``module.forward`` calls on a tiny tensor (each probe shape until one runs; None when
+    none does): fp32, or ``dtype`` with the module's floating parameters shadowed by ``dtype`` copies for the
+    call. The module is left exactly as it was."""
     first = next(t for t in module._parameters.values() if t is not None)
     if first.device.type == "meta" or isinstance(first, nn.parameter.UninitializedParameter):
         return None
     flags = [(m, m.training) for m in module.modules()]
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     devices = [first.device] if first.device.type == "cuda" else []
+    shadowed = [] if dtype is None else [k for k, t in module._parameters.items()
+                                          if t is not None and t.is_floating_point() and k not in module.__dict__]
     try:
         with torch.no_grad(), warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
             warnings.simplefilter("ignore")
             module.train(False)
+            for key in shadowed:
+                module.__dict__[key] = module._parameters[key].to(dtype)
             for shape in _probe_shapes(module):
-                names: List[str] = []
-                x = torch.randn(shape, device=first.device).to(first.dtype)
+                calls: List[Tuple[str, frozenset]] = []
+                x = torch.randn(shape, device=first.device).to(dtype or first.dtype)
                 try:
-                    with _Recorder(names):
+                    with _Recorder(calls):
                         module.forward(x)
                 except Exception:
                     continue
-                return _classify(names)
+                return calls
             return None
     finally:
+        for key in shadowed:
+            module.__dict__.pop(key, None)
         for m, mode in flags:
             m.training = mode
         with torch.no_grad():

@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 
 from ampkit import Precision, Trainer
 from nanogpt_style import GPT, get_batch
-from norm_models import LlamaStyleRMSNorm, Normalizer
+from norm_models import LlamaStyleRMSNorm, NaiveLayerNorm, Normalizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:precision=.*:UserWarning")
 
@@ -44,9 +44,11 @@ def _train(precision, model, batches, loss_of):
     return model, loss
 
 
-def _norm_output_is_fp32_math(norm, dtype, autocast=contextlib.nullcontext):
-    """The kept norm takes a 16-bit input and returns the fp32 computation rounded once to 16 bits (inside
-    ``autocast``: the master modes cast only there)."""
+def _norm_output_is(math, norm, dtype, autocast=contextlib.nullcontext):
+    """The kept norm takes a 16-bit input and returns the 16-bit output ``math`` says (inside ``autocast``: the
+    master modes cast only there): ``"fp32"``, the fp32 computation rounded once (the input cast up, the fp32
+    weights); ``"weights"``, the module run on the 16-bit input with 16-bit copies of its fp32 weights (a norm that
+    computes its statistics in fp32 itself, in the pure modes), as the plain 16-bit model computes it."""
     x = torch.randn(3, norm.weight.shape[0]).to(dtype)
     with autocast():
         out = norm(x)
@@ -54,15 +56,24 @@ def _norm_output_is_fp32_math(norm, dtype, autocast=contextlib.nullcontext):
     saved = [dict(h) for h in hooks]
     for h in hooks:
         h.clear()
-    try:
-        expected = norm(x.float()).to(dtype)  # the same module, run in fp32 by hand
+    try:  # the same module, by hand
+        if math == "fp32":
+            expected = norm(x.float()).to(dtype)
+        else:
+            copies = {k: t.to(dtype) for k, t in norm.named_parameters()}
+            expected = torch.func.functional_call(norm, copies, (x,))
     finally:
         for h, s in zip(hooks, saved):
             h.update(s)
     return out.dtype == dtype and torch.equal(out, expected)
 
 
-def _seen_in_forward(model, *args):
+def _kept_math(precision):
+    """How a kept norm that computes its statistics in fp32 itself runs (``_norm_output_is``)."""
+    return "fp32" if precision.kind == "master" else "weights"
+
+
+def _seen_in_forward(model, *args, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
     """module name -> {tensor name: the dtype the forward sees} (a master mode's 16-bit compute copies, made
     inside autocast only)."""
     seen = {}
@@ -71,7 +82,7 @@ def _seen_in_forward(model, *args):
         seen[name] = {k: getattr(m, k).dtype for k in (*m._parameters, *m._buffers) if getattr(m, k) is not None}
 
     handles = [m.register_forward_pre_hook(lambda m, a, n=n: hook(m, a, n)) for n, m in model.named_modules()]
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), autocast():
         model(*args)
     for h in handles:
         h.remove()
@@ -89,12 +100,12 @@ def test_nanogpt_layernorm_stays_fp32_and_trains(name):
     modules = dict(model.named_modules())
     for n in norms:
         assert modules[n].weight.dtype == modules[n].bias.dtype == torch.float32
-        assert _norm_output_is_fp32_math(modules[n], low, precision.autocast)
+        assert _norm_output_is(_kept_math(precision), modules[n], low, precision.autocast)
     stored = precision.param_dtype  # fp32 in the master modes (the masters), 16-bit in the pure ones
     assert model.transformer.h[0].attn.c_attn.weight.dtype == stored and model.lm_head.weight.dtype == stored
-    seen = _seen_in_forward(model, get_batch(0)[0])
+    seen = _seen_in_forward(model, get_batch(0)[0], autocast=precision.autocast)
     assert seen["transformer.h.0.attn.c_attn"]["weight"] == seen["lm_head"]["weight"] == low
-    assert seen["transformer.ln_f"]["weight"] == torch.float32
+    assert seen["transformer.ln_f"]["weight"] == (torch.float32 if precision.kind == "master" else low)
     assert torch.isfinite(loss) and all(torch.isfinite(p).all() for p in model.parameters())
     assert list(precision.kept_fp32) == norms
     assert "3 modules kept fp32 (norms: 3): transformer.h.0.ln_1, transformer.h.0.ln_2, transformer.ln_f" in \
@@ -110,12 +121,64 @@ def test_llama_style_rmsnorm_stays_fp32_and_trains(name):
     model, loss = _train(precision, TinyLlama(), batches,
                          lambda m, b: nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()))
     for norm in (model.norm1, model.norm2):
-        assert norm.weight.dtype == torch.float32 and _norm_output_is_fp32_math(norm, precision.compute_dtype,
-                                                                                precision.autocast)
+        assert norm.weight.dtype == torch.float32
+        assert _norm_output_is(_kept_math(precision), norm, precision.compute_dtype, precision.autocast)
     assert model.up.weight.dtype == precision.param_dtype
     assert _seen_in_forward(model, batches[0])["up"]["weight"] == precision.compute_dtype
     assert torch.isfinite(loss) and all(torch.isfinite(p).all() for p in model.parameters())
     assert precision.kept_fp32 == {"norm1": "norm (class name)", "norm2": "norm (class name)"}
+
+
+class NaiveLlama(TinyLlama):
+    def __init__(self, d=16, vocab=32):
+        super().__init__(d, vocab)
+        self.norm1 = NaiveLayerNorm(d)
+
+
+def _input_dtypes(model, x):
+    """module name -> the dtype of the first input its forward receives (after ampkit's pre-hooks)."""
+    seen = {}
+    handles = [m.register_forward_pre_hook(lambda m, a, n=n: seen.setdefault(n, a[0].dtype) and None)
+               for n, m in model.named_modules() if n]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("name", ["bf16-pure", "fp16-pure"])
+def test_pure_modes_run_a_self_widening_norm_on_16_bit_activations(name):
+    """In the pure modes a kept norm whose statistics are fp32 by its own code (an RMSNorm that casts its input to
+    fp32) runs on the 16-bit activations with 16-bit copies of its fp32 weights: no activation is cast up, the
+    gradient reaches the fp32 weights in fp32. A norm that averages 16-bit values keeps its fp32 input cast."""
+    torch.manual_seed(0)
+    precision = Precision(name, "cpu")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 32, (4, 8), generator=g) for _ in range(2)]
+    model, loss = _train(precision, NaiveLlama(), batches,
+                         lambda m, b: nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()))
+    low = precision.compute_dtype
+    with precision.autocast():
+        seen = _input_dtypes(model, batches[0])
+    assert seen["norm2"] == low and seen["norm1"] == torch.float32
+    assert _norm_output_is("weights", model.norm2, low) and _norm_output_is("fp32", model.norm1, low)
+    assert model.norm1.weight.dtype == model.norm2.weight.dtype == torch.float32
+    assert model.norm2.weight.grad is None or model.norm2.weight.grad.dtype == torch.float32
+    with precision.autocast():
+        loss = nn.functional.cross_entropy(model(batches[0][:, :-1]).flatten(0, 1), batches[0][:, 1:].flatten())
+    precision.backward(loss)
+    assert model.norm2.weight.grad.dtype == torch.float32 and model.norm2.weight.grad.abs().sum() > 0
+    assert precision.kept_fp32 == {"norm1": "norm (class name)", "norm2": "norm (class name)"}
+
+
+def test_a_master_mode_computes_kept_norms_in_fp32():
+    """The master modes keep autocast's rule: a kept norm computes in fp32 (its input cast up), whatever it does."""
+    precision = Precision("bf16-master", "cpu")
+    model, _ = precision.setup(NaiveLlama())
+    with precision.autocast():
+        seen = _input_dtypes(model, torch.randint(0, 32, (2, 5)))
+    assert seen["norm1"] == seen["norm2"] == torch.float32
 
 
 def test_a_norm_given_to_setup_itself_stays_fp32():

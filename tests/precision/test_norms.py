@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampkit.precision.norms import is_norm, norm_reason
+from ampkit.precision.norms import computes_wide, is_norm, norm_reason
 from nanogpt_style import LayerNorm as NanoGPTLayerNorm
-from norm_models import LlamaStyleRMSNorm, Normalizer
+from norm_models import LlamaStyleRMSNorm, NaiveLayerNorm, Normalizer
 
 
 class Rms(nn.Module):
@@ -113,3 +113,49 @@ def test_probe_leaves_the_module_and_random_stream_as_they_were():
     assert torch.equal(m.running_mean, torch.full((8,), 0.25)) and torch.equal(m.running_var, torch.ones(8))
     assert torch.equal(torch.get_rng_state(), rng)
     assert is_norm(m) and m.calls == calls  # judged once per module
+
+
+class Normalize(nn.Module):
+    """Scales its input to unit norm (``F.normalize``: the norm computed in the input's dtype)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1) * self.weight
+
+
+class UpcastsToWeight(nn.Module):
+    """An RMSNorm that computes in its weight's dtype: fp32 with fp32 weights, 16 bits with 16-bit copies."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        x = x.to(self.weight.dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("make,wide", [
+    (lambda: LlamaStyleRMSNorm(8), True),  # casts its input to fp32 first
+    (lambda: NanoGPTLayerNorm(8, bias=True), True),  # F.layer_norm: torch's kernel accumulates in fp32
+    (lambda: ChannelsFirstLN(8), True),
+    (lambda: nn.LayerNorm(8), True),
+    (lambda: nn.GroupNorm(2, 8), True),
+    (lambda: NaiveLayerNorm(8), False),  # the mean of 16-bit values, in 16 bits
+    (lambda: Rms(8), False),
+    (lambda: UpcastsToWeight(8), False),  # judged with 16-bit weight copies, as it will run
+    (lambda: Normalize(8), False),
+    (lambda: Stats(8), False),  # batch_norm's statistics are kept apart
+    (lambda: nn.InstanceNorm1d(8, affine=True), False),
+])
+def test_computes_wide_says_which_norms_keep_fp32_statistics_by_themselves(make, wide, dtype):
+    m = make()
+    before = {k: (t.dtype, t.detach().clone()) for k, t in m.state_dict().items()}
+    assert computes_wide(m, dtype) is wide
+    assert not any(k in m.__dict__ for k in m._parameters)  # the probe's copies are gone
+    assert {k: t.dtype for k, t in m.state_dict().items()} == {k: d for k, (d, _) in before.items()}
+    assert all(torch.equal(m.state_dict()[k], t) for k, (_, t) in before.items())
