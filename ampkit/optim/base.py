@@ -22,13 +22,14 @@ the seed and a counter on the device, so the step traces under torch.compile and
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from torch._subclasses.fake_tensor import is_fake
 
-from . import onepass, replicas
+from . import bitcast, onepass, replicas
 from .batches import _Undo, pieces
 from .noise import RoundingNoise
 from .target import _Target
@@ -353,20 +354,21 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         eager = onepass.inplace(rule)
         fn = eager if compiling else onepass.compiled_update(rule)
         start = target.noise.k1 + 2 * target.offset
-        for p, g, s in zip(params, grads, states):
-            ts = [p, g] + self._pass_tensors(s, mode)
-            if all(t is None or t.is_contiguous() for t in ts):
-                ts = [None if t is None else t.view(-1) for t in ts]
-            args = ts + [*self._pass_scalars(s, shared), target.skip, target.scale, shared["key"], start]
-            try:
-                fn(*args)
-            except Exception as error:  # (a compile that failed: nothing of this tensor was written)
-                if fn is eager:
-                    raise
-                onepass.mark_broken(device, error)
-                fn = eager  # the rest of this step, per tensor, eager; the next steps in eager batches
-                fn(*args)
-            start += 2 * p.numel()
+        with contextlib.nullcontext() if compiling else bitcast.vector_views():  # (once, not per call)
+            for p, g, s in zip(params, grads, states):
+                ts = [p, g] + self._pass_tensors(s, mode)
+                if all(t is None or t.is_contiguous() for t in ts):
+                    ts = [None if t is None else t.view(-1) for t in ts]
+                args = ts + [*self._pass_scalars(s, shared), target.skip, target.scale, shared["key"], start]
+                try:
+                    fn(*args)
+                except Exception as error:  # (a compile that failed: nothing of this tensor was written)
+                    if fn is eager:
+                        raise
+                    onepass.mark_broken(device, error)
+                    fn = eager  # the rest of this step, per tensor, eager; the next steps in eager batches
+                    fn(*args)
+                start += 2 * p.numel()
         return True
 
     def _rule(self, group: Dict[str, Any], mode: Optional[str], p_dtype: torch.dtype,

@@ -24,15 +24,16 @@ reads by function name and hashes into both keys; no function has this name, so 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["vector_bitcasts", "available"]
+__all__ = ["vector_bitcasts", "vector_views", "available"]
 
 _SAME_WIDTH = (torch.float32, torch.int32)
 
@@ -110,6 +111,21 @@ def _exit() -> None:
             _ACTIVE[1] = _ACTIVE[2] = None
 
 
+@contextlib.contextmanager
+def vector_views() -> Iterator[None]:
+    """The override (and the cache keys' mark) for every compile inside the block; a no-op where :func:`available`
+    is false. A driver that makes many wrapped calls opens it once around them: a wrapped call inside then costs a
+    counter's increment, not the patch (~30 us a call on a 2-core EPYC)."""
+    if _VECTOR is None:
+        yield
+        return
+    _enter()
+    try:
+        yield
+    finally:
+        _exit()
+
+
 def vector_bitcasts(fn: Callable) -> Callable:
     """``fn`` (a ``torch.compile``-d function) with inductor's C++ float32/int32 views in vector form while it
     runs; ``fn`` itself where this torch needs no such change or cannot take it. Calls may nest or overlap across
@@ -119,9 +135,6 @@ def vector_bitcasts(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        _enter()
-        try:
+        with vector_views():
             return fn(*args, **kwargs)
-        finally:
-            _exit()
     return call

@@ -263,9 +263,11 @@ def compiled_update(rule: Any) -> Callable:
     fn = _COMPILED.get(rule)
     if fn is None:  # the roundings as casts, which inductor keeps when told to (this compile only)
         update = functools.partial(_own_code(_INPLACE[type(rule)]), dataclasses.replace(rule, casts=True))
-        # (the rounding's bit views in vector form: inductor's C++ runs them as scalar copies, half the update)
-        fn = _COMPILED[rule] = vector_bitcasts(
-            torch.compile(update, dynamic=True, options={"emulate_precision_casts": True}))
+        # (the rounding's bit views in vector form: inductor's C++ runs them as scalar copies, half the update).
+        # dynamic_threads: a parallel loop whatever the first tensor's size; inductor sizes the loop by the size it
+        # compiles at, and every later tensor runs that kernel (compiled at a 64-element bias, single-threaded)
+        options = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
+        fn = _COMPILED[rule] = vector_bitcasts(torch.compile(update, dynamic=True, options=options))
     return fn
 
 

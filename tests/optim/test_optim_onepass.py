@@ -125,6 +125,10 @@ def test_one_kernel_per_tensor_within_1_5x_the_bytes_of_torch_fused(monkeypatch,
             assert "Vectorized<int64_t" not in code and "VectorizedN<int64_t" not in code
             # the rounding's bit views are vector casts (ampkit.optim.bitcast), not inductor's scalar copies
             assert not copies_bit_views_by_element(code)
+            # a parallel loop whatever size and thread count it was first compiled at (here one thread): every
+            # later tensor, of any size, runs this kernel (compiled at a 64-element bias, a 2M-element embedding's
+            # update took twice as long, single-threaded)
+            assert "#pragma omp parallel" in code
     # the bytes: the compiled kernels' tensor arguments, and the eager ops of the step around them
     seen = []
     rule_fn = onepass.compiled_update(opt._rule(opt.param_groups[0], "kahan", torch.bfloat16,
