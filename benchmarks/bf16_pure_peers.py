@@ -11,7 +11,13 @@ Kahan: its update compiled into one pass per tensor, ``ampkit.optim.onepass``). 
 also carries how fast each row's own model runs, and on a 2-core CPU two models built alike have differed by up
 to 10% in forward and backward, a difference no number of rounds removes.
 
-    python benchmarks/bf16_pure_peers.py [--rounds 5] [--steps 2] [--small]
+On a CPU the rows also differ by what glibc's allocator does with the activations each step frees: above its
+mmap threshold (raised as blocks are freed, up to 32 MiB) it hands them back to the kernel and the next step
+faults the pages in again (13-17 thousand page faults per forward and backward on the Llama here, ~4% of a
+step, in amounts that vary by row). ``--malloc keep`` (default, glibc only) fixes the mmap threshold at 32 MiB
+and never trims the heap, for every row alike, before any row runs; ``--malloc default`` leaves glibc as it is.
+
+    python benchmarks/bf16_pure_peers.py [--rounds 5] [--steps 2] [--small] [--malloc keep|default]
 """
 from __future__ import annotations
 
@@ -44,12 +50,31 @@ def runners(device):
             H.Runner("ampkit bf16-pure", H._ampkit(device, "bf16-pure"))]
 
 
+def keep_freed_memory() -> str:
+    """glibc's ``mallopt``: mmap threshold 32 MiB, no heap trim (see the module docstring); what was done, in words."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "malloc as it is (no glibc mallopt here)"
+    m_trim_threshold, m_mmap_threshold = -1, -3  # (malloc.h)
+    if not (mallopt(m_mmap_threshold, 32 << 20) and mallopt(m_trim_threshold, 2 ** 31 - 1)):
+        return "malloc as it is (mallopt refused)"
+    return "glibc malloc: mmap threshold 32 MiB, no trim"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per row per round")
     ap.add_argument("--small", action="store_true", help="a tiny Llama (a smoke of the rows, seconds)")
+    ap.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                    help="keep: glibc keeps freed memory (no page faults per step, every row alike); default: as is")
     args = ap.parse_args(argv)
+    malloc = keep_freed_memory() if args.malloc == "keep" else "malloc as it is"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = SMALL if args.small else SIZE
     b, t = size["batch"]
@@ -86,7 +111,7 @@ def main(argv=None) -> int:
     H.UPDATES = None
     params = next(iter(live.values()))[3] if live else 0
     print(f"device: {device}; torch {torch.__version__}; Llama {params / 1e6:.1f}M params, {b} x {t} tokens; "
-          f"{args.rounds} rounds x {args.steps} steps, medians")
+          f"{args.rounds} rounds x {args.steps} steps, medians; {malloc}")
     print("| row | ms/step | vs plain pure bf16 | update ms | update vs plain | first step (s) |")
     print("|---|---:|---:|---:|---:|---:|")
     ref = statistics.median(times[REF]) if REF in times else None
