@@ -364,3 +364,50 @@ def test_fp8_tensorwise_gathers_its_weights_in_fp8_and_matches_the_bf16_gathered
     assert 0 < _max_diff(fp8["params"], bf16["params"]) <= noise
     assert _max_diff(fp8["params"], one) <= 2 * noise + 1e-6
     assert all(torch.equal(fp8["params"][k], gathered[1]["fp8"]["params"][k]) for k in fp8["params"])
+
+
+class _OwnNormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from tests.norm_models import LlamaStyleRMSNorm
+
+        self.fc, self.rms = nn.Linear(16, 16), LlamaStyleRMSNorm(16)
+
+    def forward(self, x):
+        return x + self.fc(self.rms(x))
+
+
+def _own_norm_ranks(rank, tmp):
+    """bf16-pure over a model's own RMSNorm (it casts its input to fp32 itself: 16-bit copies of its fp32 weights,
+    cast in a forward pre-hook that runs after FSDP2's, which gathered them)."""
+    import torch.distributed as dist
+
+    from ampkit.train.distributed import shard_fsdp
+
+    init_rank(rank, tmp)
+    torch.manual_seed(0)
+    prec = _precision("bf16-pure")
+    model = _Net()
+    model.blocks = nn.ModuleList([_OwnNormBlock(), _OwnNormBlock()])
+    prec._prepare_fsdp()
+    model = shard_fsdp(prec.setup(model)[0], prec)
+    opt = prec.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    rms = model.blocks[0].rms
+    seen = []
+    rms.register_forward_pre_hook(lambda m, a: seen.append((m.weight.dtype, type(m.weight).__name__, a[0].dtype)))
+    before = rms.weight.full_tensor().clone()
+    x, y = _data()
+    _train(model, opt, prec, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+    after = rms.weight.full_tensor()
+    if rank == 0:
+        torch.save({"seen": seen[0], "dtype": after.dtype, "moved": (after - before).abs().max().item(),
+                    "finite": bool(torch.isfinite(after).all())}, f"{tmp}/out.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_pure_mode_computes_a_models_own_norm_with_copies_of_its_gathered_fp32_weights(tmp_path):
+    run_ranks(_own_norm_ranks, str(tmp_path))
+    out = torch.load(f"{tmp_path}/out.pt")
+    assert out["seen"] == (torch.bfloat16, "Tensor", torch.bfloat16)  # a plain bf16 copy, the activations as they come
+    assert out["dtype"] == torch.float32 and out["finite"] and out["moved"] > 0
