@@ -44,6 +44,20 @@ def _train(precision, model, batches, loss_of):
     return model, loss
 
 
+def _next_token_loss(model, batch):
+    return nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _train_tokens(name, make, steps):
+    """``make()`` trained ``steps`` steps in mode ``name`` on random tokens: (precision, model, last loss, batches)."""
+    torch.manual_seed(0)
+    precision = Precision(name, "cpu")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 32, (4, 8), generator=g) for _ in range(steps)]
+    model, loss = _train(precision, make(), batches, _next_token_loss)
+    return precision, model, loss, batches
+
+
 def _norm_output_is(math, norm, dtype, autocast=contextlib.nullcontext):
     """The kept norm takes a 16-bit input and returns the 16-bit output ``math`` says (inside ``autocast``: the
     master modes cast only there): ``"fp32"``, the fp32 computation rounded once (the input cast up, the fp32
@@ -114,12 +128,7 @@ def test_nanogpt_layernorm_stays_fp32_and_trains(name):
 
 @pytest.mark.parametrize("name", CAST_MODES)
 def test_llama_style_rmsnorm_stays_fp32_and_trains(name):
-    torch.manual_seed(0)
-    precision = Precision(name, "cpu")
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 32, (4, 8), generator=g) for _ in range(3)]
-    model, loss = _train(precision, TinyLlama(), batches,
-                         lambda m, b: nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()))
+    precision, model, loss, batches = _train_tokens(name, TinyLlama, steps=3)
     for norm in (model.norm1, model.norm2):
         assert norm.weight.dtype == torch.float32
         assert _norm_output_is(_kept_math(precision), norm, precision.compute_dtype, precision.autocast)
@@ -152,12 +161,7 @@ def test_pure_modes_run_a_self_widening_norm_on_16_bit_activations(name):
     """In the pure modes a kept norm whose statistics are fp32 by its own code (an RMSNorm that casts its input to
     fp32) runs on the 16-bit activations with 16-bit copies of its fp32 weights: no activation is cast up, the
     gradient reaches the fp32 weights in fp32. A norm that averages 16-bit values keeps its fp32 input cast."""
-    torch.manual_seed(0)
-    precision = Precision(name, "cpu")
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 32, (4, 8), generator=g) for _ in range(2)]
-    model, loss = _train(precision, NaiveLlama(), batches,
-                         lambda m, b: nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()))
+    precision, model, loss, batches = _train_tokens(name, NaiveLlama, steps=2)
     low = precision.compute_dtype
     with precision.autocast():
         seen = _input_dtypes(model, batches[0])
@@ -166,7 +170,7 @@ def test_pure_modes_run_a_self_widening_norm_on_16_bit_activations(name):
     assert model.norm1.weight.dtype == model.norm2.weight.dtype == torch.float32
     assert model.norm2.weight.grad is None or model.norm2.weight.grad.dtype == torch.float32
     with precision.autocast():
-        loss = nn.functional.cross_entropy(model(batches[0][:, :-1]).flatten(0, 1), batches[0][:, 1:].flatten())
+        loss = _next_token_loss(model, batches[0])
     precision.backward(loss)
     assert model.norm2.weight.grad.dtype == torch.float32 and model.norm2.weight.grad.abs().sum() > 0
     assert precision.kept_fp32 == {"norm1": "norm (class name)", "norm2": "norm (class name)"}
