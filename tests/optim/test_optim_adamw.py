@@ -101,7 +101,8 @@ def _reference_step(params, states, lr, betas, eps, weight_decay, compensation, 
         n = s["step"].double()
         bc2_sqrt = (1 - torch.pow(beta2, n)).sqrt().float()
         step_size = (-lr / (1 - torch.pow(beta1, n))).float()
-        u = s["exp_avg"].float() / (s["exp_avg_sq"].float().sqrt() / bc2_sqrt + eps) * step_size
+        # torch's m / (sqrt(v) / bc2 + eps) * step_size, with one division (16-bit params)
+        u = s["exp_avg"].float() / (s["exp_avg_sq"].float().sqrt() + eps * bc2_sqrt) * (step_size * bc2_sqrt)
         p32 = p.detach().float()
         with torch.no_grad():
             if compensation == "kahan":
