@@ -5,7 +5,9 @@ rows' timed steps interleaved round by round (so a load that comes and goes hits
 Rows: plain pure bf16 (``model.to(bf16)``, torch's AdamW: default foreach, then fused); torch-optimi's
 ``AdamW(kahan_sum=True)`` and torchao's ``_AdamW(bf16_stochastic_round=True)`` on the bf16 model
 (benchmarks/hf_compare.py's runners, which gpu-check runs too); ampkit bf16-pure (``Precision("bf16-pure")``,
-Kahan: its update compiled into one pass per tensor, ``ampkit.optim.onepass``). The first step of each row
+Kahan: its update compiled into one pass per tensor, ``ampkit.optim.onepass``), and the same with
+``cast_outputs=False`` (its default casts the model's outputs to fp32, as accelerate's and Lightning's do: an fp32
+copy of the logits, which the plain loops do not make). The first step of each row
 (warm-up: ampkit's compile is there) is reported apart. The update columns time each row's optimizer step and
 ``zero_grad`` alone, after backward (ampkit's: ``precision.step``, its gradient check included): the whole step
 also carries how fast each row's own model runs, and on a 2-core CPU two models built alike have differed by up
@@ -47,7 +49,9 @@ def runners(device):
             H.Runner("pure bf16 + fused AdamW", H._plain(device, cast=torch.bfloat16, fused=True)),
             H.Runner("torch-optimi Kahan AdamW bf16", H._pure_peer(device, "optimi")),
             H.Runner("torchao _AdamW bf16 stochastic rounding", H._pure_peer(device, "torchao")),
-            H.Runner("ampkit bf16-pure", H._ampkit(device, "bf16-pure"))]
+            H.Runner("ampkit bf16-pure", H._ampkit(device, "bf16-pure")),
+            # the plain loop's outputs: the model's own loss, its logits left bf16 (no fp32 copy of them)
+            H.Runner("ampkit bf16-pure, cast_outputs=False", H._ampkit(device, "bf16-pure", cast_outputs=False))]
 
 
 def keep_freed_memory() -> str:

@@ -160,14 +160,15 @@ def _fabric(device):
     return prepare
 
 
-def _ampkit(device, mode, compile_backend=None):
+def _ampkit(device, mode, compile_backend=None, **options):
+    """An ampkit row: ``Precision(mode, device, **options)`` set up on the model and torch's AdamW."""
     def prepare(model):
         import ampkit
         from ampkit.precision.modes import MODES
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            prec = ampkit.Precision(mode, device, **({"fp8_filter": "all"} if MODES[mode].fp8 else {}))
+            prec = ampkit.Precision(mode, device, **({"fp8_filter": "all"} if MODES[mode].fp8 else {}), **options)
             model, opt = prec.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         fwd = torch.compile(model, backend=compile_backend) if compile_backend else model
 
