@@ -106,15 +106,14 @@ def convert_model(
                 want = torch.float32 if f"{name}.{key}".lstrip(".") in plan.tensors else target
                 if t is None or not t.is_floating_point():
                     continue
-                narrow = upcasts and attr == "_parameters" and key not in module.__dict__
                 frozen = keep_frozen and isinstance(t, nn.Parameter) and not t.requires_grad
                 if t.dtype != want and not (compute_copies or frozen):
                     t.data = t.data.to(want)
                     if getattr(t, "grad", None) is not None:
                         t.grad = None
-                if narrow or t.dtype != want:  # stored as they are (fp32), cast for each forward
+                if upcasts or t.dtype != want:  # stored as they are (fp32), cast for each forward
                     copied[attr].append(key)
-                    if want == torch.float32 and not narrow:
+                    if want == torch.float32 and not upcasts:
                         wide.append(key)
         if (copied["_parameters"] or copied["_buffers"]) and not getattr(module, "_ampkit_compute_copies", False):
             shared = [k for k in copied["_parameters"] if tied is not None and id(module._parameters[k]) in tied.ids]

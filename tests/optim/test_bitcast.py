@@ -43,9 +43,8 @@ def test_the_rounding_compiles_to_vector_views_with_eager_bits():
 
 
 def test_inductor_is_left_as_it_was_outside_the_wrapped_calls():
-    from torch._inductor.codegen import cpp
-
     from torch._inductor import config
+    from torch._inductor.codegen import cpp
 
     before, marks = cpp.CppVecOverrides.__dict__["to_dtype_bitcast"], config.unsafe_marked_cacheable_functions
     seen = []

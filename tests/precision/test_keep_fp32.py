@@ -147,8 +147,13 @@ class NaiveLlama(TinyLlama):
 def _input_dtypes(model, x):
     """module name -> the dtype of the first input its forward receives (after ampkit's pre-hooks)."""
     seen = {}
-    handles = [m.register_forward_pre_hook(lambda m, a, n=n: seen.setdefault(n, a[0].dtype) and None)
-               for n, m in model.named_modules() if n]
+
+    def record(name):
+        def hook(module, args):
+            seen.setdefault(name, args[0].dtype)
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in model.named_modules() if n]
     with torch.no_grad():
         model(x)
     for h in handles:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tests.distributed_helpers import init_rank, leave_rank, run_ranks
+from tests.norm_models import LlamaStyleRMSNorm
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -369,8 +370,6 @@ def test_fp8_tensorwise_gathers_its_weights_in_fp8_and_matches_the_bf16_gathered
 class _OwnNormBlock(nn.Module):
     def __init__(self):
         super().__init__()
-        from tests.norm_models import LlamaStyleRMSNorm
-
         self.fc, self.rms = nn.Linear(16, 16), LlamaStyleRMSNorm(16)
 
     def forward(self, x):
