@@ -90,10 +90,15 @@ COMPAT_TESTS ?= tests/precision/test_compile_step.py tests/precision/test_compil
 	.venv-torch$*/bin/python -m pip install -q -e ".[test-compat]" "torch~=$*.0"
 	touch $@
 
-test-compat: $(foreach v,$(COMPAT_TORCH),.venv-torch$(v)/.ampkit-installed)
+# COMPAT_KEEP=0 (what CI sets) builds, runs and removes one venv at a time: each is ~5 GB, and a CI machine's disk
+# may hold one beside .venv but not two
+COMPAT_KEEP ?= 1
+test-compat:
 	@set -e; for v in $(COMPAT_TORCH); do \
+		$(MAKE) --no-print-directory .venv-torch$$v/.ampkit-installed; \
 		echo "== torch $$(.venv-torch$$v/bin/python -c 'import torch; print(torch.__version__)')"; \
-		.venv-torch$$v/bin/python -m pytest -n $(PYTEST_WORKERS) $(COMPAT_TESTS); done
+		.venv-torch$$v/bin/python -m pytest -n $(PYTEST_WORKERS) $(COMPAT_TESTS); \
+		if [ "$(COMPAT_KEEP)" = 0 ]; then rm -rf .venv-torch$$v; fi; done
 
 NPROC ?= 2
 dist-run: $(STAMP)
