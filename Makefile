@@ -3,7 +3,7 @@
 #   make test   - create .venv if needed, install with dev deps, run the test suite (2 workers, random order, slow tests skipped)
 #   make test-slow - the tests marked slow, alone (CI runs them once)
 #   make test-kinds - the tests marked machine_kind again with torch/oneDNN held to AVX2, then to plain AVX512
-#   make test-compat - the tests that touch torch internals under every torch of the support window
+#   make test-compat - the tests that touch torch internals under every torch of the support window (COMPAT_KEEP=0: remove each venv after its run)
 #   make test-ray - Ray Train's TorchTrainer test: installs the `ray` extra into the venv (once), then runs it
 #   make dist-run - the default training on 2 CPU processes (torchrun, gloo, DDP); NPROC=N for more
 #   make docs   - the docs/ pages and the API reference (mkdocs + mkdocstrings, the `docs` extra) into site/
